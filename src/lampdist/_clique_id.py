@@ -1,0 +1,50 @@
+"""The clique id: how followers find the collective-communication group of a run.
+
+It is a plain value that the control channel carries; it lives at the bottom of the package so
+that both the control plane and the clique can use it without importing each other.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import attrs
+
+from ._errors import ProtocolError
+
+__all__ = ["CliqueId"]
+
+
+@attrs.frozen(kw_only=True)
+class CliqueId:
+    """Address of the rendezvous store of one run plus a random per-run key prefix.
+
+    Create one with :meth:`new` on the root (``lampdist.clique.serve_rendezvous`` does);
+    followers receive it over the control channel and nowhere else.
+    """
+
+    host: str
+    port: int
+    prefix: str
+
+    @classmethod
+    def new(cls, host: str, port: int) -> CliqueId:
+        """A clique id for a store at ``host:port`` with a fresh random prefix."""
+        return cls(host=host, port=port, prefix=secrets.token_hex(16))
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (the control channel's wire form)."""
+        return {"host": self.host, "port": self.port, "prefix": self.prefix}
+
+    @classmethod
+    def from_json(cls, data: object) -> CliqueId:
+        """Parse :meth:`to_json`'s output; raises :class:`ProtocolError` on anything else."""
+        if not isinstance(data, dict):
+            raise ProtocolError(f"a clique id must be an object, got {type(data).__name__}")
+        host, port, prefix = data.get("host"), data.get("port"), data.get("prefix")
+        if not isinstance(host, str) or not isinstance(prefix, str):
+            raise ProtocolError("a clique id needs string 'host' and 'prefix'")
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise ProtocolError(f"a clique id needs an integer 'port' in 1..65535, got {port!r}")
+        return cls(host=host, port=port, prefix=prefix)

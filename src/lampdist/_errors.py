@@ -1,0 +1,158 @@
+"""The whole exception tree of lampdist.
+
+Every error lampdist raises on purpose derives from :class:`LampdistError`. Where a user
+already catches a standard exception, the lampdist error derives from it too::
+
+    LampdistError
+    ├── ConfigError (ValueError)            bad arguments; the message says what to pass instead
+    │   └── MismatchError                   ranks disagree (model, settings, nranks)
+    ├── LampdistTimeout (TimeoutError)      a deadline on a peer passed
+    │   ├── JoinTimeout                     a follower could not join, or peers did not come
+    │   └── CliqueTimeout                   clique setup or a collective ran past its deadline
+    ├── ControlError                        the control channel failed
+    │   ├── ProtocolError                   a malformed, oversized or wrong-version frame
+    │   ├── AuthenticationError             a peer failed the shared-secret challenge
+    │   ├── JoinRejected                    the root refused a joiner (duplicate rank, too many)
+    │   └── PeerDisconnected                a peer vanished (closed, heartbeat lost)
+    ├── CliqueError                         the collective-communication group failed
+    │   └── CollectiveFailed                a collective raised (a peer died or aborted)
+    ├── RankFailed                          another rank failed; names that rank and its phase
+    ├── TrainingError                       the training pass itself failed
+    │   ├── NonFiniteLoss (ArithmeticError) a loss was NaN or infinite
+    │   └── BadBatch (TypeError)            a batch source yielded something that is no batch
+    └── CheckpointError                     a checkpoint could not be written or read
+        └── CheckpointVersionError          written by a newer lampdist; upgrade to read it
+
+Every error carries the ``rank`` and ``phase`` it happened in, when known, and shows them
+at the start of its message (``rank 1, phase 'train': ...``).
+
+Cancellation is never turned into a lampdist error. Calls that run several tasks (the
+training entry points, the channels' context managers) may raise an ``ExceptionGroup``
+whose leaves are these errors; each entry point's docstring says so.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AuthenticationError",
+    "BadBatch",
+    "CheckpointError",
+    "CheckpointVersionError",
+    "CliqueError",
+    "CliqueTimeout",
+    "CollectiveFailed",
+    "ConfigError",
+    "ControlError",
+    "JoinRejected",
+    "JoinTimeout",
+    "LampdistError",
+    "LampdistTimeout",
+    "MismatchError",
+    "NonFiniteLoss",
+    "PeerDisconnected",
+    "ProtocolError",
+    "RankFailed",
+    "TrainingError",
+]
+
+
+class LampdistError(Exception):
+    """The root of every error lampdist raises on purpose.
+
+    ``rank`` and ``phase`` say where it happened, when known; ``str(error)`` starts with them.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, phase: str | None = None) -> None:
+        self.message = message
+        self.rank = rank
+        self.phase = phase
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = []
+        if self.rank is not None:
+            where.append(f"rank {self.rank}")
+        if self.phase is not None:
+            where.append(f"phase {self.phase!r}")
+        return f"{', '.join(where)}: {self.message}" if where else self.message
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild, (type(self), self.message, self.rank, self.phase))
+
+
+def _rebuild(
+    cls: type[LampdistError], message: str, rank: int | None, phase: str | None
+) -> LampdistError:
+    return cls(message, rank=rank, phase=phase)
+
+
+class ConfigError(LampdistError, ValueError):
+    """An argument is invalid; the message says what to pass instead."""
+
+
+class MismatchError(ConfigError):
+    """The ranks disagree: model parameters, settings or the number of ranks."""
+
+
+class LampdistTimeout(LampdistError, TimeoutError):
+    """A deadline on a peer passed."""
+
+
+class JoinTimeout(LampdistTimeout):
+    """A follower could not join in time, or the expected peers did not come."""
+
+
+class CliqueTimeout(LampdistTimeout):
+    """Clique setup or a collective ran past its deadline."""
+
+
+class ControlError(LampdistError):
+    """The control channel failed."""
+
+
+class ProtocolError(ControlError):
+    """A frame was malformed, oversized or of an unsupported version."""
+
+
+class AuthenticationError(ControlError):
+    """A peer failed the shared-secret challenge; retrying with the same secret cannot help."""
+
+
+class JoinRejected(ControlError):
+    """The root refused a joiner: duplicate rank, more joiners than ranks, or a closed root."""
+
+
+class PeerDisconnected(ControlError):
+    """A peer vanished: its connection closed or its heartbeats stopped."""
+
+
+class CliqueError(LampdistError):
+    """The collective-communication group failed."""
+
+
+class CollectiveFailed(CliqueError):
+    """A collective raised, usually because a peer died or the group was torn down."""
+
+
+class RankFailed(LampdistError):
+    """Another rank failed; ``rank`` and ``phase`` name that rank and what it was doing."""
+
+
+class TrainingError(LampdistError):
+    """A training or validation pass failed."""
+
+
+class NonFiniteLoss(TrainingError, ArithmeticError):
+    """A loss was NaN or infinite (see the ``non_finite_loss`` option)."""
+
+
+class BadBatch(TrainingError, TypeError):
+    """A batch source yielded something that is not an ``(inputs, target)`` batch of tensors."""
+
+
+class CheckpointError(LampdistError):
+    """A checkpoint could not be written or read."""
+
+
+class CheckpointVersionError(CheckpointError):
+    """The checkpoint was written by a newer format version; upgrade lampdist to read it."""

@@ -1,0 +1,10 @@
+"""The epoch loop: loop state, learning curve and the effect-parameterised epoch driver.
+
+Nothing here touches torch.distributed: the driver composes effects it is given.
+"""
+
+from ._state import CurvePoint as CurvePoint
+from ._state import LoopState as LoopState
+from ._state import TrainingState as TrainingState
+
+__all__ = ["CurvePoint", "LoopState", "TrainingState"]

@@ -1,0 +1,58 @@
+"""Values the epoch driver produces: the loop state and its learning curve."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+__all__ = ["CurvePoint", "LoopState", "TrainingState"]
+
+
+@attrs.frozen(kw_only=True)
+class CurvePoint:
+    """One epoch of the learning curve.
+
+    ``validation_loss`` is the raw mean validation loss of the epoch and
+    ``smoothed_validation_loss`` its exponentially smoothed value; both are ``None`` for an
+    epoch that was not validated.
+    """
+
+    epoch: int
+    training_loss: float
+    validation_loss: float | None = None
+    smoothed_validation_loss: float | None = None
+
+
+@attrs.frozen(kw_only=True)
+class LoopState:
+    """Where the epoch loop stands.
+
+    ``epoch`` is the next epoch to run (the first epoch not run yet).
+    ``last_validation_loss`` is the latest *smoothed* validation loss: it carries over epochs
+    that are not validated, feeds the learning-rate schedule and seeds the next smoothing.
+    ``min_validation_loss`` and ``min_validation_epoch`` track the best model saved so far.
+    ``learning_curve`` holds one :class:`CurvePoint` per epoch run, oldest first.
+    """
+
+    epoch: int = 0
+    last_validation_loss: float | None = None
+    min_validation_loss: float | None = None
+    min_validation_epoch: int | None = None
+    learning_curve: tuple[CurvePoint, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class TrainingState:
+    """Everything a distributed run needs to resume: the loop state and three state dicts.
+
+    ``model_state`` and ``optimizer_state`` are the root's ``state_dict()`` results;
+    ``best_model_state`` is the model's state dict at the minimum validation loss, or ``None``
+    when no best model has been saved.
+    """
+
+    loop_state: LoopState
+    model_state: Mapping[str, Any]
+    optimizer_state: Mapping[str, Any]
+    best_model_state: Mapping[str, Any] | None = None
