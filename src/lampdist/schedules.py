@@ -187,7 +187,7 @@ class _Cyclic:
         phase = epoch % self.period
         # Integer distance from the peak keeps phase and period - phase exactly symmetric.
         rise = 1.0 - abs(2 * phase - self.period) / self.period
-        value = (1.0 - rise) + rise * self.max_factor
+        value = self.max_factor if rise == 1.0 else 1.0 + (self.max_factor - 1.0) * rise
         return None, _clamp(value, 1.0, self.max_factor)
 
 
@@ -238,6 +238,8 @@ class _Warmup(Generic[S]):
         # Peek at the wrapped schedule's first factor (its new state is discarded) so the
         # ramp ends where the wrapped schedule begins.
         _, first = self.schedule.learning_rate_factor(state.inner, 0, last_validation_loss)
+        if epoch + 1 >= self.steps:
+            return state, first
         ramp = self.start + (1.0 - self.start) * ((epoch + 1) / self.steps)
         return state, min(ramp, 1.0) * first
 
@@ -280,7 +282,9 @@ class _ReduceOnPlateau:
             # lamp starts from Double.MaxValue: NaN and infinite losses never improve.
             improved = loss < sys.float_info.max
         elif self.relative_threshold_mode:
-            improved = loss < best * (1.0 - self.threshold)
+            # lamp's best * (1 - threshold), made relative to |best| for negative losses.
+            scale = 1.0 - self.threshold if best >= 0 else 1.0 + self.threshold
+            improved = loss < best * scale
         else:
             improved = loss < best - self.threshold
         if improved:
@@ -405,7 +409,7 @@ def reduce_on_plateau(
     ``ReduceLROnPlateau``).
 
     A loss improves if it is below the best so far by more than ``threshold`` (relative:
-    ``loss < best * (1 - threshold)``; absolute: ``loss < best - threshold``). When
+    ``loss < best - threshold * abs(best)``; absolute: ``loss < best - threshold``). When
     ``patience`` epochs pass since the last improvement or reduction, the factor is
     multiplied by ``reduce_factor``; once it falls to ``stop_factor`` or below it becomes 0,
     which stops training. Without a validation loss yet the factor stays as it is. Raises
