@@ -97,13 +97,17 @@ def _clamp(value: float, a: float, b: float) -> float:
     return min(max(value, min(a, b)), max(a, b))
 
 
-@attrs.frozen
-class _FromEpochCount:
-    f: Callable[[int], float]
+class _Stateless:
+    """A schedule whose factor depends on the epoch alone; its state is ``None``."""
 
     @property
     def init(self) -> None:
         return None
+
+
+@attrs.frozen
+class _FromEpochCount(_Stateless):
+    f: Callable[[int], float]
 
     def learning_rate_factor(
         self, state: None, epoch: int, last_validation_loss: float | None
@@ -112,11 +116,7 @@ class _FromEpochCount:
 
 
 @attrs.frozen
-class _Noop:
-    @property
-    def init(self) -> None:
-        return None
-
+class _Noop(_Stateless):
     def learning_rate_factor(
         self, state: None, epoch: int, last_validation_loss: float | None
     ) -> tuple[None, float]:
@@ -124,13 +124,9 @@ class _Noop:
 
 
 @attrs.frozen(kw_only=True)
-class _Decrement:
+class _Decrement(_Stateless):
     every: int
     factor: float
-
-    @property
-    def init(self) -> None:
-        return None
 
     def learning_rate_factor(
         self, state: None, epoch: int, last_validation_loss: float | None
@@ -139,13 +135,9 @@ class _Decrement:
 
 
 @attrs.frozen(kw_only=True)
-class _StepAfter:
+class _StepAfter(_Stateless):
     steps: int
     factor: float
-
-    @property
-    def init(self) -> None:
-        return None
 
     def learning_rate_factor(
         self, state: None, epoch: int, last_validation_loss: float | None
@@ -154,14 +146,10 @@ class _StepAfter:
 
 
 @attrs.frozen(kw_only=True)
-class _Linear:
+class _Linear(_Stateless):
     start: float
     end: float
     max_steps: int
-
-    @property
-    def init(self) -> None:
-        return None
 
     def learning_rate_factor(
         self, state: None, epoch: int, last_validation_loss: float | None
@@ -173,13 +161,9 @@ class _Linear:
 
 
 @attrs.frozen(kw_only=True)
-class _Cyclic:
+class _Cyclic(_Stateless):
     max_factor: float
     period: int
-
-    @property
-    def init(self) -> None:
-        return None
 
     def learning_rate_factor(
         self, state: None, epoch: int, last_validation_loss: float | None
@@ -192,13 +176,9 @@ class _Cyclic:
 
 
 @attrs.frozen(kw_only=True)
-class _Cosine:
+class _Cosine(_Stateless):
     max_steps: int
     min_factor: float
-
-    @property
-    def init(self) -> None:
-        return None
 
     def learning_rate_factor(
         self, state: None, epoch: int, last_validation_loss: float | None
