@@ -3,8 +3,9 @@
 Nothing here touches torch.distributed: the driver composes effects it is given.
 """
 
+from ._driver import epochs as epochs
 from ._state import CurvePoint as CurvePoint
 from ._state import LoopState as LoopState
 from ._state import TrainingState as TrainingState
 
-__all__ = ["CurvePoint", "LoopState", "TrainingState"]
+__all__ = ["CurvePoint", "LoopState", "TrainingState", "epochs"]

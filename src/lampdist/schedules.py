@@ -1,0 +1,504 @@
+"""Learning-rate schedules: pure functions from (state, epoch, validation loss) to a factor.
+
+A schedule tells the epoch driver, before each epoch, by what factor to multiply the
+optimizer's base learning rate. A factor of 0 or less stops training. Schedules are frozen
+values; the state they thread from epoch to epoch is a frozen value made only of numbers, so
+a checkpoint can store it as JSON (:func:`state_to_json`, :func:`state_from_json`)::
+
+    schedule = schedules.warmup(5, schedules.cosine(95, min_factor=0.01))
+    state = schedule.init
+    state, factor = schedule.learning_rate_factor(state, 0, None)
+
+Nothing here does I/O or touches torch.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import typing
+from collections.abc import Callable
+from types import NoneType, UnionType
+from typing import Any, Generic, Protocol, TypeVar
+
+import attrs
+
+from ._errors import ConfigError
+
+__all__ = [
+    "LearningRateSchedule",
+    "ReduceOnPlateauState",
+    "WarmupState",
+    "cosine",
+    "cyclic",
+    "decrement",
+    "from_epoch_count",
+    "linear",
+    "noop",
+    "reduce_on_plateau",
+    "state_from_json",
+    "state_to_json",
+    "step_after",
+    "warmup",
+]
+
+S = TypeVar("S")
+
+
+class LearningRateSchedule(Protocol[S]):
+    """A learning-rate schedule whose state between epochs has type ``S``.
+
+    ``init`` is the state before the first epoch. The epoch driver calls
+    ``learning_rate_factor(state, epoch, last_validation_loss)`` once before each epoch with
+    the latest smoothed validation loss (``None`` before the first validation) and gets back
+    the next state and the factor for that epoch; a factor of 0 or less stops training.
+    Implementations must be pure: the same arguments give the same result, so that resuming
+    from a checkpointed state continues exactly. Implement it to plug in your own schedule;
+    the factories of this module build the common ones.
+    """
+
+    @property
+    def init(self) -> S:
+        """The state before the first epoch."""
+        ...
+
+    def learning_rate_factor(
+        self, state: S, epoch: int, last_validation_loss: float | None
+    ) -> tuple[S, float]:
+        """Return the next state and the learning-rate factor for ``epoch``."""
+        ...
+
+
+def _fail(message: str) -> ConfigError:
+    return ConfigError(message, phase="configure")
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise _fail(f"{name} must be an int >= {minimum}, got {value!r}; pass a whole number")
+
+
+def _check_float(
+    name: str, value: object, *, low: float, high: float = math.inf, open_low: bool = False
+) -> None:
+    ok = (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (value > low if open_low else value >= low)
+        and value <= high
+    )
+    if not ok:
+        bounds = f"{'(' if open_low else '['}{low}, {high}{']' if math.isfinite(high) else ')'}"
+        raise _fail(f"{name} must be a finite number in {bounds}, got {value!r}")
+
+
+def _clamp(value: float, a: float, b: float) -> float:
+    return min(max(value, min(a, b)), max(a, b))
+
+
+class _Stateless:
+    """A schedule whose factor depends on the epoch alone; its state is ``None``."""
+
+    @property
+    def init(self) -> None:
+        return None
+
+
+@attrs.frozen
+class _FromEpochCount(_Stateless):
+    f: Callable[[int], float]
+
+    def learning_rate_factor(
+        self, state: None, epoch: int, last_validation_loss: float | None
+    ) -> tuple[None, float]:
+        return None, float(self.f(epoch))
+
+
+@attrs.frozen
+class _Noop(_Stateless):
+    def learning_rate_factor(
+        self, state: None, epoch: int, last_validation_loss: float | None
+    ) -> tuple[None, float]:
+        return None, 1.0
+
+
+@attrs.frozen(kw_only=True)
+class _Decrement(_Stateless):
+    every: int
+    factor: float
+
+    def learning_rate_factor(
+        self, state: None, epoch: int, last_validation_loss: float | None
+    ) -> tuple[None, float]:
+        return None, float(self.factor ** (epoch // self.every))
+
+
+@attrs.frozen(kw_only=True)
+class _StepAfter(_Stateless):
+    steps: int
+    factor: float
+
+    def learning_rate_factor(
+        self, state: None, epoch: int, last_validation_loss: float | None
+    ) -> tuple[None, float]:
+        return None, float(self.factor) if epoch > self.steps else 1.0
+
+
+@attrs.frozen(kw_only=True)
+class _Linear(_Stateless):
+    start: float
+    end: float
+    max_steps: int
+
+    def learning_rate_factor(
+        self, state: None, epoch: int, last_validation_loss: float | None
+    ) -> tuple[None, float]:
+        if epoch >= self.max_steps:
+            return None, float(self.end)
+        value = self.start + (self.end - self.start) * (epoch / self.max_steps)
+        return None, _clamp(value, self.start, self.end)
+
+
+@attrs.frozen(kw_only=True)
+class _Cyclic(_Stateless):
+    max_factor: float
+    period: int
+
+    def learning_rate_factor(
+        self, state: None, epoch: int, last_validation_loss: float | None
+    ) -> tuple[None, float]:
+        phase = epoch % self.period
+        # Integer distance from the peak keeps phase and period - phase exactly symmetric.
+        rise = 1.0 - abs(2 * phase - self.period) / self.period
+        value = self.max_factor if rise == 1.0 else 1.0 + (self.max_factor - 1.0) * rise
+        return None, _clamp(value, 1.0, self.max_factor)
+
+
+@attrs.frozen(kw_only=True)
+class _Cosine(_Stateless):
+    max_steps: int
+    min_factor: float
+
+    def learning_rate_factor(
+        self, state: None, epoch: int, last_validation_loss: float | None
+    ) -> tuple[None, float]:
+        if epoch >= self.max_steps:
+            return None, float(self.min_factor)
+        half = (1.0 + math.cos(math.pi * epoch / self.max_steps)) / 2.0
+        value = self.min_factor + (1.0 - self.min_factor) * half
+        return None, _clamp(value, self.min_factor, 1.0)
+
+
+@attrs.frozen(kw_only=True)
+class WarmupState(Generic[S]):
+    """The state of :func:`warmup`: the wrapped schedule's state, untouched during warm-up."""
+
+    inner: S
+
+
+@attrs.frozen(kw_only=True)
+class _Warmup(Generic[S]):
+    steps: int
+    schedule: LearningRateSchedule[S]
+    start: float
+
+    @property
+    def init(self) -> WarmupState[S]:
+        return WarmupState(inner=self.schedule.init)
+
+    def learning_rate_factor(
+        self, state: WarmupState[S], epoch: int, last_validation_loss: float | None
+    ) -> tuple[WarmupState[S], float]:
+        if epoch >= self.steps:
+            inner, factor = self.schedule.learning_rate_factor(
+                state.inner, epoch - self.steps, last_validation_loss
+            )
+            return WarmupState(inner=inner), factor
+        # Peek at the wrapped schedule's first factor (its new state is discarded) so the
+        # ramp ends where the wrapped schedule begins.
+        _, first = self.schedule.learning_rate_factor(state.inner, 0, last_validation_loss)
+        if epoch + 1 >= self.steps:
+            return state, first
+        ramp = self.start + (1.0 - self.start) * ((epoch + 1) / self.steps)
+        return state, min(ramp, 1.0) * first
+
+
+@attrs.frozen(kw_only=True)
+class ReduceOnPlateauState:
+    """The state of :func:`reduce_on_plateau`.
+
+    ``factor`` is the current learning-rate factor, ``best_loss`` the lowest validation loss
+    seen (``None`` before the first), ``last_improvement_epoch`` the epoch of the last
+    improvement or reduction (``-1`` before the first).
+    """
+
+    factor: float
+    best_loss: float | None = None
+    last_improvement_epoch: int = -1
+
+
+@attrs.frozen(kw_only=True)
+class _ReduceOnPlateau:
+    start_factor: float
+    reduce_factor: float
+    patience: int
+    threshold: float
+    relative_threshold_mode: bool
+    stop_factor: float
+
+    @property
+    def init(self) -> ReduceOnPlateauState:
+        return ReduceOnPlateauState(factor=float(self.start_factor))
+
+    def learning_rate_factor(
+        self, state: ReduceOnPlateauState, epoch: int, last_validation_loss: float | None
+    ) -> tuple[ReduceOnPlateauState, float]:
+        loss = last_validation_loss
+        if loss is None:
+            return state, state.factor
+        best = state.best_loss
+        if best is None:
+            # lamp starts from Double.MaxValue: NaN and infinite losses never improve.
+            improved = loss < sys.float_info.max
+        elif self.relative_threshold_mode:
+            # lamp's best * (1 - threshold), made relative to |best| for negative losses.
+            scale = 1.0 - self.threshold if best >= 0 else 1.0 + self.threshold
+            improved = loss < best * scale
+        else:
+            improved = loss < best - self.threshold
+        if improved:
+            return attrs.evolve(state, best_loss=float(loss), last_improvement_epoch=epoch), (
+                state.factor
+            )
+        if epoch - state.last_improvement_epoch >= self.patience:
+            factor = state.factor * self.reduce_factor
+            if factor <= self.stop_factor:
+                factor = 0.0
+            return attrs.evolve(state, factor=factor, last_improvement_epoch=epoch), factor
+        return state, state.factor
+
+
+def noop() -> LearningRateSchedule[None]:
+    """A schedule that keeps the factor at 1 forever: the optimizer's own learning rate.
+
+    It is the driver's default. Raises nothing.
+    """
+    return _Noop()
+
+
+def from_epoch_count(f: Callable[[int], float]) -> LearningRateSchedule[None]:
+    """A stateless schedule whose factor for epoch ``e`` is ``f(e)``.
+
+    Use it for a closed-form schedule of your own; ``f`` must be pure for resuming to be
+    exact. Raises :class:`~lampdist.ConfigError` if ``f`` is not callable.
+    """
+    if not callable(f):
+        raise _fail(f"from_epoch_count needs a callable epoch -> factor, got {f!r}")
+    return _FromEpochCount(f)
+
+
+def decrement(every: int, factor: float) -> LearningRateSchedule[None]:
+    """Step decay: the factor for epoch ``e`` is ``factor ** (e // every)``.
+
+    Raises :class:`~lampdist.ConfigError` unless ``every >= 1`` and ``0 < factor <= 1``.
+    """
+    _check_int("every", every, 1)
+    _check_float("factor", factor, low=0.0, high=1.0, open_low=True)
+    return _Decrement(every=every, factor=float(factor))
+
+
+def step_after(steps: int, factor: float) -> LearningRateSchedule[None]:
+    """One step: factor 1 up to epoch ``steps``, then ``factor`` for every epoch after it.
+
+    A ``factor`` of 0 stops training after epoch ``steps``. Raises
+    :class:`~lampdist.ConfigError` unless ``steps >= 0`` and ``factor >= 0`` is finite.
+    """
+    _check_int("steps", steps, 0)
+    _check_float("factor", factor, low=0.0)
+    return _StepAfter(steps=steps, factor=float(factor))
+
+
+def linear(start: float, end: float, max_steps: int) -> LearningRateSchedule[None]:
+    """Linear interpolation from ``start`` at epoch 0 to ``end`` at epoch ``max_steps``, then
+    held at ``end``; rising and falling alike.
+
+    An ``end`` of 0 stops training at epoch ``max_steps``. Raises
+    :class:`~lampdist.ConfigError` unless ``start`` and ``end`` are finite and >= 0 and
+    ``max_steps >= 1``.
+    """
+    _check_float("start", start, low=0.0)
+    _check_float("end", end, low=0.0)
+    _check_int("max_steps", max_steps, 1)
+    return _Linear(start=float(start), end=float(end), max_steps=max_steps)
+
+
+def cyclic(max_factor: float, period: int) -> LearningRateSchedule[None]:
+    """A symmetric triangle wave: each ``period`` epochs the factor goes linearly from 1 up
+    to ``max_factor`` at half the period and back down to 1.
+
+    ``max_factor`` below 1 makes the triangle dip instead. Raises
+    :class:`~lampdist.ConfigError` unless ``max_factor > 0`` is finite and ``period >= 2``.
+    """
+    _check_float("max_factor", max_factor, low=0.0, open_low=True)
+    _check_int("period", period, 2)
+    return _Cyclic(max_factor=float(max_factor), period=period)
+
+
+def cosine(max_steps: int, min_factor: float = 0.0) -> LearningRateSchedule[None]:
+    """Half-cosine annealing from 1 at epoch 0 to ``min_factor`` at epoch ``max_steps``, then
+    held at ``min_factor``.
+
+    With the default ``min_factor=0`` training stops at epoch ``max_steps``. Raises
+    :class:`~lampdist.ConfigError` unless ``max_steps >= 1`` and ``0 <= min_factor <= 1``.
+    """
+    _check_int("max_steps", max_steps, 1)
+    _check_float("min_factor", min_factor, low=0.0, high=1.0)
+    return _Cosine(max_steps=max_steps, min_factor=float(min_factor))
+
+
+def warmup(
+    steps: int, schedule: LearningRateSchedule[S], start: float = 0.0
+) -> LearningRateSchedule[WarmupState[S]]:
+    """Linear warm-up for ``steps`` epochs, then ``schedule`` with its epochs shifted by
+    ``steps`` (the epoch after the warm-up is the wrapped schedule's epoch 0).
+
+    Epoch ``e < steps`` gets ``start + (1 - start) * (e + 1) / steps`` times the wrapped
+    schedule's factor for its epoch 0, so even ``start=0`` trains from the first epoch and
+    the last warm-up epoch reaches the wrapped schedule's starting factor. The wrapped state
+    waits in :class:`WarmupState` until the warm-up ends. Raises
+    :class:`~lampdist.ConfigError` unless ``steps >= 0`` and ``0 <= start <= 1``.
+    """
+    _check_int("steps", steps, 0)
+    _check_float("start", start, low=0.0, high=1.0)
+    if not callable(getattr(schedule, "learning_rate_factor", None)):
+        raise _fail(f"warmup wraps a learning-rate schedule, got {schedule!r}")
+    return _Warmup(steps=steps, schedule=schedule, start=float(start))
+
+
+def reduce_on_plateau(
+    *,
+    start_factor: float = 1.0,
+    reduce_factor: float = 0.5,
+    patience: int = 10,
+    threshold: float = 1e-4,
+    relative_threshold_mode: bool = True,
+    stop_factor: float = 1e-4,
+) -> LearningRateSchedule[ReduceOnPlateauState]:
+    """Reduce the factor when the smoothed validation loss stops improving (lamp's
+    ``ReduceLROnPlateau``).
+
+    A loss improves if it is below the best so far by more than ``threshold`` (relative:
+    ``loss < best - threshold * abs(best)``; absolute: ``loss < best - threshold``). When
+    ``patience`` epochs pass since the last improvement or reduction, the factor is
+    multiplied by ``reduce_factor``; once it falls to ``stop_factor`` or below it becomes 0,
+    which stops training. Without a validation loss yet the factor stays as it is. Raises
+    :class:`~lampdist.ConfigError` unless ``start_factor > 0``, ``0 < reduce_factor < 1``,
+    ``patience >= 1``, ``threshold >= 0`` and ``stop_factor >= 0``, all finite.
+    """
+    _check_float("start_factor", start_factor, low=0.0, open_low=True)
+    _check_float("reduce_factor", reduce_factor, low=0.0, high=1.0, open_low=True)
+    if reduce_factor == 1.0:
+        raise _fail("reduce_factor must be below 1, got 1; pass e.g. 0.5 to halve the factor")
+    _check_int("patience", patience, 1)
+    _check_float("threshold", threshold, low=0.0)
+    _check_float("stop_factor", stop_factor, low=0.0)
+    return _ReduceOnPlateau(
+        start_factor=float(start_factor),
+        reduce_factor=float(reduce_factor),
+        patience=patience,
+        threshold=float(threshold),
+        relative_threshold_mode=bool(relative_threshold_mode),
+        stop_factor=float(stop_factor),
+    )
+
+
+_NON_FINITE = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def state_to_json(state: object) -> object:
+    """Turn a schedule state into plain JSON data (``None``, numbers, strings, dicts).
+
+    Attrs values become dicts of their fields; non-finite floats become the strings
+    ``"Infinity"``, ``"-Infinity"`` and ``"NaN"`` so the result passes strict JSON encoders.
+    Checkpoints call it; :func:`state_from_json` reverses it. Raises
+    :class:`~lampdist.ConfigError` for a state holding anything but numbers, ``None`` and
+    attrs values of those.
+    """
+    if state is None or (isinstance(state, int) and not isinstance(state, bool)):
+        return state
+    if isinstance(state, float):
+        if math.isfinite(state):
+            return state
+        return "NaN" if math.isnan(state) else ("Infinity" if state > 0 else "-Infinity")
+    cls: Any = type(state)
+    if attrs.has(cls):
+        return {f.name: state_to_json(getattr(state, f.name)) for f in attrs.fields(cls)}
+    raise _fail(
+        f"a schedule state must hold only numbers, None and attrs values, got {state!r}; "
+        "keep schedule states made of numbers"
+    )
+
+
+def state_from_json(schedule: LearningRateSchedule[S], data: object) -> S:
+    """Rebuild the state of ``schedule`` from what :func:`state_to_json` returned.
+
+    The schedule knows its state type: a warm-up rebuilds its wrapped schedule's state; any
+    other schedule's state is rebuilt from the type annotations of ``type(schedule.init)``.
+    Raises :class:`~lampdist.ConfigError` if ``data`` does not fit the schedule's state (for
+    example a checkpoint written with another schedule).
+    """
+    candidate: object = schedule  # mypy cannot see a _Warmup as a LearningRateSchedule[S]
+    if isinstance(candidate, _Warmup):
+        if not isinstance(data, dict) or set(data) != {"inner"}:
+            raise _mismatch(schedule, data)
+        inner = state_from_json(candidate.schedule, data["inner"])
+        return typing.cast(S, WarmupState(inner=inner))
+    return typing.cast(S, _structure(type(schedule.init), data, schedule))
+
+
+def _mismatch(schedule: object, data: object) -> ConfigError:
+    return _fail(
+        f"{data!r} is not a state of {schedule!r}; "
+        "pass the learning-rate schedule the checkpoint was written with"
+    )
+
+
+def _structure(cls: Any, data: object, schedule: object) -> object:
+    if cls is NoneType or cls is None:
+        if data is not None:
+            raise _mismatch(schedule, data)
+        return None
+    if isinstance(cls, UnionType) or typing.get_origin(cls) is typing.Union:
+        options = typing.get_args(cls)
+        if data is None and NoneType in options:
+            return None
+        for option in options:
+            if option is NoneType:
+                continue
+            try:
+                return _structure(option, data, schedule)
+            except ConfigError:
+                continue
+        raise _mismatch(schedule, data)
+    if cls is int:
+        if not isinstance(data, int) or isinstance(data, bool):
+            raise _mismatch(schedule, data)
+        return data
+    if cls is float:
+        if isinstance(data, str) and data in _NON_FINITE:
+            return _NON_FINITE[data]
+        if not isinstance(data, int | float) or isinstance(data, bool):
+            raise _mismatch(schedule, data)
+        return float(data)
+    if isinstance(cls, type) and attrs.has(cls):
+        hints = typing.get_type_hints(cls)
+        fields = attrs.fields(cls)
+        if not isinstance(data, dict) or set(data) != {f.name for f in fields}:
+            raise _mismatch(schedule, data)
+        values = {f.name: _structure(hints[f.name], data[f.name], schedule) for f in fields}
+        return cls(**values)
+    raise _fail(
+        f"cannot rebuild a schedule state of type {cls!r}; "
+        "give state fields the types int, float, None or attrs classes of those"
+    )
