@@ -9,7 +9,7 @@ import pytest
 
 import lampdist
 
-PUBLIC_MODULES = ["lampdist"]
+PUBLIC_MODULES = ["lampdist", "lampdist.schedules"]
 
 
 @pytest.mark.parametrize("name", PUBLIC_MODULES)

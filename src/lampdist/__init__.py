@@ -4,6 +4,7 @@ A root rank drives the epochs and steps the optimizer; follower ranks follow com
 control channel; tensors move through a collective-communication clique.
 """
 
+from . import schedules as schedules
 from ._errors import AuthenticationError as AuthenticationError
 from ._errors import BadBatch as BadBatch
 from ._errors import CheckpointError as CheckpointError
@@ -26,6 +27,7 @@ from ._errors import TrainingError as TrainingError
 from .loop import CurvePoint as CurvePoint
 from .loop import LoopState as LoopState
 from .loop import TrainingState as TrainingState
+from .loop import epochs as epochs
 
 __version__ = "0.1.0.dev0"
 
@@ -52,4 +54,6 @@ __all__ = [
     "RankFailed",
     "TrainingError",
     "TrainingState",
+    "epochs",
+    "schedules",
 ]
