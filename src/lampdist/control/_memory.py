@@ -4,7 +4,6 @@ several devices, and for tests."""
 from __future__ import annotations
 
 import logging
-import math
 from types import TracebackType
 from typing import NoReturn, Self
 
@@ -12,7 +11,6 @@ import anyio
 import anyio.lowlevel
 import attrs
 from anyio.abc import ObjectSendStream, TaskGroup
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._clique_id import CliqueId
 from .._errors import (
@@ -37,6 +35,7 @@ from ._command import Command, CommandKind
 from ._state import (
     CLOSE_TIMEOUT,
     ChannelState,
+    CommandRelay,
     FollowerState,
     RootRegistry,
     check_enter,
@@ -56,7 +55,7 @@ class _Hub:
     registry: RootRegistry
     clique_id: CliqueId | None = None
     root_closed: bool = False
-    inboxes: dict[int, MemoryObjectSendStream[Command]] = attrs.field(factory=dict)
+    relays: dict[int, CommandRelay] = attrs.field(factory=dict)
 
 
 @attrs.define(eq=False)
@@ -86,8 +85,8 @@ class LocalRootChannel:
         hub = self._hub
         hub.root_closed = True
         hub.registry.closed = True
-        for inbox in hub.inboxes.values():
-            inbox.close()
+        for relay in hub.relays.values():
+            relay.end()
         hub.registry.changed.notify()
 
     async def publish_clique_id(self, clique_id: CliqueId) -> None:
@@ -140,7 +139,7 @@ class LocalRootChannel:
                 errors.append(copy_error(failure))
                 continue
             try:
-                self._hub.inboxes[rank].send_nowait(command)
+                self._hub.relays[rank].put(command)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 error = PeerDisconnected(
                     "the follower's channel is closed", rank=rank, phase="broadcast"
@@ -171,7 +170,7 @@ class LocalFollowerChannel:
     _follower: FollowerState = attrs.field(init=False)
     _state: ChannelState = ChannelState.NEW
     _task_group: TaskGroup | None = None
-    _inbox: MemoryObjectReceiveStream[Command] | None = None
+    _relay: CommandRelay | None = None
     _commands: ObjectSendStream[Command] | None = None
     _joined: bool = False
 
@@ -207,8 +206,8 @@ class LocalFollowerChannel:
         try:
             return await self._task_group.__aexit__(exc_type, exc, tb)
         finally:
-            if self._inbox is not None:
-                self._inbox.close()
+            if self._relay is not None:
+                self._relay.shut = True
             if self._commands is not None:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
                     await self._commands.aclose()
@@ -229,12 +228,12 @@ class LocalFollowerChannel:
         reason = registry.admission_error(self.rank)
         if reason is not None:
             raise JoinRejected(reason, rank=self.rank, phase="join")
-        inbox_send, inbox = anyio.create_memory_object_stream[Command](math.inf)
-        hub.inboxes[self.rank] = inbox_send
-        self._inbox, self._commands, self._joined = inbox, commands, True
+        relay = CommandRelay(self._follower, commands)
+        hub.relays[self.rank] = relay
+        self._relay, self._commands, self._joined = relay, commands, True
         registry.admit(self.rank)
         assert self._task_group is not None  # set by __aenter__
-        self._task_group.start_soon(self._follower.forward, inbox, commands)
+        self._task_group.start_soon(relay.run)
         with anyio.move_on_after(limit):
             while hub.clique_id is None:
                 if hub.root_closed:

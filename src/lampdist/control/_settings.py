@@ -1,10 +1,12 @@
-"""Settings shared by both ends of the TCP control channel, checked once."""
+"""Settings shared by both ends of the TCP control channel, checked once, and the liveness
+bookkeeping of a connection."""
 
 from __future__ import annotations
 
 import math
 import ssl
 
+import anyio
 import attrs
 
 from .._errors import ConfigError
@@ -14,6 +16,7 @@ __all__ = [
     "DEFAULT_HANDSHAKE_TIMEOUT",
     "DEFAULT_HEARTBEAT_INTERVAL",
     "DEFAULT_HEARTBEAT_TIMEOUT",
+    "Liveness",
     "TcpSettings",
     "check_settings",
 ]
@@ -81,3 +84,30 @@ def check_settings(
         handshake_timeout=_positive("handshake_timeout", handshake_timeout, rank),
         max_frame_bytes=max_frame_bytes,
     )
+
+
+@attrs.define(eq=False)
+class Liveness:
+    """When the peer was last heard from, and since when a send has been stuck.
+
+    The readers and writers only stamp times (no cancel scope per frame, which would cost
+    more than the frame); a watchdog looks every heartbeat interval with :meth:`problem`.
+    """
+
+    timeout: float
+    last_heard: float = attrs.field(factory=anyio.current_time)
+    sending_since: float | None = None
+
+    def heard(self) -> None:
+        self.last_heard = anyio.current_time()
+
+    def problem(self) -> str | None:
+        """Why the peer counts as lost now, or None."""
+        now = anyio.current_time()
+        silent = now - self.last_heard
+        if silent > self.timeout:
+            return f"no heartbeat for {silent:.1f} s (heartbeat_timeout={self.timeout} s)"
+        if self.sending_since is not None and now - self.sending_since > self.timeout:
+            stuck = now - self.sending_since
+            return f"a send has been stuck for {stuck:.1f} s: the peer does not read"
+        return None

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 from typing import NoReturn
 
 import anyio
 import anyio.lowlevel
 import attrs
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from anyio.abc import ObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._errors import (
     ConfigError,
@@ -21,7 +23,14 @@ from .._errors import (
 )
 from ._command import Command, CommandKind
 
-__all__ = ["ChannelState", "FollowerState", "Notifier", "RootRegistry", "copy_error"]
+__all__ = [
+    "ChannelState",
+    "CommandRelay",
+    "FollowerState",
+    "Notifier",
+    "RootRegistry",
+    "copy_error",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -208,26 +217,79 @@ class FollowerState:
             await self.changed.wait()
         raise copy_error(self.failure)
 
-    async def forward(
-        self, inbox: ObjectReceiveStream[Command], commands: ObjectSendStream[Command]
-    ) -> None:
-        """Move commands from the channel's inbox to the user's stream until STOP or the end
-        of the inbox (the root vanished), then close the user's stream."""
-        deliver = True
+
+@attrs.define(eq=False)
+class CommandRelay:
+    """Hands commands to the user's stream in order without ever blocking the caller of
+    :meth:`put` (a reader that must keep reading heartbeats, or the in-process root).
+
+    When nothing is queued and the user's stream is a memory object stream with room, a
+    command goes straight in; otherwise it waits in an unbounded queue (one command per pass:
+    it stays short) for :meth:`run`. The user's stream is closed after STOP, and when the
+    relay ends without STOP (the root vanished; :meth:`FollowerState.watch` says why).
+    """
+
+    follower: FollowerState
+    commands: ObjectSendStream[Command]
+    _queue_in: MemoryObjectSendStream[Command] = attrs.field(init=False)
+    _queue_out: MemoryObjectReceiveStream[Command] = attrs.field(init=False)
+    _queued: int = 0
+    _deliver: bool = True
+    shut: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        self._queue_in, self._queue_out = anyio.create_memory_object_stream[Command](math.inf)
+
+    def put(self, command: Command) -> None:
+        """Pass ``command`` on; raises ``anyio.BrokenResourceError`` once the follower's
+        channel has closed."""
+        if self.shut:
+            raise anyio.BrokenResourceError
+        self.follower.phase = command.kind.value
+        stop = command.kind is CommandKind.STOP
+        if stop:
+            self.follower.stopped = True
+        if self._queued == 0 and isinstance(self.commands, MemoryObjectSendStream):
+            try:
+                self.commands.send_nowait(command)
+            except anyio.WouldBlock:
+                pass
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                self._stop_delivering()
+                if stop:
+                    self.end()
+                return
+            else:
+                if stop:
+                    self.commands.close()
+                    self.end()
+                return
+        self._queued += 1
+        self._queue_in.send_nowait(command)
+
+    def end(self) -> None:
+        """No more commands will come: :meth:`run` finishes the queue and returns."""
+        self._queue_in.close()
+
+    def _stop_delivering(self) -> None:
+        if self._deliver:
+            self._deliver = False
+            logger.debug("rank %d: nobody reads the commands any more", self.follower.rank)
+
+    async def run(self) -> None:
+        """Deliver queued commands until STOP or :meth:`end`, then close the user's stream."""
         try:
-            async for command in inbox:
-                self.phase = command.kind.value
-                if command.kind is CommandKind.STOP:
-                    self.stopped = True
-                if deliver:
+            async for command in self._queue_out:
+                if self._deliver:
                     try:
-                        await commands.send(command)
+                        await self.commands.send(command)
                     except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                        deliver = False
-                        logger.debug("rank %d: nobody reads the commands any more", self.rank)
-                if self.stopped:
+                        self._stop_delivering()
+                self._queued -= 1  # only now may put() deliver directly again
+                if command.kind is CommandKind.STOP:
                     return
-            self.root_lost("the root closed the control channel without STOP")
+            self.follower.root_lost("the root closed the control channel without STOP")
         finally:
+            self.shut = True
             with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
-                await commands.aclose()
+                await self.commands.aclose()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import random
 import ssl
 from types import TracebackType
@@ -13,7 +12,6 @@ import anyio
 import anyio.lowlevel
 import attrs
 from anyio.abc import ByteStream, ObjectSendStream, TaskGroup
-from anyio.streams.memory import MemoryObjectSendStream
 from anyio.streams.tls import TLSStream
 
 from .._clique_id import CliqueId
@@ -34,10 +32,19 @@ from ._settings import (
     DEFAULT_HANDSHAKE_TIMEOUT,
     DEFAULT_HEARTBEAT_INTERVAL,
     DEFAULT_HEARTBEAT_TIMEOUT,
+    Liveness,
     TcpSettings,
     check_settings,
 )
-from ._state import CLOSE_TIMEOUT, ChannelState, FollowerState, Notifier, check_enter, check_open
+from ._state import (
+    CLOSE_TIMEOUT,
+    ChannelState,
+    CommandRelay,
+    FollowerState,
+    Notifier,
+    check_enter,
+    check_open,
+)
 from ._wire import (
     DEFAULT_MAX_FRAME_BYTES,
     Ack,
@@ -86,6 +93,7 @@ class TcpFollowerChannel:
     _joined: bool = False
     _session_done: bool = False
     _progress: Notifier = attrs.field(factory=Notifier)
+    _live: Liveness = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self._follower = FollowerState(rank=self.rank)
@@ -95,7 +103,7 @@ class TcpFollowerChannel:
         task_group = anyio.create_task_group()
         await task_group.__aenter__()
         self._task_group = task_group
-        self._send_lock = anyio.Lock()
+        self._send_lock = anyio.Lock(fast_acquire=True)
         self._state = ChannelState.OPEN
         return self
 
@@ -232,11 +240,12 @@ class TcpFollowerChannel:
         raise ProtocolError(f"expected '{kind.TAG}' from the root, got '{message.TAG}'")
 
     async def _start(self, framed: FramedStream, commands: ObjectSendStream[Command]) -> CliqueId:
-        inbox_send, inbox = anyio.create_memory_object_stream[Command](math.inf)
+        self._live = Liveness(self._settings.heartbeat_timeout)
+        relay = CommandRelay(self._follower, commands)
         self._commands = commands
         assert self._task_group is not None  # set by __aenter__
-        self._task_group.start_soon(self._session, framed, inbox_send)
-        self._task_group.start_soon(self._follower.forward, inbox, commands)
+        self._task_group.start_soon(self._session, framed, relay)
+        self._task_group.start_soon(relay.run)
         while self._clique_id is None:
             if self._session_done:
                 raise self._join_error or JoinRejected(
@@ -253,17 +262,18 @@ class TcpFollowerChannel:
         assert self._framed is not None  # joined
         assert self._send_lock is not None  # set by __aenter__
         async with self._send_lock:
-            with anyio.fail_after(self._settings.heartbeat_timeout):
-                await self._framed.send(message)
+            self._live.sending_since = anyio.current_time()
+            await self._framed.send(message)
+            self._live.sending_since = None
 
-    async def _session(self, framed: FramedStream, inbox: MemoryObjectSendStream[Command]) -> None:
+    async def _session(self, framed: FramedStream, relay: CommandRelay) -> None:
         try:
             async with anyio.create_task_group() as task_group:
-                task_group.start_soon(self._read, framed, inbox, task_group)
-                task_group.start_soon(self._heartbeat, task_group)
+                task_group.start_soon(self._read, framed, relay, task_group)
+                task_group.start_soon(self._watchdog, task_group)
         finally:
             self._session_done = True
-            inbox.close()
+            relay.end()
             self._progress.notify()
 
     def _lost(self, reason: str) -> None:
@@ -275,20 +285,12 @@ class TcpFollowerChannel:
             )
         self._follower.root_lost(reason)
 
-    async def _read(
-        self, framed: FramedStream, inbox: MemoryObjectSendStream[Command], task_group: TaskGroup
-    ) -> None:
-        timeout = self._settings.heartbeat_timeout
+    async def _read(self, framed: FramedStream, relay: CommandRelay, task_group: TaskGroup) -> None:
         try:
             while True:
-                with anyio.move_on_after(timeout) as scope:
-                    message = await framed.receive()
-                if scope.cancelled_caught:
-                    self._lost(f"no heartbeat from the root for {timeout} s (heartbeat_timeout)")
-                    break
-                await self._on_message(message, inbox)
-        except TimeoutError:
-            self._lost("a send to the root stalled (is it still reading?)")
+                message = await framed.receive()
+                self._live.heard()
+                await self._on_message(message, relay)
         except anyio.EndOfStream:
             self._lost("the root closed the control channel without STOP")
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
@@ -298,25 +300,32 @@ class TcpFollowerChannel:
             self._lost(f"the root sent a bad frame ({exc.message})")
         task_group.cancel_scope.cancel()
 
-    async def _on_message(self, message: Message, inbox: MemoryObjectSendStream[Command]) -> None:
+    async def _on_message(self, message: Message, relay: CommandRelay) -> None:
         if isinstance(message, CliqueMessage) and self._clique_id is None:
             self._clique_id = message.clique_id
             self._progress.notify()
         elif isinstance(message, CommandMessage) and self._clique_id is not None:
             if message.command.kind is CommandKind.STOP:
-                self._follower.stopped = True
+                self._follower.stopped = True  # from now on, losing the root is no failure
             await self._send(Ack(seq=message.seq))
-            inbox.send_nowait(message.command)
+            relay.put(message.command)
         elif not isinstance(message, Ping):
             raise ProtocolError(f"unexpected '{message.TAG}' frame from the root")
 
-    async def _heartbeat(self, task_group: TaskGroup) -> None:
+    async def _watchdog(self, task_group: TaskGroup) -> None:
+        interval, timeout = self._settings.heartbeat_interval, self._settings.heartbeat_timeout
         try:
             while True:
-                await anyio.sleep(self._settings.heartbeat_interval)
-                await self._send(Ping())
-        except TimeoutError:
-            self._lost("a heartbeat to the root stalled (is it still reading?)")
+                await anyio.sleep(interval)
+                problem = self._live.problem()
+                if problem is not None:
+                    self._lost(f"{problem} on the connection to the root")
+                    break
+                with anyio.move_on_after(timeout) as scope:
+                    await self._send(Ping())
+                if scope.cancelled_caught:
+                    self._lost(f"a heartbeat to the root was stuck for {timeout} s")
+                    break
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
             self._lost(f"the control connection broke ({exc!r})")
         task_group.cancel_scope.cancel()
@@ -332,7 +341,7 @@ class TcpFollowerChannel:
         with anyio.move_on_after(_REPORT_TIMEOUT):
             try:
                 await self._send(FailureReport(phase=phase, message=message))
-            except (TimeoutError, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
                 logger.debug("rank %d: could not report the failure", self.rank)
 
     async def watch(self) -> NoReturn:

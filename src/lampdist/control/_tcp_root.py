@@ -34,6 +34,7 @@ from ._settings import (
     DEFAULT_HANDSHAKE_TIMEOUT,
     DEFAULT_HEARTBEAT_INTERVAL,
     DEFAULT_HEARTBEAT_TIMEOUT,
+    Liveness,
     TcpSettings,
     check_settings,
 )
@@ -115,25 +116,23 @@ class _Session:
         self._end(PeerDisconnected(reason, rank=self.rank, phase=self.registry.phase))
 
     async def run(self) -> None:
+        live = Liveness(self.settings.heartbeat_timeout)
         try:
             async with anyio.create_task_group() as task_group:
-                task_group.start_soon(self._read, task_group)
-                task_group.start_soon(self._write, task_group)
-                task_group.start_soon(self._heartbeat)
+                task_group.start_soon(self._read, live, task_group)
+                task_group.start_soon(self._write, live, task_group)
+                task_group.start_soon(self._watchdog, live, task_group)
         finally:
             self.ended = True
             self.outbox.close()
             self.acks.notify()
 
-    async def _read(self, task_group: TaskGroup) -> None:
-        timeout = self.settings.heartbeat_timeout
+    async def _read(self, live: Liveness, task_group: TaskGroup) -> None:
         try:
             while True:
-                with anyio.fail_after(timeout):
-                    message = await self.framed.receive()
+                message = await self.framed.receive()
+                live.heard()
                 self._on_message(message)
-        except TimeoutError:
-            self.lost(f"no heartbeat for {timeout} s (heartbeat_timeout)")
         except anyio.EndOfStream:
             self.lost("the follower closed the control connection")
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
@@ -160,22 +159,25 @@ class _Session:
             return
         raise ProtocolError(f"a follower may not send '{message.TAG}' frames")
 
-    async def _write(self, task_group: TaskGroup) -> None:
-        timeout = self.settings.heartbeat_timeout
+    async def _write(self, live: Liveness, task_group: TaskGroup) -> None:
         try:
             async for frame in self._outbox_out:
-                with anyio.fail_after(timeout):
-                    await self.framed.send_frame(frame)
-        except TimeoutError:
-            self.lost(f"a send stalled for {timeout} s: the follower does not read")
+                live.sending_since = anyio.current_time()
+                await self.framed.send_frame(frame)
+                live.sending_since = None
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
             self.lost(f"the control connection broke ({exc!r})")
         task_group.cancel_scope.cancel()
 
-    async def _heartbeat(self) -> None:
+    async def _watchdog(self, live: Liveness, task_group: TaskGroup) -> None:
         ping = encode_frame(Ping())
         while True:
             await anyio.sleep(self.settings.heartbeat_interval)
+            problem = live.problem()
+            if problem is not None:
+                self.lost(problem)
+                task_group.cancel_scope.cancel()
+                return
             self.enqueue(ping)
 
 
