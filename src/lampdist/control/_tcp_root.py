@@ -41,7 +41,6 @@ from ._settings import (
 from ._state import (
     CLOSE_TIMEOUT,
     ChannelState,
-    Notifier,
     RootRegistry,
     check_enter,
     check_open,
@@ -82,56 +81,98 @@ class _Refused(Exception):
 
 
 @attrs.define(eq=False)
+class _AckRound:
+    """The followers that one broadcast still waits for."""
+
+    seq: int
+    waiting: set[int]
+    done: anyio.Event = attrs.field(factory=anyio.Event)
+
+    def settle(self, rank: int) -> None:
+        self.waiting.discard(rank)
+        if not self.waiting:
+            self.done.set()
+
+
+@attrs.define(eq=False)
 class _Session:
-    """One registered follower: a writer (ordered outbox), a reader, a heartbeat."""
+    """One registered follower: its frames go out in order (straight from the caller when
+    nothing is queued, else through a writer task), a reader takes acknowledgements and
+    failure reports, and a watchdog sends heartbeats and checks the peer's."""
 
     rank: int
     framed: FramedStream
     registry: RootRegistry
     settings: TcpSettings
-    outbox: MemoryObjectSendStream[bytes]
-    _outbox_out: MemoryObjectReceiveStream[bytes]
+    _outbox: MemoryObjectSendStream[bytes] = attrs.field(init=False)
+    _outbox_out: MemoryObjectReceiveStream[bytes] = attrs.field(init=False)
+    _queued: int = 0
+    _lock: anyio.Lock = attrs.field(init=False)
+    _live: Liveness = attrs.field(init=False)
     acked_seq: int = 0
     stop_seq: int | None = None
+    ack_round: _AckRound | None = None
     ended: bool = False
-    acks: Notifier = attrs.field(factory=Notifier)
+
+    def __attrs_post_init__(self) -> None:
+        self._outbox, self._outbox_out = anyio.create_memory_object_stream[bytes](math.inf)
+        self._lock = anyio.Lock(fast_acquire=True)
+        self._live = Liveness(self.settings.heartbeat_timeout)
 
     def enqueue(self, frame: bytes) -> None:
+        """Queue ``frame`` for the writer task."""
         if not self.ended:
-            self.outbox.send_nowait(frame)
+            self._queued += 1
+            self._outbox.send_nowait(frame)
 
-    async def wait_acked(self, seq: int) -> bool:
-        """Whether the follower acknowledged ``seq`` (False: the session ended first)."""
-        while self.acked_seq < seq and not self.ended:
-            await self.acks.wait()
-        return self.acked_seq >= seq
+    async def send(self, frame: bytes) -> None:
+        """Send ``frame`` from the caller's task if nothing is queued before it (saves a task
+        switch per follower and command), else queue it. A broken connection ends the
+        session."""
+        if self.ended:
+            return
+        if self._queued or self._lock.locked():
+            self.enqueue(frame)
+            return
+        try:
+            await self._send(frame)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+            self.lost(f"the control connection broke ({exc!r})")
+
+    async def _send(self, frame: bytes) -> None:
+        async with self._lock:
+            self._live.sending_since = anyio.current_time()
+            await self.framed.send_frame(frame)
+            self._live.sending_since = None
 
     def _end(self, error: LampdistError) -> None:
         if not self.ended:
             self.ended = True
             self.registry.fail(self.rank, error)
-            self.acks.notify()
+            if self.ack_round is not None:
+                self.ack_round.settle(self.rank)
 
     def lost(self, reason: str) -> None:
         self._end(PeerDisconnected(reason, rank=self.rank, phase=self.registry.phase))
 
     async def run(self) -> None:
-        live = Liveness(self.settings.heartbeat_timeout)
         try:
             async with anyio.create_task_group() as task_group:
-                task_group.start_soon(self._read, live, task_group)
-                task_group.start_soon(self._write, live, task_group)
-                task_group.start_soon(self._watchdog, live, task_group)
+                task_group.start_soon(self._read, task_group)
+                task_group.start_soon(self._write, task_group)
+                task_group.start_soon(self._watchdog, task_group)
         finally:
-            self.ended = True
-            self.outbox.close()
-            self.acks.notify()
+            if not self.ended:  # cancelled: the root is closing
+                self.ended = True
+                if self.ack_round is not None:
+                    self.ack_round.settle(self.rank)
+            self._outbox.close()
 
-    async def _read(self, live: Liveness, task_group: TaskGroup) -> None:
+    async def _read(self, task_group: TaskGroup) -> None:
         try:
             while True:
                 message = await self.framed.receive()
-                live.heard()
+                self._live.heard()
                 self._on_message(message)
         except anyio.EndOfStream:
             self.lost("the follower closed the control connection")
@@ -151,7 +192,8 @@ class _Session:
             if self.stop_seq is not None and message.seq >= self.stop_seq:
                 self.registry.mark_stopped(self.rank)
             self.acked_seq = max(self.acked_seq, message.seq)
-            self.acks.notify()
+            if self.ack_round is not None and message.seq >= self.ack_round.seq:
+                self.ack_round.settle(self.rank)
             return
         if isinstance(message, FailureReport):
             error = RankFailed(message.message, rank=self.rank, phase=message.phase)
@@ -159,21 +201,22 @@ class _Session:
             return
         raise ProtocolError(f"a follower may not send '{message.TAG}' frames")
 
-    async def _write(self, live: Liveness, task_group: TaskGroup) -> None:
+    async def _write(self, task_group: TaskGroup) -> None:
         try:
             async for frame in self._outbox_out:
-                live.sending_since = anyio.current_time()
-                await self.framed.send_frame(frame)
-                live.sending_since = None
+                try:
+                    await self._send(frame)
+                finally:
+                    self._queued -= 1
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
             self.lost(f"the control connection broke ({exc!r})")
         task_group.cancel_scope.cancel()
 
-    async def _watchdog(self, live: Liveness, task_group: TaskGroup) -> None:
+    async def _watchdog(self, task_group: TaskGroup) -> None:
         ping = encode_frame(Ping())
         while True:
             await anyio.sleep(self.settings.heartbeat_interval)
-            problem = live.problem()
+            problem = self._live.problem()
             if problem is not None:
                 self.lost(problem)
                 task_group.cancel_scope.cancel()
@@ -310,8 +353,7 @@ class TcpRootChannel:
         reason = self._registry.admission_error(rank)
         if reason is not None:
             raise _Refused("join", reason)
-        outbox, outbox_out = anyio.create_memory_object_stream[bytes](math.inf)
-        session = _Session(rank, framed, self._registry, self._settings, outbox, outbox_out)
+        session = _Session(rank, framed, self._registry, self._settings)
         self._sessions[rank] = session
         self._registry.admit(rank)
         welcome = Welcome(
@@ -382,19 +424,22 @@ class TcpRootChannel:
             failure = registry.failures.get(rank)
             if failure is not None:
                 errors.append(copy_error(failure))
-                continue
-            session = self._sessions[rank]
+            elif self._sessions[rank].ended:
+                errors.append(PeerDisconnected("the follower left", rank=rank, phase="broadcast"))
+            else:
+                targets.append(self._sessions[rank])
+        ack_round = _AckRound(seq, {session.rank for session in targets})
+        for session in targets:
+            session.ack_round = ack_round
             if command.kind is CommandKind.STOP:
                 session.stop_seq = seq
-            session.enqueue(frame)
-            targets.append(session)
-        acked: set[int] = set()
         with anyio.move_on_after(limit):
             for session in targets:
-                if await session.wait_acked(seq):
-                    acked.add(session.rank)
+                await session.send(frame)
+            if ack_round.waiting:
+                await ack_round.done.wait()
         for session in targets:
-            if session.rank in acked:
+            if session.acked_seq >= seq:
                 continue
             failure = registry.failures.get(session.rank)
             if failure is not None:
