@@ -168,6 +168,8 @@ async def test_root_leaving_without_stop_surfaces_on_the_follower(impl: str) -> 
                     await channel.watch()
                 assert watched.value.rank == 0
                 assert watched.value.phase == "train"
+                with anyio.fail_after(5):  # best effort, bounded, never raises
+                    await channel.report_failure("train", "too late: the root is gone")
 
 
 async def test_report_failure_surfaces_as_rank_failed(impl: str) -> None:

@@ -338,6 +338,27 @@ async def test_the_root_notices_a_silent_follower() -> None:
             await framed.aclose()
 
 
+async def test_a_follower_that_never_acknowledges_times_the_broadcast_out() -> None:
+    with anyio.fail_after(20):
+        async with control.tcp_root(nranks=2, secret=SECRET, **FAST) as root:
+            await root.publish_clique_id(clique_id(2))
+            framed = await raw_join(root, rank=1)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_keep_pinging, framed)  # alive, but ignores commands
+                with pytest.raises(lampdist.LampdistTimeout) as timeout:
+                    await root.broadcast(SEQUENCE[0], timeout=0.3)
+                assert isinstance(timeout.value, TimeoutError)
+                assert (timeout.value.rank, timeout.value.phase) == (1, "broadcast")
+                tg.cancel_scope.cancel()
+            await framed.aclose()
+
+
+async def _keep_pinging(framed: FramedStream) -> None:
+    while True:
+        await framed.send(Ping())
+        await anyio.sleep(0.05)
+
+
 # -- retries and timeouts --------------------------------------------------------------------
 
 
