@@ -282,6 +282,34 @@ async def test_the_follower_authenticates_the_root() -> None:
             tg.cancel_scope.cancel()
 
 
+async def _mute_root(*, task_status: TaskStatus[int]) -> None:
+    """Accepts connections and never says a word."""
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    async with listener:
+        task_status.started(listener.extra(anyio.abc.SocketAttribute.local_port))
+        await listener.serve(_silent)
+
+
+async def _silent(stream: SocketStream) -> None:
+    async with stream:
+        await anyio.sleep_forever()
+
+
+async def test_a_mute_root_fails_the_handshake_with_a_timeout() -> None:
+    send, receive = anyio.create_memory_object_stream[Command](10)
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            port = await tg.start(_mute_root)
+            follower = control.tcp_follower(
+                "127.0.0.1", port, rank=1, secret=SECRET, handshake_timeout=0.3
+            )
+            async with follower, receive:
+                with pytest.raises(lampdist.JoinTimeout, match="handshake") as timeout:
+                    await follower.join(send)
+            assert (timeout.value.rank, timeout.value.phase) == (1, "handshake")
+            tg.cancel_scope.cancel()
+
+
 async def test_the_follower_notices_a_silent_root() -> None:
     send, receive = anyio.create_memory_object_stream[Command](10)
     with anyio.fail_after(20):

@@ -157,9 +157,16 @@ class TcpFollowerChannel:
             try:
                 with anyio.fail_after(self._settings.handshake_timeout):
                     framed = await self._handshake(stream)
-            except BaseException:
+            except BaseException as exc:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
                     await stream.aclose()
+                if isinstance(exc, TimeoutError) and not isinstance(exc, LampdistError):
+                    raise JoinTimeout(
+                        f"the root at {self._host}:{self._port} did not finish the handshake "
+                        f"within {self._settings.handshake_timeout} s (handshake_timeout)",
+                        rank=self.rank,
+                        phase="handshake",
+                    ) from None
                 raise
             self._framed = framed
             stage = "clique"
@@ -198,6 +205,12 @@ class TcpFollowerChannel:
         except ssl.SSLCertVerificationError as exc:
             raise AuthenticationError(
                 f"the root's TLS certificate failed verification ({exc.verify_message})",
+                rank=self.rank,
+                phase="handshake",
+            ) from exc
+        except ssl.SSLError as exc:
+            raise ProtocolError(
+                f"the TLS handshake with the root failed ({exc}); do both sides use TLS?",
                 rank=self.rank,
                 phase="handshake",
             ) from exc
