@@ -9,7 +9,7 @@ import pytest
 
 import lampdist
 
-PUBLIC_MODULES = ["lampdist", "lampdist.schedules"]
+PUBLIC_MODULES = ["lampdist", "lampdist.control", "lampdist.schedules"]
 
 
 @pytest.mark.parametrize("name", PUBLIC_MODULES)

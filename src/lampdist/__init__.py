@@ -4,6 +4,7 @@ A root rank drives the epochs and steps the optimizer; follower ranks follow com
 control channel; tensors move through a collective-communication clique.
 """
 
+from . import control as control
 from . import schedules as schedules
 from ._errors import AuthenticationError as AuthenticationError
 from ._errors import BadBatch as BadBatch
@@ -54,6 +55,7 @@ __all__ = [
     "RankFailed",
     "TrainingError",
     "TrainingState",
+    "control",
     "epochs",
     "schedules",
 ]
