@@ -30,13 +30,13 @@ from ._errors import PeerDisconnected as PeerDisconnected
 from ._errors import ProtocolError as ProtocolError
 from ._errors import RankFailed as RankFailed
 from ._errors import TrainingError as TrainingError
-from .loop import CurvePoint as CurvePoint
-from .loop import LoopState as LoopState
-from .loop import TrainingState as TrainingState
 from .clique import Clique as Clique
 from .clique import open_clique as open_clique
 from .epoch import PassEvent as PassEvent
 from .epoch import SupervisedModel as SupervisedModel
+from .loop import CurvePoint as CurvePoint
+from .loop import LoopState as LoopState
+from .loop import TrainingState as TrainingState
 from .loop import epochs as epochs
 from .roles import drive_distributed_training as drive_distributed_training
 from .roles import follow_distributed_training as follow_distributed_training
@@ -46,12 +46,12 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "AuthenticationError",
-    "BatchSource",
-    "CheckpointState",
-    "Clique",
     "BadBatch",
+    "BatchSource",
     "CheckpointError",
+    "CheckpointState",
     "CheckpointVersionError",
+    "Clique",
     "CliqueError",
     "CliqueTimeout",
     "CollectiveFailed",

@@ -7,9 +7,10 @@ awaited, and it can be called again for the next epoch (a coroutine object could
 from __future__ import annotations
 
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
-from typing import Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
-from .loop._state import LoopState, TrainingState
+if TYPE_CHECKING:  # the loop imports these effect types: no import cycle at run time
+    from .loop._state import LoopState, TrainingState
 
 __all__ = [
     "Batch",
@@ -31,7 +32,7 @@ ValidationEpoch: TypeAlias = Callable[[], Awaitable[float]]
 SaveBestModel: TypeAlias = Callable[[], Awaitable[None]]
 """``async () -> None``: remember the current model as the best one so far."""
 
-CheckpointLoopState: TypeAlias = Callable[[LoopState, Any], Awaitable[None]]
+CheckpointLoopState: TypeAlias = Callable[["LoopState", Any], Awaitable[None]]
 """``async (loop_state, lr_state) -> None``: what the pure epoch driver checkpoints."""
 
 

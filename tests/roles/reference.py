@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -38,7 +38,7 @@ def make_shards(sizes: Sequence[Sequence[int]], seed: int = 1) -> list[list[Batc
 
 def reference_training(
     module: torch.nn.Module,
-    optimizer_factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+    optimizer_factory: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
     train: Shards,
     valid: Shards | None,
     *,
@@ -71,9 +71,9 @@ def reference_training(
             y = torch.cat([b[1] for b in window])
             optimizer.zero_grad()
             loss = mse(module(x), y)
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]  # torch's backward is untyped
             optimizer.step()
-            loss_sum += float(loss) * len(y)
+            loss_sum += float(loss.detach()) * len(y)
             count += len(y)
         train_losses.append(loss_sum / count)
         if valid is not None:

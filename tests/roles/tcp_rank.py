@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import anyio
@@ -29,8 +30,8 @@ EPOCHS = 2
 ACCUMULATE = 3
 
 
-def sgd(params: object) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)  # type: ignore[arg-type]
+def sgd(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
 async def main(argv: list[str]) -> None:

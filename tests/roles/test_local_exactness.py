@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import anyio
 import pytest
@@ -19,12 +19,15 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def sgd(params: object) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)  # type: ignore[arg-type]
+def sgd(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def adamw(params: object) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=0.01)  # type: ignore[arg-type]
+def adamw(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.01)
+
+
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
 def source(batches: Sequence[Batch]) -> lampdist.BatchSource:
@@ -43,14 +46,21 @@ CASES = {
 
 @pytest.mark.parametrize("optimizer_factory", [sgd, adamw], ids=["sgd", "adamw"])
 @pytest.mark.parametrize("case", sorted(CASES))
-async def test_matches_single_process_reference(case: str, optimizer_factory: object) -> None:
+async def test_matches_single_process_reference(
+    case: str, optimizer_factory: OptimizerFactory
+) -> None:
     sizes, accumulate = CASES[case]
     nranks = len(sizes)
     train = make_shards(sizes, seed=1)
     valid = make_shards([[5, 3]] * nranks, seed=2)
     initial = make_model()
     expected, train_losses, valid_losses = reference_training(
-        initial, optimizer_factory, train, valid, epochs=2, accumulate=accumulate  # type: ignore[arg-type]
+        initial,
+        optimizer_factory,
+        train,
+        valid,
+        epochs=2,
+        accumulate=accumulate,
     )
     modules = [make_model(seed=10 + rank) for rank in range(nranks)]
     modules[0].load_state_dict(initial.state_dict())  # followers start from other weights
@@ -60,7 +70,7 @@ async def test_matches_single_process_reference(case: str, optimizer_factory: ob
                 (lampdist.SupervisedModel(module, mse), source(t), source(v))
                 for module, t, v in zip(modules, train, valid, strict=True)
             ],
-            optimizer_factory=optimizer_factory,  # type: ignore[arg-type]
+            optimizer_factory=optimizer_factory,
             max_epochs=2,
             accumulate_gradient_over_n_batches=accumulate,
         )
@@ -69,9 +79,7 @@ async def test_matches_single_process_reference(case: str, optimizer_factory: ob
             module.state_dict().items(), expected.state_dict().values(), strict=True
         ):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-9, msg=name)
-    assert [p.training_loss for p in state.learning_curve] == pytest.approx(
-        train_losses, rel=1e-9
-    )
+    assert [p.training_loss for p in state.learning_curve] == pytest.approx(train_losses, rel=1e-9)
     assert [p.validation_loss for p in state.learning_curve] == pytest.approx(
         valid_losses, rel=1e-9
     )
@@ -94,7 +102,8 @@ async def test_validation_runs_in_eval_mode_without_grad_and_training_in_train_m
     modules = [Probe(), Probe()]
     await lampdist.local_data_parallel_training_loop(
         models_with_data_streams=[
-            (lampdist.SupervisedModel(m, mse), source(s), source(s)) for m, s in zip(modules, shards)
+            (lampdist.SupervisedModel(m, mse), source(s), source(s))
+            for m, s in zip(modules, shards, strict=True)
         ],
         optimizer_factory=sgd,
         max_epochs=1,
@@ -119,7 +128,8 @@ async def test_best_model_is_restored_on_every_rank() -> None:
     schedule = lampdist.schedules.from_epoch_count(lambda epoch: 1.0 if epoch < 2 else 40.0)
     state = await lampdist.local_data_parallel_training_loop(
         models_with_data_streams=[
-            (lampdist.SupervisedModel(m, mse), source(s), source(s)) for m, s in zip(modules, shards)
+            (lampdist.SupervisedModel(m, mse), source(s), source(s))
+            for m, s in zip(modules, shards, strict=True)
         ],
         optimizer_factory=sgd,
         max_epochs=5,

@@ -48,12 +48,9 @@ def test_two_processes_match_the_reference(tmp_path: Path) -> None:
     assert root.returncode == 0, root_err
     assert follower is not None and follower.returncode == 0, follower_err
 
-    def sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        return tcp_rank.sgd(params)
-
     expected, train_losses, valid_losses = reference_training(
         make_model(seed=0),
-        sgd,
+        tcp_rank.sgd,
         make_shards(tcp_rank.SIZES, seed=1),
         make_shards(tcp_rank.VALID_SIZES, seed=2),
         epochs=tcp_rank.EPOCHS,

@@ -9,6 +9,7 @@ autograd accumulates into the views.
 from __future__ import annotations
 
 import hashlib
+
 import attrs
 import torch
 

@@ -64,7 +64,7 @@ def move_to_device(value: Any, device: torch.device) -> Any:
         return value.to(device, non_blocking=value.is_pinned())
     if isinstance(value, Mapping):
         return {key: move_to_device(item, device) for key, item in value.items()}
-    if isinstance(value, tuple | list) and not isinstance(value, str):
+    if isinstance(value, tuple | list):
         moved = [move_to_device(item, device) for item in value]
         return tuple(moved) if isinstance(value, tuple) else moved
     return value
@@ -75,7 +75,8 @@ def check_batch(batch: object) -> tuple[Any, Any]:
     if not isinstance(batch, Sequence) or isinstance(batch, str | bytes) or len(batch) != 2:
         raise BadBatch(
             "a batch must be an (inputs, target) pair, "
-            f"got {type(batch).__name__}" + (f" of length {len(batch)}" if isinstance(batch, Sequence) else "")
+            f"got {type(batch).__name__}"
+            + (f" of length {len(batch)}" if isinstance(batch, Sequence) else "")
         )
     inputs, target = batch
     return inputs, target

@@ -127,9 +127,7 @@ class RankRunner:
     optimizer: torch.optim.Optimizer | None = None
     base_lrs: list[float] = attrs.field(factory=list)
     on_event: OnPassEvent | None = None
-    _compute_limiter: anyio.CapacityLimiter = attrs.field(
-        factory=lambda: anyio.CapacityLimiter(1)
-    )
+    _compute_limiter: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))
 
     @property
     def device(self) -> torch.device:
@@ -302,7 +300,7 @@ class RankRunner:
         with self._autocast():
             loss = self.model.forward_loss(batch.inputs, batch.target)
         weighted = loss * batch.examples
-        weighted.backward()
+        weighted.backward()  # type: ignore[no-untyped-call]  # torch's backward is untyped
         self.flat.ensure_gradient_views()
         return weighted.detach().to(torch.float64)
 

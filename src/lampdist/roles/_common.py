@@ -24,9 +24,12 @@ from ..clique import Clique
 from ..epoch import FlatModel, TrainingOptions
 
 __all__ = [
+    "DERIVED",
     "Phase",
     "agree",
+    "describe",
     "find_culprit",
+    "most_telling",
     "resolve_device",
     "single_error",
 ]
@@ -63,9 +66,27 @@ def check_rank(rank: int, nranks: int) -> None:
 
 @attrs.define
 class Phase:
-    """The phase a rank is in, for error messages and failure reports."""
+    """Where a rank is (phase name, epoch, pass), for error messages and failure reports."""
 
     name: str = "join"
+    epoch: int = 0
+    pass_index: int = 0
+    reported: bool = False
+
+
+def describe(error: BaseException) -> str:
+    """``"Type: message"`` of the most telling error in ``error`` (see :func:`single_error`)."""
+    leaf = most_telling(error)
+    return f"{type(leaf).__name__}: {leaf}"
+
+
+def most_telling(error: BaseException) -> BaseException:
+    """``error`` itself, or for an exception group the error :func:`single_error` would raise."""
+    if not isinstance(error, BaseExceptionGroup):
+        return error
+    cancelled = anyio.get_cancelled_exc_class()
+    real = [leaf for leaf in _leaves(error) if not isinstance(leaf, cancelled)]
+    return _most_telling(real) or error
 
 
 async def agree(
@@ -125,7 +146,7 @@ async def find_culprit(watch: Callable[[], Awaitable[NoReturn]]) -> LampdistErro
     return None
 
 
-_DERIVED: tuple[type[BaseException], ...] = (
+DERIVED: tuple[type[BaseException], ...] = (
     RankFailed,
     PeerDisconnected,
     CollectiveFailed,
@@ -145,10 +166,8 @@ def single_error() -> Iterator[None]:
     try:
         yield
     except BaseExceptionGroup as group:
-        cancelled = anyio.get_cancelled_exc_class()
-        real = [leaf for leaf in _leaves(group) if not isinstance(leaf, cancelled)]
-        chosen = _most_telling(real)
-        if chosen is None:
+        chosen = most_telling(group)
+        if chosen is group:
             raise
         raise chosen from chosen.__cause__
 
@@ -156,12 +175,12 @@ def single_error() -> Iterator[None]:
 def _most_telling(errors: list[BaseException]) -> BaseException | None:
     """The original error if there is one kind of it (the lowest rank's), else the most telling
     report of a failure elsewhere; ``None`` for several unrelated errors."""
-    original = [e for e in errors if not isinstance(e, _DERIVED)]
+    original = [e for e in errors if not isinstance(e, DERIVED)]
     if original:
         if len({type(e) for e in original}) > 1:
             return None
         return min(original, key=lambda e: getattr(e, "rank", None) or 0)
-    for kind in _DERIVED:
+    for kind in DERIVED:
         for error in errors:
             if isinstance(error, kind):
                 return error

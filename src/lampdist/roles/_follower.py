@@ -10,11 +10,28 @@ import torch
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from .._effects import BatchSource
-from .._errors import CollectiveFailed, ConfigError, LampdistError, PeerDisconnected, RankFailed
+from .._errors import (
+    CliqueTimeout,
+    CollectiveFailed,
+    ConfigError,
+    LampdistError,
+    PeerDisconnected,
+    RankFailed,
+)
 from ..clique import open_clique
 from ..control import Command, CommandKind, FollowerChannel
 from ..epoch import FlatModel, RankRunner, SupervisedModel, TrainingOptions
-from ._common import Phase, agree, check_rank, find_culprit, resolve_device, single_error
+from ._common import (
+    DERIVED,
+    Phase,
+    agree,
+    check_rank,
+    describe,
+    find_culprit,
+    most_telling,
+    resolve_device,
+    single_error,
+)
 
 __all__ = ["follow_distributed_training"]
 
@@ -85,17 +102,15 @@ async def follow_distributed_training(
                     phase=phase,
                     send=send,
                 )
-            except CollectiveFailed as exc:
-                culprit = _root_abort(receive) or await find_culprit(control.watch)
-                if culprit is None:
-                    await _report(control, phase.name, exc)
-                    raise
-                raise culprit from exc
-            except (RankFailed, PeerDisconnected):
-                raise
-            except BaseException as exc:
-                with anyio.CancelScope(shield=True):
-                    await _report(control, phase.name, exc)
+            except Exception as exc:
+                leaf = most_telling(exc)
+                if isinstance(leaf, CollectiveFailed | CliqueTimeout):
+                    culprit = _root_abort(receive) or await find_culprit(control.watch)
+                    if culprit is not None:
+                        raise culprit from leaf
+                if not phase.reported and not isinstance(leaf, RankFailed | PeerDisconnected):
+                    with anyio.CancelScope(shield=True):
+                        await _report(control, phase.name, exc)
                 raise
             group.cancel_scope.cancel()
 
@@ -108,7 +123,7 @@ async def _report(control: FollowerChannel, phase: str, error: BaseException) ->
     """Best effort: tell the root why this rank stops."""
     with anyio.move_on_after(REPORT_TIMEOUT):
         try:
-            await control.report_failure(phase, f"{type(error).__name__}: {error}")
+            await control.report_failure(phase, describe(error))
         except LampdistError as exc:
             logger.debug("could not report the failure to the root: %s", exc)
 
@@ -153,32 +168,52 @@ async def _run(
         collective_timeout=collective_timeout,
     ) as clique:
         runner = RankRunner(rank=rank, clique=clique, model=model, flat=flat, options=options)
-        phase.name = "agreement"
-        await agree(clique, flat, options, validates=validation_batches is not None)
-        await runner.sync_parameters()
+        try:
+            await _follow_commands(runner, commands, train_batches, validation_batches, phase)
+        except Exception as exc:
+            # Report before the clique closes, so the root learns the cause before the
+            # collectives on other ranks fail.
+            if not isinstance(most_telling(exc), DERIVED):
+                with anyio.CancelScope(shield=True):
+                    await _report(control, phase.name, exc)
+                phase.reported = True
+            raise
+
+
+async def _follow_commands(
+    runner: RankRunner,
+    commands: MemoryObjectReceiveStream[Command],
+    train_batches: BatchSource,
+    validation_batches: BatchSource | None,
+    phase: Phase,
+) -> None:
+    phase.name = "agreement"
+    validates = validation_batches is not None
+    await agree(runner.clique, runner.flat, runner.options, validates=validates)
+    await runner.sync_parameters()
+    phase.name = "wait for command"
+    async for command in commands:
+        if command.kind is CommandKind.STOP:
+            if command.error is not None:
+                raise RankFailed(command.error, rank=0, phase="stop")
+            phase.name = "stop"
+            await runner.sync_parameters()
+            return
+        if command.kind is CommandKind.TRAIN:
+            phase.name = "train"
+            await runner.train_pass(
+                train_batches,
+                epoch=command.epoch,
+                pass_index=command.pass_index,
+                lr_factor=command.lr_factor if command.lr_factor is not None else 1.0,
+            )
+        elif command.kind is CommandKind.VALID:
+            phase.name = "valid"
+            assert validation_batches is not None  # the agreement check ensures it
+            await runner.validation_pass(
+                validation_batches, epoch=command.epoch, pass_index=command.pass_index
+            )
         phase.name = "wait for command"
-        async for command in commands:
-            if command.kind is CommandKind.STOP:
-                if command.error is not None:
-                    raise RankFailed(command.error, rank=0, phase="stop")
-                phase.name = "stop"
-                await runner.sync_parameters()
-                return
-            if command.kind is CommandKind.TRAIN:
-                phase.name = "train"
-                await runner.train_pass(
-                    train_batches,
-                    epoch=command.epoch,
-                    pass_index=command.pass_index,
-                    lr_factor=command.lr_factor if command.lr_factor is not None else 1.0,
-                )
-            elif command.kind is CommandKind.VALID:
-                phase.name = "valid"
-                assert validation_batches is not None  # the agreement check ensures it
-                await runner.validation_pass(
-                    validation_batches, epoch=command.epoch, pass_index=command.pass_index
-                )
-            phase.name = "wait for command"
-        raise PeerDisconnected(
-            "the root closed the control channel without STOP", rank=0, phase=phase.name
-        )
+    raise PeerDisconnected(
+        "the root closed the control channel without STOP", rank=0, phase=phase.name
+    )

@@ -57,7 +57,9 @@ async def local_data_parallel_training_loop(
     failures).
     """
     if not models_with_data_streams:
-        raise ConfigError("models_with_data_streams is empty: pass one (model, train, valid) per rank")
+        raise ConfigError(
+            "models_with_data_streams is empty: pass one (model, train, valid) per rank"
+        )
     nranks = len(models_with_data_streams)
     devices = [_device_of(entry[0]) for entry in models_with_data_streams]
     root, followers = local_channels(nranks)

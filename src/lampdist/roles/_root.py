@@ -10,17 +10,35 @@ import anyio
 import torch
 
 from .._effects import BatchSource, CheckpointState
-from .._errors import CheckpointError, CollectiveFailed, ConfigError, LampdistError, RankFailed
+from .._errors import (
+    CheckpointError,
+    CliqueTimeout,
+    CollectiveFailed,
+    ConfigError,
+    LampdistError,
+)
 from ..clique import open_clique, serve_rendezvous
 from ..control import Command, CommandKind, RootChannel
 from ..epoch import FlatModel, OnPassEvent, RankRunner, SupervisedModel, TrainingOptions
-from ..loop import LoopState, TrainingState, epochs
+from ..loop import LoopState, TrainingState, check_epochs_arguments, epochs
 from ..schedules import LearningRateSchedule, noop
-from ._common import Phase, agree, check_rank, find_culprit, resolve_device, single_error
+from ._common import (
+    Phase,
+    agree,
+    check_rank,
+    describe,
+    find_culprit,
+    most_telling,
+    resolve_device,
+    single_error,
+)
 
 __all__ = ["drive_distributed_training"]
 
 logger = logging.getLogger(__name__)
+
+ABORT_TIMEOUT = 2.0
+"""How long the root tries to tell the followers why it stops."""
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -82,8 +100,12 @@ async def drive_distributed_training(
         non_finite_loss=non_finite_loss,
     )
     schedule = learning_rate_schedule if learning_rate_schedule is not None else noop()
-    if max_epochs < 0:
-        raise ConfigError(f"max_epochs must be >= 0, got {max_epochs}")
+    check_epochs_arguments(
+        max_epochs,
+        validation_frequency,
+        validation_loss_exponential_smoothing_factor,
+        init_state.loop_state if init_state is not None else LoopState(),
+    )
     flat = FlatModel.create(model.module, torch_device)
     optimizer = optimizer_factory(flat.parameters)
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -120,15 +142,19 @@ async def drive_distributed_training(
                     collective_timeout=collective_timeout,
                     phase=phase,
                 )
-            except CollectiveFailed as exc:
-                culprit = await find_culprit(control.watch)
-                await _abort_followers(control, phase.name, culprit or exc)
+            except Exception as exc:
+                leaf = most_telling(exc)
+                culprit = None
+                if isinstance(leaf, CollectiveFailed | CliqueTimeout):
+                    culprit = await find_culprit(control.watch)
+                with anyio.CancelScope(shield=True):
+                    await _abort_followers(control, phase, culprit or exc)
                 if culprit is not None:
-                    raise culprit from exc
+                    raise culprit from leaf
                 raise
             except BaseException as exc:
                 with anyio.CancelScope(shield=True):
-                    await _abort_followers(control, phase.name, exc)
+                    await _abort_followers(control, phase, exc)
                 raise
             group.cancel_scope.cancel()
     return state
@@ -138,16 +164,18 @@ async def _watch(control: RootChannel) -> None:
     await control.watch()
 
 
-async def _abort_followers(control: RootChannel, phase: str, error: BaseException) -> None:
+async def _abort_followers(control: RootChannel, phase: Phase, error: BaseException) -> None:
     """Best effort: tell the followers that still listen why the run stops."""
-    if isinstance(error, RankFailed | anyio.get_cancelled_exc_class()):
-        message = f"the root stopped: {type(error).__name__}: {error}"
-    else:
-        message = f"{type(error).__name__}: {error}"
-    with anyio.move_on_after(2.0):
+    message = f"the root stopped in phase {phase.name!r}: {describe(error)}"
+    with anyio.move_on_after(ABORT_TIMEOUT):
         try:
             await control.broadcast(
-                Command(kind=CommandKind.STOP, epoch=-1, pass_index=-1, error=message)
+                Command(
+                    kind=CommandKind.STOP,
+                    epoch=phase.epoch,
+                    pass_index=phase.pass_index,
+                    error=message,
+                )
             )
         except LampdistError as exc:
             logger.debug("could not tell every follower that the run stops: %s", exc)
@@ -221,8 +249,8 @@ async def _run(
 
             async def train_epoch(lr_factor: float) -> float:
                 nonlocal pass_index, epoch
-                phase.name = "train"
                 epoch += 1
+                phase.name, phase.epoch, phase.pass_index = "train", epoch, pass_index
                 await control.broadcast(
                     Command(
                         kind=CommandKind.TRAIN,
@@ -240,7 +268,7 @@ async def _run(
             async def validation_epoch() -> float:
                 nonlocal pass_index
                 assert validation_batches is not None
-                phase.name = "valid"
+                phase.name, phase.pass_index = "valid", pass_index
                 await control.broadcast(
                     Command(kind=CommandKind.VALID, epoch=epoch, pass_index=pass_index)
                 )
