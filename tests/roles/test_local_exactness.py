@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Iterable, Sequence
 
 import anyio
@@ -169,3 +170,39 @@ async def test_progress_events_count_the_whole_clique() -> None:
     assert train[-1].total_batches == 3
     (valid,) = [e for e in events if e.kind == "valid"]
     assert valid.examples == 20 and valid.done
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+async def test_mixed_precision_trains_and_keeps_ranks_equal(
+    dtype: torch.dtype, caplog: pytest.LogCaptureFixture
+) -> None:
+    """fp16 with a loss this large overflows at the initial loss scale: the root must skip
+    those steps and lower the scale, and training still moves the weights."""
+
+    def big_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return mse(output, target) * 1e4
+
+    caplog.set_level("INFO", logger="lampdist.epoch")
+    shards = make_shards([[8] * 10, [8] * 10], seed=9)
+    modules = [make_model().float() for _ in shards]
+    before = [p.detach().clone() for p in modules[0].parameters()]
+    state = await lampdist.local_data_parallel_training_loop(
+        models_with_data_streams=[
+            (lampdist.SupervisedModel(m, big_loss), source(_as_float(s)), None)
+            for m, s in zip(modules, shards, strict=True)
+        ],
+        optimizer_factory=lambda params: torch.optim.SGD(params, lr=1e-6),
+        max_epochs=2,
+        autocast_dtype=dtype,
+    )
+    assert all(math.isfinite(p.training_loss) for p in state.learning_curve)
+    overflowed = [r for r in caplog.records if "overflowed" in r.getMessage()]
+    assert bool(overflowed) == (dtype == torch.float16)
+    after = list(modules[0].parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    for a, b in zip(modules[0].parameters(), modules[1].parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def _as_float(batches: Sequence[Batch]) -> list[Batch]:
+    return [(x.float(), y.float()) for x, y in batches]

@@ -62,7 +62,8 @@ async def train(
             learning_rate_schedule_init_state=resume[1] if resume else None,
         )
     except lampdist.CheckpointError as exc:
-        assert isinstance(exc.__cause__, Stop)
+        if not isinstance(exc.__cause__, Stop):
+            raise
         return modules, None, saved
     return modules, state, saved
 

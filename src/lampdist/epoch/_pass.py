@@ -115,6 +115,31 @@ class PassResult:
 
 
 @attrs.define(eq=False)
+class LossScale:
+    """Dynamic loss scaling for fp16 autocast: the root halves the scale and skips the step
+    when the averaged gradients overflow, and doubles it after ``growth_interval`` clean
+    steps; followers receive the scale with the parameters."""
+
+    enabled: bool
+    scale: float = 2.0**16
+    growth_interval: int = 2000
+    _clean_steps: int = 0
+
+    def update(self, gradients: list[torch.Tensor]) -> bool:
+        """Whether ``gradients`` are finite; adjusts the scale (one host sync)."""
+        finite = bool(torch.stack([g.isfinite().all() for g in gradients]).all().item())
+        if not finite:
+            self.scale /= 2.0
+            self._clean_steps = 0
+            return False
+        self._clean_steps += 1
+        if self._clean_steps >= self.growth_interval:
+            self.scale *= 2.0
+            self._clean_steps = 0
+        return True
+
+
+@attrs.define(eq=False)
 class RankRunner:
     """Runs passes for one rank. The root's runner holds the optimizer and the base learning
     rate of each of its param groups (the schedule's factor scales them); followers' hold none."""
@@ -127,7 +152,12 @@ class RankRunner:
     optimizer: torch.optim.Optimizer | None = None
     base_lrs: list[float] = attrs.field(factory=list)
     on_event: OnPassEvent | None = None
+    loss_scale: LossScale = attrs.field()
     _compute_limiter: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))
+
+    @loss_scale.default
+    def _default_loss_scale(self) -> LossScale:
+        return LossScale(enabled=self.options.autocast_dtype == torch.float16)
 
     @property
     def device(self) -> torch.device:
@@ -170,10 +200,10 @@ class RankRunner:
                         return PassResult(loss=math.nan, examples=0, steps=steps)
                     continue
                 examples, loss_sum, more_ranks = meta.tolist()
-                stepped = await self._root_step(
+                counted = await self._root_step(
                     examples, loss_sum, epoch=epoch, step=steps, batches=reader.batches_read
                 )
-                if stepped:
+                if counted:
                     total_loss += loss_sum
                     total_examples += int(examples)
                 else:
@@ -300,7 +330,8 @@ class RankRunner:
         with self._autocast():
             loss = self.model.forward_loss(batch.inputs, batch.target)
         weighted = loss * batch.examples
-        weighted.backward()  # type: ignore[no-untyped-call]  # torch's backward is untyped
+        scaled = weighted * self.loss_scale.scale if self.loss_scale.enabled else weighted
+        scaled.backward()  # type: ignore[no-untyped-call]  # torch's backward is untyped
         self.flat.ensure_gradient_views()
         return weighted.detach().to(torch.float64)
 
@@ -319,7 +350,8 @@ class RankRunner:
     async def _root_step(
         self, examples: float, loss_sum: float, *, epoch: int, step: int, batches: int
     ) -> bool:
-        """Average, clip and step on the root; returns whether the optimizer stepped."""
+        """Average, clip and step on the root; returns whether the step's loss counts (a step
+        skipped for a non-finite loss does not; one skipped for an fp16 overflow does)."""
         assert self.optimizer is not None
         if examples == 0:
             self.flat.zero_gradients()
@@ -341,22 +373,33 @@ class RankRunner:
 
     def _step(self, examples: float) -> None:
         assert self.optimizer is not None
+        divisor = examples * (self.loss_scale.scale if self.loss_scale.enabled else 1.0)
         for grads in self.flat.gradient_buffers:
-            grads.div_(examples)
+            grads.div_(divisor)
+        if self.loss_scale.enabled and not self.loss_scale.update(self.flat.gradient_buffers):
+            logger.info(
+                "fp16 gradients overflowed: skipping the step, loss scale now %g",
+                self.loss_scale.scale,
+            )
+            self.flat.zero_gradients()
+            return
         if self.options.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.flat.parameters, self.options.max_grad_norm)
         self.optimizer.step()
         self.flat.zero_gradients()
 
     async def _send_parameters(self, more: bool) -> None:
-        flag = torch.tensor([1.0 if more else 0.0], dtype=torch.float64, device=self.device)
+        control = torch.tensor(
+            [1.0 if more else 0.0, self.loss_scale.scale], dtype=torch.float64, device=self.device
+        )
         await self.clique.broadcast(
-            [*self.flat.parameter_buffers, *self.flat.module_buffers, flag], root=0
+            [*self.flat.parameter_buffers, *self.flat.module_buffers, control], root=0
         )
 
     async def _receive_parameters(self) -> bool:
-        flag = torch.zeros(1, dtype=torch.float64, device=self.device)
+        control = torch.zeros(2, dtype=torch.float64, device=self.device)
         await self.clique.broadcast(
-            [*self.flat.parameter_buffers, *self.flat.module_buffers, flag], root=0
+            [*self.flat.parameter_buffers, *self.flat.module_buffers, control], root=0
         )
-        return bool(flag.item() > 0)
+        more, self.loss_scale.scale = control.tolist()
+        return bool(more > 0)
