@@ -4,6 +4,7 @@ was never interrupted: weights, optimizer, best model, loop state and schedule."
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -49,7 +50,11 @@ async def train(
     try:
         state = await lampdist.local_data_parallel_training_loop(
             models_with_data_streams=[
-                (lampdist.SupervisedModel(m, mse), (lambda s=s: s), (lambda v=v: v))
+                (
+                    lampdist.SupervisedModel(m, mse),
+                    functools.partial(list, s),
+                    functools.partial(list, v),
+                )
                 for m, s, v in zip(modules, shards, valid, strict=True)
             ],
             optimizer_factory=adamw,
