@@ -45,10 +45,14 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("optimizer_factory", [sgd, adamw], ids=["sgd", "adamw"])
+@pytest.mark.parametrize(
+    ("optimizer_factory", "step_on"),
+    [(sgd, "root"), (adamw, "root"), (adamw, "every_rank")],
+    ids=["sgd", "adamw", "adamw-every-rank"],
+)
 @pytest.mark.parametrize("case", sorted(CASES))
 async def test_matches_single_process_reference(
-    case: str, optimizer_factory: OptimizerFactory
+    case: str, optimizer_factory: OptimizerFactory, step_on: lampdist.epoch.StepOn
 ) -> None:
     sizes, accumulate = CASES[case]
     nranks = len(sizes)
@@ -74,6 +78,7 @@ async def test_matches_single_process_reference(
             optimizer_factory=optimizer_factory,
             max_epochs=2,
             accumulate_gradient_over_n_batches=accumulate,
+            step_on=step_on,
         )
     for module in modules:
         for (name, got), want in zip(

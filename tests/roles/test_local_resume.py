@@ -36,6 +36,7 @@ async def train(
     stop_after: int | None = None,
     resume: tuple[lampdist.TrainingState, Any] | None = None,
     schedule: schedules.LearningRateSchedule[Any],
+    step_on: lampdist.epoch.StepOn = "root",
 ) -> tuple[list[torch.nn.Module], lampdist.LoopState | None, list[tuple[Any, Any]]]:
     shards = make_shards([[6, 5, 7], [4, 8]], seed=11)
     valid = make_shards([[6], [5]], seed=12)
@@ -65,6 +66,7 @@ async def train(
             validation_loss_exponential_smoothing_factor=0.5,
             init_state=resume[0] if resume else None,
             learning_rate_schedule_init_state=resume[1] if resume else None,
+            step_on=step_on,
         )
     except lampdist.CheckpointError as exc:
         if not isinstance(exc.__cause__, Stop):
@@ -73,6 +75,7 @@ async def train(
     return modules, state, saved
 
 
+@pytest.mark.parametrize("step_on", ["root", "every_rank"])
 @pytest.mark.parametrize(
     "schedule",
     [
@@ -84,14 +87,16 @@ async def train(
     ids=["reduce_on_plateau", "decrement", "best-model-before-interruption"],
 )
 async def test_interrupted_and_resumed_equals_uninterrupted(
-    schedule: schedules.LearningRateSchedule[Any],
+    schedule: schedules.LearningRateSchedule[Any], step_on: lampdist.epoch.StepOn
 ) -> None:
-    whole, whole_state, whole_saved = await train(max_epochs=6, schedule=schedule)
-    _, stopped, partial_saved = await train(max_epochs=6, stop_after=3, schedule=schedule)
+    whole, whole_state, whole_saved = await train(max_epochs=6, schedule=schedule, step_on=step_on)
+    _, stopped, partial_saved = await train(
+        max_epochs=6, stop_after=3, schedule=schedule, step_on=step_on
+    )
     assert stopped is None
     assert len(partial_saved) == 3
     resumed, resumed_state, resumed_saved = await train(
-        max_epochs=6, resume=partial_saved[-1], schedule=schedule
+        max_epochs=6, resume=partial_saved[-1], schedule=schedule, step_on=step_on
     )
     assert resumed_state == whole_state
     for a, b in zip(whole, resumed, strict=True):

@@ -1,21 +1,22 @@
 """One pass over a rank's batches on the clique: training steps and validation.
 
 A training step, on every rank: forward and backward over up to ``accumulate`` batches with
-each batch's mean loss weighted by its example count, so the gradient buffers hold sums; then
-one reduce of the flat gradients and a small float64 ``meta`` tensor (examples, loss sum,
-whether this rank has more batches) to the root. The root divides by the global example count,
-clips, steps the optimizer and broadcasts the flat parameters, the module's buffers and a
-``more`` flag. The pass ends when no rank has batches left. The update therefore equals one
+each batch's mean loss weighted by its example count, so the flat gradient buffers hold sums.
+Then, with ``step_on="root"``: one reduce of the gradients and a small float64 ``meta`` tensor
+(examples, loss sum, whether this rank has more batches) to the root, which divides by the
+clique's example count, steps and broadcasts the parameters, the module's buffers and a
+``more`` flag. With ``step_on="every_rank"``: one all-reduce of the same tensors and every
+rank steps. The pass ends when no rank has batches left. Either way the update equals one
 process stepping on the concatenation of every rank's batches of the step.
 """
 
 from __future__ import annotations
 
-import logging
+import io
 import math
 import time
-from collections.abc import Awaitable, Callable
-from typing import Literal
+from collections.abc import Callable
+from functools import partial
 
 import anyio
 import anyio.to_thread
@@ -23,140 +24,38 @@ import attrs
 import torch
 
 from .._effects import BatchSource
-from .._errors import ConfigError, LampdistError, NonFiniteLoss, TrainingError
+from .._errors import LampdistError, TrainingError
 from ..clique import Clique
 from ._batches import BatchReader, LoadedBatch, open_batches
 from ._flat import FlatModel
 from ._model import SupervisedModel
+from ._options import OnPassEvent, PassEvent, PassResult, TrainingOptions
+from ._stepper import LossScale, Stepper
 
-__all__ = ["PassEvent", "PassResult", "RankRunner", "TrainingOptions"]
+__all__ = ["RankRunner"]
 
-logger = logging.getLogger(__name__)
-
-_META_EXAMPLES, _META_LOSS, _META_MORE = 0, 1, 2
-
-
-@attrs.frozen(kw_only=True)
-class TrainingOptions:
-    """How a rank trains. ``accumulate_gradient_over_n_batches`` and ``autocast_dtype`` must
-    agree on every rank (checked at join); ``max_grad_norm`` and ``non_finite_loss`` act on the
-    root, which steps."""
-
-    accumulate_gradient_over_n_batches: int = 1
-    max_grad_norm: float | None = None
-    autocast_dtype: torch.dtype | None = None
-    non_finite_loss: Literal["raise", "skip"] = "raise"
-
-    def __attrs_post_init__(self) -> None:
-        if self.accumulate_gradient_over_n_batches < 1:
-            raise ConfigError(
-                "accumulate_gradient_over_n_batches must be >= 1, got "
-                f"{self.accumulate_gradient_over_n_batches}: pass 1 to step after every batch"
-            )
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ConfigError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
-        if self.autocast_dtype not in (None, torch.bfloat16, torch.float16):
-            raise ConfigError(
-                f"autocast_dtype must be torch.bfloat16, torch.float16 or None, "
-                f"got {self.autocast_dtype}"
-            )
-        if self.non_finite_loss not in ("raise", "skip"):
-            raise ConfigError(
-                f"non_finite_loss must be 'raise' or 'skip', got {self.non_finite_loss!r}"
-            )
-
-    def describe(self) -> str:
-        """The settings every rank must share (the root-only ones excluded), for the agreement
-        check at join."""
-        return (
-            f"accumulate_gradient_over_n_batches={self.accumulate_gradient_over_n_batches}, "
-            f"autocast_dtype={self.autocast_dtype}"
-        )
-
-
-@attrs.frozen(kw_only=True)
-class PassEvent:
-    """Progress of a pass, reported on the root after every step and at the end.
-
-    ``batches`` and ``examples`` count the whole clique's work so far in this pass (``batches``
-    the root's own); ``loss`` is the example-weighted mean so far; ``total_batches`` is the
-    root's batch count when its source has a length, else ``None``; ``done`` marks the last
-    event of the pass.
-    """
-
-    epoch: int
-    kind: Literal["train", "valid"]
-    pass_index: int
-    step: int
-    batches: int
-    total_batches: int | None
-    examples: int
-    loss: float
-    seconds: float
-    done: bool
-
-    @property
-    def examples_per_second(self) -> float:
-        """Examples of the whole clique per second of this pass so far."""
-        return self.examples / self.seconds if self.seconds > 0 else 0.0
-
-
-OnPassEvent = Callable[[PassEvent], Awaitable[None]]
-
-
-@attrs.frozen(kw_only=True)
-class PassResult:
-    """What a pass measured (on the root: for the whole clique)."""
-
-    loss: float
-    examples: int
-    steps: int
-    skipped_steps: int = 0
-
-
-@attrs.define(eq=False)
-class LossScale:
-    """Dynamic loss scaling for fp16 autocast: the root halves the scale and skips the step
-    when the averaged gradients overflow, and doubles it after ``growth_interval`` clean
-    steps; followers receive the scale with the parameters."""
-
-    enabled: bool
-    scale: float = 2.0**16
-    growth_interval: int = 2000
-    _clean_steps: int = 0
-
-    def update(self, gradients: list[torch.Tensor]) -> bool:
-        """Whether ``gradients`` are finite; adjusts the scale (one host sync)."""
-        finite = bool(torch.stack([g.isfinite().all() for g in gradients]).all().item())
-        if not finite:
-            self.scale /= 2.0
-            self._clean_steps = 0
-            return False
-        self._clean_steps += 1
-        if self._clean_steps >= self.growth_interval:
-            self.scale *= 2.0
-            self._clean_steps = 0
-        return True
+_EXAMPLES, _LOSS, _MORE = 0, 1, 2
 
 
 @attrs.define(eq=False)
 class RankRunner:
-    """Runs passes for one rank. The root's runner holds the optimizer and the base learning
-    rate of each of its param groups (the schedule's factor scales them); followers' hold none."""
+    """Runs the passes of one rank. ``stepper`` is the root's optimizer, and every rank's with
+    ``step_on="every_rank"``; followers stepping on the root hold none."""
 
     rank: int
     clique: Clique
     model: SupervisedModel
     flat: FlatModel
     options: TrainingOptions
-    optimizer: torch.optim.Optimizer | None = None
-    base_lrs: list[float] = attrs.field(factory=list)
+    stepper: Stepper | None = None
     on_event: OnPassEvent | None = None
     loss_scale: LossScale = attrs.field()
     _compute_limiter: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))
 
     @loss_scale.default
     def _default_loss_scale(self) -> LossScale:
+        if self.stepper is not None:
+            return self.stepper.loss_scale
         return LossScale(enabled=self.options.autocast_dtype == torch.float16)
 
     @property
@@ -166,52 +65,61 @@ class RankRunner:
 
     @property
     def is_root(self) -> bool:
-        """Whether this runner steps the optimizer."""
-        return self.optimizer is not None
+        """Whether this is rank 0."""
+        return self.rank == 0
 
     async def sync_parameters(self) -> None:
         """Broadcast the root's parameters and buffers so that every rank holds them."""
         await self.clique.broadcast([*self.flat.parameter_buffers, *self.flat.module_buffers])
 
+    async def sync_optimizer_state(self) -> None:
+        """Give every rank the root's optimizer state (for ``step_on="every_rank"``)."""
+        assert self.stepper is not None
+        length = torch.zeros(1, dtype=torch.int64, device=self.device)
+        payload = torch.zeros(0, dtype=torch.uint8, device=self.device)
+        if self.is_root:
+            buffer = io.BytesIO()
+            torch.save(self.stepper.optimizer.state_dict(), buffer)
+            data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+            payload = data.to(self.device)
+            length[0] = payload.numel()
+        await self.clique.broadcast([length])
+        if not self.is_root:
+            payload = torch.zeros(int(length.item()), dtype=torch.uint8, device=self.device)
+        await self.clique.broadcast([payload])
+        if not self.is_root:
+            state = torch.load(
+                io.BytesIO(payload.cpu().numpy().tobytes()),
+                map_location=self.device,
+                weights_only=True,
+            )
+            self.stepper.optimizer.load_state_dict(state)
+
     async def train_pass(
         self, source: BatchSource, *, epoch: int, pass_index: int, lr_factor: float
     ) -> PassResult:
-        """One training pass; on the root the result covers every rank."""
-        if self.optimizer is not None:
-            for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
-                group["lr"] = base * lr_factor
+        """One training pass; the result covers the whole clique where this rank steps."""
+        if self.stepper is not None:
+            self.stepper.set_lr_factor(lr_factor)
         self.model.module.train()
         self.flat.zero_gradients()
         started = time.perf_counter()
         total_loss = 0.0
-        total_examples = 0
-        steps = skipped = 0
+        total_examples = steps = skipped = 0
         async with open_batches(
             source, model=self.model, device=self.device, rank=self.rank, phase="train"
         ) as reader:
-            while True:
+            more = True
+            while more:
                 meta = await self._accumulate(reader, epoch)
-                await self.clique.reduce([*self.flat.gradient_buffers, meta], root=0)
-                if self.optimizer is None:
-                    self.flat.zero_gradients()
-                    more = await self._receive_parameters()
-                    steps += 1
-                    if not more:
-                        return PassResult(loss=math.nan, examples=0, steps=steps)
-                    continue
-                examples, loss_sum, more_ranks = meta.tolist()
-                counted = await self._root_step(
-                    examples, loss_sum, epoch=epoch, step=steps, batches=reader.batches_read
-                )
+                examples, loss_sum, more, counted = await self._synchronise(meta, epoch, steps)
+                steps += 1
                 if counted:
                     total_loss += loss_sum
                     total_examples += int(examples)
                 else:
                     skipped += int(examples > 0)
-                steps += 1
-                more = more_ranks > 0
-                await self._send_parameters(more)
-                if self.on_event is not None:
+                if self.on_event is not None and self.is_root:
                     await self.on_event(
                         PassEvent(
                             epoch=epoch,
@@ -226,8 +134,8 @@ class RankRunner:
                             done=not more,
                         )
                     )
-                if not more:
-                    break
+        if self.stepper is None:
+            return PassResult(loss=math.nan, examples=0, steps=steps)
         if total_examples == 0 and skipped == 0:
             raise TrainingError(
                 f"epoch {epoch}: the training pass saw no examples on any rank; "
@@ -237,6 +145,37 @@ class RankRunner:
             )
         loss = total_loss / total_examples if total_examples else math.nan
         return PassResult(loss=loss, examples=total_examples, steps=steps, skipped_steps=skipped)
+
+    async def _synchronise(
+        self, meta: torch.Tensor, epoch: int, step: int
+    ) -> tuple[float, float, bool, bool]:
+        """Combine the step's gradients over the clique and step where the optimizer lives.
+
+        Returns the clique's examples and loss sum (zeros on a follower that does not step),
+        whether any rank has more batches, and whether the step's loss counts.
+        """
+        gradients = self.flat.gradient_buffers
+        if self.options.step_on == "every_rank":
+            assert self.stepper is not None
+            await self.clique.all_reduce([*gradients, meta])
+            examples, loss_sum, more = meta.tolist()
+            counted = await self._step(examples, loss_sum, epoch, step)
+            if self.flat.module_buffers:
+                await self.clique.broadcast(self.flat.module_buffers)
+            return examples, loss_sum, more > 0, counted
+        await self.clique.reduce([*gradients, meta], root=0)
+        if not self.is_root:
+            self.flat.zero_gradients()  # the reduce left partial sums in them
+            return 0.0, 0.0, await self._receive_parameters(), False
+        examples, loss_sum, more = meta.tolist()
+        counted = await self._step(examples, loss_sum, epoch, step)
+        await self._send_parameters(more > 0)
+        return examples, loss_sum, more > 0, counted
+
+    async def _step(self, examples: float, loss_sum: float, epoch: int, step: int) -> bool:
+        assert self.stepper is not None
+        step_once = partial(self.stepper.step, examples, loss_sum, epoch=epoch, step=step)
+        return await anyio.to_thread.run_sync(step_once, limiter=self._compute_limiter)
 
     async def validation_pass(
         self, source: BatchSource, *, epoch: int, pass_index: int
@@ -259,7 +198,7 @@ class RankRunner:
         meta[0] = examples
         meta[1] = loss_sum
         await self.clique.reduce([meta], root=0)
-        if self.optimizer is None:
+        if not self.is_root:
             return PassResult(loss=math.nan, examples=examples, steps=0)
         total_examples, total_loss = meta.tolist()
         if total_examples == 0:
@@ -320,9 +259,9 @@ class RankRunner:
             examples += batch.examples
         more = await reader.has_next()
         meta = torch.zeros(3, dtype=torch.float64, device=self.device)
-        meta[_META_EXAMPLES] = examples
-        meta[_META_LOSS] = loss_sum
-        meta[_META_MORE] = 1.0 if more else 0.0
+        meta[_EXAMPLES] = examples
+        meta[_LOSS] = loss_sum
+        meta[_MORE] = 1.0 if more else 0.0
         return meta
 
     def _forward_backward(self, batch: LoadedBatch) -> torch.Tensor:
@@ -330,7 +269,7 @@ class RankRunner:
         with self._autocast():
             loss = self.model.forward_loss(batch.inputs, batch.target)
         weighted = loss * batch.examples
-        scaled = weighted * self.loss_scale.scale if self.loss_scale.enabled else weighted
+        scaled = weighted * self.loss_scale.factor if self.loss_scale.enabled else weighted
         scaled.backward()  # type: ignore[no-untyped-call]  # torch's backward is untyped
         self.flat.ensure_gradient_views()
         return weighted.detach().to(torch.float64)
@@ -346,47 +285,6 @@ class RankRunner:
         return torch.autocast(
             device_type=self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None
         )
-
-    async def _root_step(
-        self, examples: float, loss_sum: float, *, epoch: int, step: int, batches: int
-    ) -> bool:
-        """Average, clip and step on the root; returns whether the step's loss counts (a step
-        skipped for a non-finite loss does not; one skipped for an fp16 overflow does)."""
-        assert self.optimizer is not None
-        if examples == 0:
-            self.flat.zero_gradients()
-            return False
-        if not math.isfinite(loss_sum):
-            where = f"epoch {epoch}, step {step} (the root's batches up to #{batches - 1})"
-            if self.options.non_finite_loss == "raise":
-                raise NonFiniteLoss(
-                    f"{where}: the summed loss is {loss_sum}; pass non_finite_loss='skip' to "
-                    "skip such steps",
-                    rank=self.rank,
-                    phase="train",
-                )
-            logger.warning("%s: skipping a step whose loss is %s", where, loss_sum)
-            self.flat.zero_gradients()
-            return False
-        await anyio.to_thread.run_sync(self._step, examples, limiter=self._compute_limiter)
-        return True
-
-    def _step(self, examples: float) -> None:
-        assert self.optimizer is not None
-        divisor = examples * (self.loss_scale.scale if self.loss_scale.enabled else 1.0)
-        for grads in self.flat.gradient_buffers:
-            grads.div_(divisor)
-        if self.loss_scale.enabled and not self.loss_scale.update(self.flat.gradient_buffers):
-            logger.info(
-                "fp16 gradients overflowed: skipping the step, loss scale now %g",
-                self.loss_scale.scale,
-            )
-            self.flat.zero_gradients()
-            return
-        if self.options.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.flat.parameters, self.options.max_grad_norm)
-        self.optimizer.step()
-        self.flat.zero_gradients()
 
     async def _send_parameters(self, more: bool) -> None:
         control = torch.tensor(

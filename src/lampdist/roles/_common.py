@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import NoReturn
 
@@ -21,12 +21,15 @@ from .._errors import (
     RankFailed,
 )
 from ..clique import Clique
-from ..epoch import FlatModel, TrainingOptions
+from ..epoch import FlatModel, Stepper, TrainingOptions
 
 __all__ = [
     "DERIVED",
+    "OptimizerFactory",
     "Phase",
     "agree",
+    "check_rank",
+    "create_stepper",
     "describe",
     "find_culprit",
     "most_telling",
@@ -54,6 +57,25 @@ def resolve_device(device: torch.device | str | int) -> torch.device:
     raise ConfigError(
         f"device must be a torch.device, a string or a CUDA index, got {type(device).__name__}"
     )
+
+
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+"""``(parameters) -> optimizer``: builds the optimizer over the model's parameters."""
+
+
+def create_stepper(
+    rank: int, optimizer_factory: OptimizerFactory, flat: FlatModel, options: TrainingOptions
+) -> Stepper:
+    """The optimizer of ``optimizer_factory`` over the flat parameters, wrapped to step."""
+    optimizer = optimizer_factory(flat.parameters)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            "optimizer_factory must return a torch.optim.Optimizer, "
+            f"got {type(optimizer).__name__}",
+            rank=rank,
+            phase="configure",
+        )
+    return Stepper.create(rank, optimizer, flat, options)
 
 
 def check_rank(rank: int, nranks: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Literal
 
 import anyio
 import torch
@@ -20,12 +21,14 @@ from .._errors import (
 )
 from ..clique import open_clique
 from ..control import Command, CommandKind, FollowerChannel
-from ..epoch import FlatModel, RankRunner, SupervisedModel, TrainingOptions
+from ..epoch import FlatModel, RankRunner, StepOn, Stepper, SupervisedModel, TrainingOptions
 from ._common import (
     DERIVED,
+    OptimizerFactory,
     Phase,
     agree,
     check_rank,
+    create_stepper,
     describe,
     find_culprit,
     most_telling,
@@ -51,6 +54,10 @@ async def follow_distributed_training(
     validation_batches: BatchSource | None = None,
     accumulate_gradient_over_n_batches: int = 1,
     autocast_dtype: torch.dtype | None = None,
+    step_on: StepOn = "root",
+    optimizer_factory: OptimizerFactory | None = None,
+    max_grad_norm: float | None = None,
+    non_finite_loss: Literal["raise", "skip"] = "raise",
     join_timeout: float | None = 300.0,
     setup_timeout: float | None = 300.0,
     collective_timeout: float | None = 600.0,
@@ -77,8 +84,21 @@ async def follow_distributed_training(
     options = TrainingOptions(
         accumulate_gradient_over_n_batches=accumulate_gradient_over_n_batches,
         autocast_dtype=autocast_dtype,
+        step_on=step_on,
+        max_grad_norm=max_grad_norm,
+        non_finite_loss=non_finite_loss,
     )
     flat = FlatModel.create(model.module, torch_device)
+    stepper = None
+    if step_on == "every_rank":
+        if optimizer_factory is None:
+            raise ConfigError(
+                "step_on='every_rank' needs optimizer_factory on the followers too: pass the "
+                "root's",
+                rank=rank,
+                phase="configure",
+            )
+        stepper = create_stepper(rank, optimizer_factory, flat, options)
     phase = Phase("join")
     send, receive = anyio.create_memory_object_stream[Command](math.inf)
     with single_error():
@@ -93,6 +113,7 @@ async def follow_distributed_training(
                     model=model,
                     flat=flat,
                     options=options,
+                    stepper=stepper,
                     train_batches=train_batches,
                     validation_batches=validation_batches,
                     commands=receive,
@@ -148,6 +169,7 @@ async def _run(
     model: SupervisedModel,
     flat: FlatModel,
     options: TrainingOptions,
+    stepper: Stepper | None,
     train_batches: BatchSource,
     validation_batches: BatchSource | None,
     commands: MemoryObjectReceiveStream[Command],
@@ -167,7 +189,9 @@ async def _run(
         setup_timeout=setup_timeout,
         collective_timeout=collective_timeout,
     ) as clique:
-        runner = RankRunner(rank=rank, clique=clique, model=model, flat=flat, options=options)
+        runner = RankRunner(
+            rank=rank, clique=clique, model=model, flat=flat, options=options, stepper=stepper
+        )
         try:
             await _follow_commands(runner, commands, train_batches, validation_batches, phase)
         except Exception as exc:
@@ -191,6 +215,8 @@ async def _follow_commands(
     validates = validation_batches is not None
     await agree(runner.clique, runner.flat, runner.options, validates=validates)
     await runner.sync_parameters()
+    if runner.options.step_on == "every_rank":
+        await runner.sync_optimizer_state()
     phase.name = "wait for command"
     async for command in commands:
         if command.kind is CommandKind.STOP:

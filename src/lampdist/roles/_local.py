@@ -13,12 +13,12 @@ import torch
 from .._effects import BatchSource, CheckpointState
 from .._errors import ConfigError
 from ..control import local_channels
-from ..epoch import OnPassEvent, SupervisedModel
+from ..epoch import OnPassEvent, StepOn, SupervisedModel
 from ..loop import LoopState, TrainingState
 from ..schedules import LearningRateSchedule
-from ._common import single_error
+from ._common import OptimizerFactory, single_error
 from ._follower import follow_distributed_training
-from ._root import OptimizerFactory, drive_distributed_training
+from ._root import drive_distributed_training
 
 __all__ = ["local_data_parallel_training_loop"]
 
@@ -41,6 +41,7 @@ async def local_data_parallel_training_loop(
     max_grad_norm: float | None = None,
     autocast_dtype: torch.dtype | None = None,
     non_finite_loss: Literal["raise", "skip"] = "raise",
+    step_on: StepOn = "root",
     on_event: OnPassEvent | None = None,
     setup_timeout: float | None = 300.0,
     collective_timeout: float | None = 600.0,
@@ -85,6 +86,10 @@ async def local_data_parallel_training_loop(
                             validation_batches=valid,
                             accumulate_gradient_over_n_batches=accumulate_gradient_over_n_batches,
                             autocast_dtype=autocast_dtype,
+                            step_on=step_on,
+                            optimizer_factory=optimizer_factory,
+                            max_grad_norm=max_grad_norm,
+                            non_finite_loss=non_finite_loss,
                             setup_timeout=setup_timeout,
                             collective_timeout=collective_timeout,
                         )
@@ -111,6 +116,7 @@ async def local_data_parallel_training_loop(
                     max_grad_norm=max_grad_norm,
                     autocast_dtype=autocast_dtype,
                     non_finite_loss=non_finite_loss,
+                    step_on=step_on,
                     on_event=on_event,
                     setup_timeout=setup_timeout,
                     collective_timeout=collective_timeout,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import anyio
@@ -14,18 +14,27 @@ from .._errors import (
     CheckpointError,
     CliqueTimeout,
     CollectiveFailed,
-    ConfigError,
     LampdistError,
 )
 from ..clique import open_clique, serve_rendezvous
 from ..control import Command, CommandKind, RootChannel
-from ..epoch import FlatModel, OnPassEvent, RankRunner, SupervisedModel, TrainingOptions
+from ..epoch import (
+    FlatModel,
+    OnPassEvent,
+    RankRunner,
+    StepOn,
+    Stepper,
+    SupervisedModel,
+    TrainingOptions,
+)
 from ..loop import LoopState, TrainingState, check_epochs_arguments, epochs
 from ..schedules import LearningRateSchedule, noop
 from ._common import (
+    OptimizerFactory,
     Phase,
     agree,
     check_rank,
+    create_stepper,
     describe,
     find_culprit,
     most_telling,
@@ -39,8 +48,6 @@ logger = logging.getLogger(__name__)
 
 ABORT_TIMEOUT = 2.0
 """How long the root tries to tell the followers why it stops."""
-
-OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
 async def drive_distributed_training(
@@ -64,6 +71,7 @@ async def drive_distributed_training(
     max_grad_norm: float | None = None,
     autocast_dtype: torch.dtype | None = None,
     non_finite_loss: Literal["raise", "skip"] = "raise",
+    step_on: StepOn = "root",
     on_event: OnPassEvent | None = None,
     rendezvous_host: str = "127.0.0.1",
     join_timeout: float | None = 300.0,
@@ -98,6 +106,7 @@ async def drive_distributed_training(
         max_grad_norm=max_grad_norm,
         autocast_dtype=autocast_dtype,
         non_finite_loss=non_finite_loss,
+        step_on=step_on,
     )
     schedule = learning_rate_schedule if learning_rate_schedule is not None else noop()
     check_epochs_arguments(
@@ -107,11 +116,7 @@ async def drive_distributed_training(
         init_state.loop_state if init_state is not None else LoopState(),
     )
     flat = FlatModel.create(model.module, torch_device)
-    optimizer = optimizer_factory(flat.parameters)
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigError(
-            f"optimizer_factory must return a torch.optim.Optimizer, got {type(optimizer).__name__}"
-        )
+    stepper = create_stepper(0, optimizer_factory, flat, options)
     phase = Phase("join")
     with single_error():
         async with anyio.create_task_group() as group:
@@ -123,7 +128,7 @@ async def drive_distributed_training(
                     control=control,
                     model=model,
                     flat=flat,
-                    optimizer=optimizer,
+                    stepper=stepper,
                     options=options,
                     schedule=schedule,
                     train_batches=train_batches,
@@ -188,7 +193,7 @@ async def _run(
     control: RootChannel,
     model: SupervisedModel,
     flat: FlatModel,
-    optimizer: torch.optim.Optimizer,
+    stepper: Stepper,
     options: TrainingOptions,
     schedule: LearningRateSchedule[Any],
     train_batches: BatchSource,
@@ -208,7 +213,7 @@ async def _run(
     phase: Phase,
 ) -> LoopState:
     module = model.module
-    base_lrs = [float(group["lr"]) for group in optimizer.param_groups]
+    optimizer = stepper.optimizer
     best_model_state: dict[str, torch.Tensor] | None = None
     loop_state = None
     if init_state is not None:
@@ -237,13 +242,14 @@ async def _run(
                 model=model,
                 flat=flat,
                 options=options,
-                optimizer=optimizer,
-                base_lrs=base_lrs,
+                stepper=stepper,
                 on_event=on_event,
             )
             phase.name = "agreement"
             await agree(clique, flat, options, validates=validation_batches is not None)
             await runner.sync_parameters()
+            if options.step_on == "every_rank":
+                await runner.sync_optimizer_state()
             pass_index = 0
             epoch = first_epoch - 1
 
