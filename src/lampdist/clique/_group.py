@@ -17,6 +17,7 @@ import selectors
 import socket
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -277,6 +278,7 @@ class Group:
             if tether is not None:
                 tether.close(goodbye=False)
             store = keys = pg = base = pg_store = tether = None
+            traceback.clear_frames(exc.__traceback__)  # the frames below still hold stores
             gc.collect()
             if isinstance(exc, LampdistError) or not isinstance(exc, Exception):
                 raise
@@ -382,7 +384,27 @@ class Group:
             each._fail(failure)
 
     def _translate(self, exc: BaseException, phase: str) -> Failure:
-        return translate(exc, phase)
+        kind, message = translate(exc, phase)
+        if isinstance(exc, LampdistError):
+            return kind, message
+        # A peer that leaves abnormally posts its notice before its sockets close: name it.
+        notice = self._read_notice()
+        if notice is not None and notice[0] != str(self.rank):
+            return CollectiveFailed, f"{phase} failed: rank {notice[0]} left the clique: " + (
+                f"{notice[1]} ({message.removeprefix(f'{phase} failed: ')})"
+            )
+        return kind, message
+
+    def _read_notice(self) -> tuple[str, str] | None:
+        keys = self._keys
+        try:
+            if keys is None or not keys.check([_ABORT_KEY]):
+                return None
+            notice = keys.get(_ABORT_KEY).decode(errors="replace")
+        except Exception:
+            return None
+        peer, _, reason = notice.partition("\n")
+        return peer, reason
 
     # -- peers that die or abort ----------------------------------------------------------
 
@@ -434,11 +456,13 @@ class Group:
         try:
             if not self._keys.check([_ABORT_KEY]):
                 return True
-            notice = self._keys.get(_ABORT_KEY).decode(errors="replace")
         except Exception as exc:  # the store is gone: the tether still watches the peers
             logger.debug("rank %d: stop watching the store: %s", self.rank, exc)
             return False
-        peer, _, reason = notice.partition("\n")
+        notice = self._read_notice()
+        if notice is None:
+            return False
+        peer, reason = notice
         if peer != str(self.rank):
             self._break(f"rank {peer} left the clique: {reason}", relay=False)
         return False
@@ -562,7 +586,10 @@ class Group:
                 end.close()
         self._wake_reader = self._wake_writer = None
         self._keys = self._store = None
-        gc.collect()  # a group or work left alive at exit can abort the process
+        if not self._goodbye:
+            # Every reference above is dropped by reference counting; after a failure, also
+            # collect the cycles that tracebacks form, in case one of them reaches a work.
+            gc.collect()
 
 
 def _describe(exc: BaseException) -> str:
