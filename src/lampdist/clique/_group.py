@@ -472,15 +472,28 @@ class Group:
         self._fail((CollectiveFailed, message))
         if relay:
             self._post_notice(message)
+        self._abort_nccl()
         with self._pg_lock:
             pg, self._pg = self._pg, None
-        if pg is not None and self.backend == "nccl":
-            try:
-                pg.abort()
-            except Exception:
-                logger.exception("rank %d: aborting the NCCL communicator failed", self.rank)
         # Gloo: dropping the group closes its sockets, so peers blocked on us fail at once.
         del pg
+
+    def _abort_nccl(self) -> None:
+        """Abort the NCCL communicator: its kernels stop and the enqueue thread unblocks.
+
+        Deliberately without the group lock: an enqueue blocked inside NCCL holds it, and
+        only the abort can set it free.
+        """
+        if self.backend != "nccl":
+            return
+        pg = self._pg
+        try:
+            if pg is not None:
+                pg.abort()
+        except Exception:
+            logger.exception("rank %d: aborting the NCCL communicator failed", self.rank)
+        finally:
+            del pg
 
     def _post_notice(self, reason: str) -> None:
         try:
@@ -491,16 +504,7 @@ class Group:
     def _announce_abort(self, reason: str) -> None:
         self._fail((CollectiveFailed, f"the clique was torn down on rank {self.rank}: {reason}"))
         self._post_notice(reason)
-        if self.backend == "nccl":
-            with self._pg_lock:
-                pg = self._pg
-                try:
-                    if pg is not None:
-                        pg.abort()
-                except Exception:
-                    logger.exception("rank %d: aborting the NCCL communicator failed", self.rank)
-                finally:
-                    del pg
+        self._abort_nccl()
 
     # -- teardown ------------------------------------------------------------------------
 
@@ -517,7 +521,9 @@ class Group:
             if abnormal:
                 reason = _describe(exc) if exc is not None else (failure or ("", ""))[1]
                 await anyio.to_thread.run_sync(self._announce_abort, reason, limiter=limiter)
-            drained = await self._drain()
+            # After an abort NCCL's kernels are gone and their completions may never be
+            # reported; Gloo's works end once the peers, told above, close their sockets.
+            drained = (abnormal and self.backend == "nccl") or await self._drain()
             if not drained and not abnormal:
                 abnormal = True
                 await anyio.to_thread.run_sync(
@@ -551,16 +557,16 @@ class Group:
         return False
 
     def _shutdown(self) -> None:
-        with self._pg_lock:
-            pg = self._pg
-            try:
-                if pg is not None:
-                    pg.shutdown()  # NCCL: flush and destroy the communicator
-            except Exception:
-                logger.exception("rank %d: NCCL shutdown failed; aborting", self.rank)
-                pg.abort()
-            finally:
-                del pg
+        """NCCL after a clean exit: flush and destroy the communicator (abort if that fails)."""
+        pg = self._pg
+        try:
+            if pg is not None:
+                pg.shutdown()
+        except Exception:
+            logger.exception("rank %d: NCCL shutdown failed; aborting", self.rank)
+            self._abort_nccl()
+        finally:
+            del pg
 
     def _stop_threads(self) -> None:
         if self._wake_writer is not None:
