@@ -13,8 +13,11 @@ import ipaddress
 import logging
 import os
 import queue
+import selectors
+import socket
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -29,6 +32,7 @@ from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
 from .._clique_id import CliqueId
 from .._errors import CliqueError, CliqueTimeout, CollectiveFailed, LampdistError
 from ._bridge import Failure, PendingCollective
+from ._tether import GOODBYE, Tether
 
 __all__ = ["Group", "Issue"]
 
@@ -175,14 +179,17 @@ class Group:
     _pg: Any = attrs.field(alias="pg", repr=False)
     _store: Any = attrs.field(alias="store", repr=False)
     _keys: Any = attrs.field(alias="keys", repr=False)
+    _tether: Tether = attrs.field(alias="tether", repr=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
     _pg_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
     _pending: set[PendingCollective] = attrs.field(factory=set, init=False, repr=False)
     _failure: Failure | None = attrs.field(default=None, init=False, repr=False)
     _closing: bool = attrs.field(default=False, init=False, repr=False)
-    _stop: threading.Event = attrs.field(factory=threading.Event, init=False, repr=False)
     _threads: list[threading.Thread] = attrs.field(factory=list, init=False, repr=False)
     _queue: queue.SimpleQueue[Any] | None = attrs.field(default=None, init=False, repr=False)
+    _wake_reader: socket.socket | None = attrs.field(default=None, init=False, repr=False)
+    _wake_writer: socket.socket | None = attrs.field(default=None, init=False, repr=False)
+    _goodbye: bool = attrs.field(default=False, init=False, repr=False)
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -210,6 +217,7 @@ class Group:
         pg: Any = None
         base: Any = None
         pg_store: Any = None
+        tether: Tether | None = None
         try:
             store = TCPStore(
                 clique_id.host,
@@ -224,6 +232,14 @@ class Group:
             keys = PrefixStore(f"open/{generation}", base)
             pg_store = PrefixStore("pg", keys)
             name = f"lampdist-{clique_id.prefix[:8]}-{generation}"
+            tether = Tether.connect(
+                keys=keys,
+                rank=rank,
+                nranks=clique_id.nranks,
+                host=clique_id.host,
+                port=clique_id.port,
+                remaining=deadline.remaining,
+            )
             if backend == "gloo":
                 pg = _make_gloo(
                     store=pg_store,
@@ -255,10 +271,14 @@ class Group:
                 pg=pg,
                 store=store,
                 keys=keys,
+                tether=tether,
             )
         except BaseException as exc:
             # Drop every partial object here, before the error travels with our frame.
-            store = keys = pg = base = pg_store = None
+            if tether is not None:
+                tether.close(goodbye=False)
+            store = keys = pg = base = pg_store = tether = None
+            traceback.clear_frames(exc.__traceback__)  # the frames below still hold stores
             gc.collect()
             if isinstance(exc, LampdistError) or not isinstance(exc, Exception):
                 raise
@@ -269,6 +289,7 @@ class Group:
         return group
 
     def _start_threads(self, threaded: bool) -> None:
+        self._wake_reader, self._wake_writer = socket.socketpair()
         watcher = threading.Thread(
             target=self._watch, daemon=True, name=f"lampdist-clique-watch-{self.rank}"
         )
@@ -363,52 +384,127 @@ class Group:
             each._fail(failure)
 
     def _translate(self, exc: BaseException, phase: str) -> Failure:
-        return translate(exc, phase)
+        kind, message = translate(exc, phase)
+        if isinstance(exc, LampdistError):
+            return kind, message
+        # A peer that leaves abnormally posts its notice before its sockets close: name it.
+        notice = self._read_notice()
+        if notice is not None and notice[0] != str(self.rank):
+            return CollectiveFailed, f"{phase} failed: rank {notice[0]} left the clique: " + (
+                f"{notice[1]} ({message.removeprefix(f'{phase} failed: ')})"
+            )
+        return kind, message
 
-    # -- abort notices -------------------------------------------------------------------
+    def _read_notice(self) -> tuple[str, str] | None:
+        keys = self._keys
+        try:
+            if keys is None or not keys.check([_ABORT_KEY]):
+                return None
+            notice = keys.get(_ABORT_KEY).decode(errors="replace")
+        except Exception:
+            return None
+        peer, _, reason = notice.partition("\n")
+        return peer, reason
+
+    # -- peers that die or abort ----------------------------------------------------------
 
     def _watch(self) -> None:
-        while not self._stop.wait(_WATCH_INTERVAL):
-            try:
-                if not self._keys.check([_ABORT_KEY]):
-                    continue
-                notice = self._keys.get(_ABORT_KEY).decode(errors="replace")
-            except Exception as exc:  # the store is gone: the run is over, nothing to watch
-                logger.debug("rank %d: abort watcher stops: %s", self.rank, exc)
-                return
-            peer, _, reason = notice.partition("\n")
-            if peer != str(self.rank):
-                self._on_peer_abort(peer, reason)
+        """Watch the tether for dead peers and the store for abort notices until stopped."""
+        wake = self._wake_reader
+        if wake is None:
             return
+        selector = selectors.DefaultSelector()
+        try:
+            selector.register(wake, selectors.EVENT_READ, None)
+            for peer, sock in self._tether.sockets.items():
+                sock.setblocking(False)
+                selector.register(sock, selectors.EVENT_READ, peer)
+            gone_cleanly: set[int] = set()
+            check_store = True
+            while True:
+                for key, _ in selector.select(_WATCH_INTERVAL):
+                    if key.data is None:
+                        return  # stopped
+                    peer = key.data
+                    sock = self._tether.sockets[peer]
+                    try:
+                        data = sock.recv(64)
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        data = b""
+                    if GOODBYE in data:
+                        gone_cleanly.add(peer)
+                    if not data:
+                        selector.unregister(sock)
+                        if peer not in gone_cleanly:
+                            self._break(
+                                f"rank {peer} is gone: its process died or it left the "
+                                "clique without closing it",
+                                relay=True,
+                            )
+                            return
+                if check_store:
+                    check_store = self._check_notice()
+                    if self._failure is not None and self._pg is None:
+                        return
+        finally:
+            selector.close()
 
-    def _on_peer_abort(self, peer: str, reason: str) -> None:
-        self._fail((CollectiveFailed, f"rank {peer} left the clique: {reason}"))
+    def _check_notice(self) -> bool:
+        """Look for a peer's abort notice; False once the store need not be asked again."""
+        try:
+            if not self._keys.check([_ABORT_KEY]):
+                return True
+        except Exception as exc:  # the store is gone: the tether still watches the peers
+            logger.debug("rank %d: stop watching the store: %s", self.rank, exc)
+            return False
+        notice = self._read_notice()
+        if notice is None:
+            return False
+        peer, reason = notice
+        if peer != str(self.rank):
+            self._break(f"rank {peer} left the clique: {reason}", relay=False)
+        return False
+
+    def _break(self, message: str, *, relay: bool) -> None:
+        """A peer died or aborted: fail everything here, tell the others, drop the group."""
+        self._fail((CollectiveFailed, message))
+        if relay:
+            self._post_notice(message)
+        self._abort_nccl()
         with self._pg_lock:
             pg, self._pg = self._pg, None
-        if pg is not None and self.backend == "nccl":
-            try:
-                pg.abort()
-            except Exception:
-                logger.exception("rank %d: aborting the NCCL communicator failed", self.rank)
         # Gloo: dropping the group closes its sockets, so peers blocked on us fail at once.
         del pg
 
-    def _announce_abort(self, reason: str) -> None:
-        self._fail((CollectiveFailed, f"the clique was torn down on rank {self.rank}: {reason}"))
+    def _abort_nccl(self) -> None:
+        """Abort the NCCL communicator: its kernels stop and the enqueue thread unblocks.
+
+        Deliberately without the group lock: an enqueue blocked inside NCCL holds it, and
+        only the abort can set it free.
+        """
+        if self.backend != "nccl":
+            return
+        pg = self._pg
+        try:
+            if pg is not None:
+                pg.abort()
+        except Exception:
+            logger.exception("rank %d: aborting the NCCL communicator failed", self.rank)
+        finally:
+            del pg
+
+    def _post_notice(self, reason: str) -> None:
         try:
             self._keys.set(_ABORT_KEY, f"{self.rank}\n{reason}")
         except Exception as exc:
             logger.debug("rank %d: could not post the abort notice: %s", self.rank, exc)
-        if self.backend == "nccl":
-            with self._pg_lock:
-                pg = self._pg
-                try:
-                    if pg is not None:
-                        pg.abort()
-                except Exception:
-                    logger.exception("rank %d: aborting the NCCL communicator failed", self.rank)
-                finally:
-                    del pg
+
+    def _announce_abort(self, reason: str) -> None:
+        self._fail((CollectiveFailed, f"the clique was torn down on rank {self.rank}: {reason}"))
+        self._post_notice(reason)
+        self._abort_nccl()
 
     # -- teardown ------------------------------------------------------------------------
 
@@ -425,7 +521,9 @@ class Group:
             if abnormal:
                 reason = _describe(exc) if exc is not None else (failure or ("", ""))[1]
                 await anyio.to_thread.run_sync(self._announce_abort, reason, limiter=limiter)
-            drained = await self._drain()
+            # After an abort NCCL's kernels are gone and their completions may never be
+            # reported; Gloo's works end once the peers, told above, close their sockets.
+            drained = (abnormal and self.backend == "nccl") or await self._drain()
             if not drained and not abnormal:
                 abnormal = True
                 await anyio.to_thread.run_sync(
@@ -433,6 +531,7 @@ class Group:
                 )
             if not abnormal and self.backend == "nccl":
                 await anyio.to_thread.run_sync(self._shutdown, limiter=limiter)
+            self._goodbye = not abnormal
             await anyio.to_thread.run_sync(self._stop_threads, limiter=limiter)
             await anyio.to_thread.run_sync(self._release, limiter=limiter)
         if not drained and exc is None:
@@ -458,19 +557,20 @@ class Group:
         return False
 
     def _shutdown(self) -> None:
-        with self._pg_lock:
-            pg = self._pg
-            try:
-                if pg is not None:
-                    pg.shutdown()  # NCCL: flush and destroy the communicator
-            except Exception:
-                logger.exception("rank %d: NCCL shutdown failed; aborting", self.rank)
-                pg.abort()
-            finally:
-                del pg
+        """NCCL after a clean exit: flush and destroy the communicator (abort if that fails)."""
+        pg = self._pg
+        try:
+            if pg is not None:
+                pg.shutdown()
+        except Exception:
+            logger.exception("rank %d: NCCL shutdown failed; aborting", self.rank)
+            self._abort_nccl()
+        finally:
+            del pg
 
     def _stop_threads(self) -> None:
-        self._stop.set()
+        if self._wake_writer is not None:
+            self._wake_writer.send(b"x")
         if self._queue is not None:
             self._queue.put(None)
         for thread in self._threads:
@@ -486,8 +586,16 @@ class Group:
             each._release()
         # Gloo joins its worker threads here, after any stuck work has failed or timed out.
         del pg, pending
+        self._tether.close(goodbye=self._goodbye)
+        for end in (self._wake_reader, self._wake_writer):
+            if end is not None:
+                end.close()
+        self._wake_reader = self._wake_writer = None
         self._keys = self._store = None
-        gc.collect()  # a group or work left alive at exit can abort the process
+        if not self._goodbye:
+            # Every reference above is dropped by reference counting; after a failure, also
+            # collect the cycles that tracebacks form, in case one of them reaches a work.
+            gc.collect()
 
 
 def _describe(exc: BaseException) -> str:

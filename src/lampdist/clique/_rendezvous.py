@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -57,8 +56,7 @@ async def serve_rendezvous(
         return int(store.port)
 
     def stop() -> None:
-        box.clear()
-        gc.collect()
+        box.clear()  # the last reference: the server closes here
 
     try:
         bound = await anyio.to_thread.run_sync(start)
