@@ -81,7 +81,7 @@ async def test_a_batch_source_that_raises_names_rank_and_phase() -> None:
 
 async def test_a_batch_of_the_wrong_shape_is_a_bad_batch() -> None:
     streams = entries(2)
-    streams[0] = (streams[0][0], lambda: [torch.zeros(3)], streams[0][2])  # type: ignore[list-item]
+    streams[0] = (streams[0][0], lambda: [torch.zeros(3)], streams[0][2])  # type: ignore[assignment]
     with pytest.raises(lampdist.BadBatch) as caught:
         await run(streams)
     assert (caught.value.rank, caught.value.phase) == (0, "train")
