@@ -36,6 +36,7 @@ def source(batches: Sequence[Batch]) -> lampdist.BatchSource:
 
 
 CASES = {
+    "one-rank": ([[8, 8, 5]], 1),
     "even-2": ([[8, 8, 8, 8], [8, 8, 8, 8]], 1),
     "even-3-acc3": ([[4] * 6, [4] * 6, [4] * 6], 3),
     "uneven-3": ([[5, 7, 3, 9, 2], [6, 6], []], 1),

@@ -16,7 +16,6 @@ import io
 import math
 import time
 from collections.abc import Callable
-from functools import partial
 
 import anyio
 import anyio.to_thread
@@ -68,13 +67,22 @@ class RankRunner:
         """Whether this is rank 0."""
         return self.rank == 0
 
+    @property
+    def alone(self) -> bool:
+        """Whether the clique has this rank only (collectives are skipped)."""
+        return self.clique.nranks == 1
+
     async def sync_parameters(self) -> None:
         """Broadcast the root's parameters and buffers so that every rank holds them."""
+        if self.alone:
+            return
         await self.clique.broadcast([*self.flat.parameter_buffers, *self.flat.module_buffers])
 
     async def sync_optimizer_state(self) -> None:
         """Give every rank the root's optimizer state (for ``step_on="every_rank"``)."""
         assert self.stepper is not None
+        if self.alone:
+            return
         length = torch.zeros(1, dtype=torch.int64, device=self.device)
         payload = torch.zeros(0, dtype=torch.uint8, device=self.device)
         if self.is_root:
@@ -85,7 +93,8 @@ class RankRunner:
             length[0] = payload.numel()
         await self.clique.broadcast([length])
         if not self.is_root:
-            payload = torch.zeros(int(length.item()), dtype=torch.uint8, device=self.device)
+            (size,) = await self._to_host(length)
+            payload = torch.zeros(int(size), dtype=torch.uint8, device=self.device)
         await self.clique.broadcast([payload])
         if not self.is_root:
             state = torch.load(
@@ -156,26 +165,35 @@ class RankRunner:
         """
         gradients = self.flat.gradient_buffers
         if self.options.step_on == "every_rank":
-            assert self.stepper is not None
-            await self.clique.all_reduce([*gradients, meta])
-            examples, loss_sum, more = meta.tolist()
-            counted = await self._step(examples, loss_sum, epoch, step)
-            if self.flat.module_buffers:
+            if not self.alone:
+                await self.clique.all_reduce([*gradients, meta])
+            examples, loss_sum, more, counted = await self._read_and_step(meta, epoch, step)
+            if self.flat.module_buffers and not self.alone:
                 await self.clique.broadcast(self.flat.module_buffers)
-            return examples, loss_sum, more > 0, counted
-        await self.clique.reduce([*gradients, meta], root=0)
+            return examples, loss_sum, more, counted
+        if not self.alone:
+            await self.clique.reduce([*gradients, meta], root=0)
         if not self.is_root:
             self.flat.zero_gradients()  # the reduce left partial sums in them
             return 0.0, 0.0, await self._receive_parameters(), False
-        examples, loss_sum, more = meta.tolist()
-        counted = await self._step(examples, loss_sum, epoch, step)
-        await self._send_parameters(more > 0)
-        return examples, loss_sum, more > 0, counted
+        examples, loss_sum, more, counted = await self._read_and_step(meta, epoch, step)
+        if not self.alone:
+            await self._send_parameters(more)
+        return examples, loss_sum, more, counted
 
-    async def _step(self, examples: float, loss_sum: float, epoch: int, step: int) -> bool:
+    async def _read_and_step(
+        self, meta: torch.Tensor, epoch: int, step: int
+    ) -> tuple[float, float, bool, bool]:
+        """In a worker thread: read the reduced meta (a host sync on CUDA) and step."""
         assert self.stepper is not None
-        step_once = partial(self.stepper.step, examples, loss_sum, epoch=epoch, step=step)
-        return await anyio.to_thread.run_sync(step_once, limiter=self._compute_limiter)
+        stepper = self.stepper
+
+        def read_and_step() -> tuple[float, float, bool, bool]:
+            examples, loss_sum, more = meta.tolist()
+            counted = stepper.step(examples, loss_sum, epoch=epoch, step=step)
+            return examples, loss_sum, more > 0, counted
+
+        return await anyio.to_thread.run_sync(read_and_step, limiter=self._compute_limiter)
 
     async def validation_pass(
         self, source: BatchSource, *, epoch: int, pass_index: int
@@ -197,10 +215,11 @@ class RankRunner:
         meta = torch.zeros(2, dtype=torch.float64, device=self.device)
         meta[0] = examples
         meta[1] = loss_sum
-        await self.clique.reduce([meta], root=0)
+        if not self.alone:
+            await self.clique.reduce([meta], root=0)
         if not self.is_root:
             return PassResult(loss=math.nan, examples=examples, steps=0)
-        total_examples, total_loss = meta.tolist()
+        total_examples, total_loss = await self._to_host(meta)
         if total_examples == 0:
             raise TrainingError(
                 f"epoch {epoch}: the validation pass saw no examples on any rank; "
@@ -299,5 +318,12 @@ class RankRunner:
         await self.clique.broadcast(
             [*self.flat.parameter_buffers, *self.flat.module_buffers, control], root=0
         )
-        more, self.loss_scale.scale = control.tolist()
+        more, self.loss_scale.scale = await self._to_host(control)
         return bool(more > 0)
+
+    async def _to_host(self, tensor: torch.Tensor) -> list[float]:
+        """``tensor.tolist()``, off the event loop where it waits for the device."""
+        if tensor.device.type == "cpu":
+            return list(tensor.tolist())
+        values = await anyio.to_thread.run_sync(tensor.tolist, limiter=self._compute_limiter)
+        return list(values)
