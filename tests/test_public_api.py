@@ -9,7 +9,12 @@ import pytest
 
 import lampdist
 
-PUBLIC_MODULES = ["lampdist", "lampdist.schedules"]
+PUBLIC_MODULES = [
+    "lampdist",
+    "lampdist.clique",
+    "lampdist.control",
+    "lampdist.schedules",
+]
 
 
 @pytest.mark.parametrize("name", PUBLIC_MODULES)

@@ -4,7 +4,13 @@ A root rank drives the epochs and steps the optimizer; follower ranks follow com
 control channel; tensors move through a collective-communication clique.
 """
 
+from . import control as control
 from . import schedules as schedules
+from ._effects import BatchSource as BatchSource
+from ._effects import CheckpointState as CheckpointState
+from ._effects import SaveBestModel as SaveBestModel
+from ._effects import TrainEpoch as TrainEpoch
+from ._effects import ValidationEpoch as ValidationEpoch
 from ._errors import AuthenticationError as AuthenticationError
 from ._errors import BadBatch as BadBatch
 from ._errors import CheckpointError as CheckpointError
@@ -24,18 +30,28 @@ from ._errors import PeerDisconnected as PeerDisconnected
 from ._errors import ProtocolError as ProtocolError
 from ._errors import RankFailed as RankFailed
 from ._errors import TrainingError as TrainingError
+from .clique import Clique as Clique
+from .clique import open_clique as open_clique
+from .epoch import PassEvent as PassEvent
+from .epoch import SupervisedModel as SupervisedModel
 from .loop import CurvePoint as CurvePoint
 from .loop import LoopState as LoopState
 from .loop import TrainingState as TrainingState
 from .loop import epochs as epochs
+from .roles import drive_distributed_training as drive_distributed_training
+from .roles import follow_distributed_training as follow_distributed_training
+from .roles import local_data_parallel_training_loop as local_data_parallel_training_loop
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
     "AuthenticationError",
     "BadBatch",
+    "BatchSource",
     "CheckpointError",
+    "CheckpointState",
     "CheckpointVersionError",
+    "Clique",
     "CliqueError",
     "CliqueTimeout",
     "CollectiveFailed",
@@ -49,11 +65,21 @@ __all__ = [
     "LoopState",
     "MismatchError",
     "NonFiniteLoss",
+    "PassEvent",
     "PeerDisconnected",
     "ProtocolError",
     "RankFailed",
+    "SaveBestModel",
+    "SupervisedModel",
+    "TrainEpoch",
     "TrainingError",
     "TrainingState",
+    "ValidationEpoch",
+    "control",
+    "drive_distributed_training",
     "epochs",
+    "follow_distributed_training",
+    "local_data_parallel_training_loop",
+    "open_clique",
     "schedules",
 ]

@@ -6,10 +6,11 @@ awaited, and it can be called again for the next epoch (a coroutine object could
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
-from typing import Any, Protocol, TypeAlias
+from collections.abc import AsyncIterable, Awaitable, Iterable
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
-from .loop._state import LoopState, TrainingState
+if TYPE_CHECKING:  # the loop imports these effect types: no import cycle at run time
+    from .loop._state import LoopState, TrainingState
 
 __all__ = [
     "Batch",
@@ -21,18 +22,30 @@ __all__ = [
     "ValidationEpoch",
 ]
 
-TrainEpoch: TypeAlias = Callable[[float], Awaitable[float]]
-"""``async (lr_factor) -> mean training loss``: run one training pass at ``lr_factor`` times
-the optimizer's base learning rate."""
 
-ValidationEpoch: TypeAlias = Callable[[], Awaitable[float]]
-"""``async () -> mean validation loss``: run one validation pass."""
+class TrainEpoch(Protocol):
+    """``async (lr_factor) -> mean training loss``: run one training pass at ``lr_factor``
+    times the optimizer's base learning rate."""
 
-SaveBestModel: TypeAlias = Callable[[], Awaitable[None]]
-"""``async () -> None``: remember the current model as the best one so far."""
+    def __call__(self, lr_factor: float, /) -> Awaitable[float]: ...
 
-CheckpointLoopState: TypeAlias = Callable[[LoopState, Any], Awaitable[None]]
-"""``async (loop_state, lr_state) -> None``: what the pure epoch driver checkpoints."""
+
+class ValidationEpoch(Protocol):
+    """``async () -> mean validation loss``: run one validation pass."""
+
+    def __call__(self) -> Awaitable[float]: ...
+
+
+class SaveBestModel(Protocol):
+    """``async () -> None``: remember the current model as the best one so far."""
+
+    def __call__(self) -> Awaitable[None]: ...
+
+
+class CheckpointLoopState(Protocol):
+    """``async (loop_state, lr_state) -> None``: what the pure epoch driver checkpoints."""
+
+    def __call__(self, loop_state: LoopState, lr_state: Any, /) -> Awaitable[None]: ...
 
 
 class CheckpointState(Protocol):
@@ -49,6 +62,11 @@ class CheckpointState(Protocol):
 Batch: TypeAlias = tuple[Any, Any]
 """``(inputs, target)``: inputs a tensor, or a tuple or dict of tensors; target a tensor."""
 
-BatchSource: TypeAlias = Callable[[], Iterable[Batch] | AsyncIterable[Batch]]
-"""A zero-argument factory called once per pass; it returns an iterable (a
-``torch.utils.data.DataLoader`` works as it is) or an async iterable of batches."""
+
+class BatchSource(Protocol):
+    """A zero-argument factory called once per pass; it returns an iterable (a
+    ``torch.utils.data.DataLoader`` works as it is) or an async iterable of batches.
+
+    ``lambda: loader`` is a batch source for a ``DataLoader`` named ``loader``."""
+
+    def __call__(self) -> Iterable[Batch] | AsyncIterable[Batch]: ...

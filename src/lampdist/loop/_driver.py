@@ -34,9 +34,11 @@ def _fail(message: str) -> ConfigError:
     return ConfigError(message, phase="configure")
 
 
-def _check_arguments(
+def check_epochs_arguments(
     max_epochs: object, validation_frequency: object, smoothing: object, state: LoopState
 ) -> None:
+    """Raise :class:`ConfigError` for arguments :func:`epochs` would refuse (for callers that
+    check before they set up anything costly)."""
     if not _is_int(max_epochs) or max_epochs < 0:
         raise _fail(f"max_epochs must be an int >= 0, got {max_epochs!r}; pass e.g. max_epochs=10")
     if not _is_int(validation_frequency) or validation_frequency < 1:
@@ -107,7 +109,7 @@ async def epochs(
     propagates unchanged; nothing after it runs.
     """
     state = init_state if init_state is not None else LoopState()
-    _check_arguments(
+    check_epochs_arguments(
         max_epochs, validation_frequency, validation_loss_exponential_smoothing_factor, state
     )
     smoothing = float(validation_loss_exponential_smoothing_factor)

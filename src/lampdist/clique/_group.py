@@ -1,0 +1,605 @@
+"""The process group behind a clique: setup, enqueue, failure, abort notices and teardown.
+
+One :class:`Group` per open clique. It owns the torch process group (never the default
+group), one TCPStore client, a watcher thread that polls the store for abort notices from
+peers, and on NCCL an enqueue thread. Everything blocking runs in worker threads; everything
+it holds is dropped on close, so no group or work object outlives the clique.
+"""
+
+from __future__ import annotations
+
+import gc
+import ipaddress
+import logging
+import os
+import queue
+import selectors
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import attrs
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
+
+from .._clique_id import CliqueId
+from .._errors import CliqueError, CliqueTimeout, CollectiveFailed, LampdistError
+from ._bridge import Failure, PendingCollective
+from ._tether import GOODBYE, Tether
+
+__all__ = ["Group", "Issue"]
+
+logger = logging.getLogger(__name__)
+
+# Enqueues the collective's works on the process group, appending each to the list.
+Issue = Callable[[Any, list[Any]], None]
+
+_SETUP = "clique setup"
+_TEARDOWN = "clique teardown"
+_NO_LIMIT = timedelta(days=365)  # what the process group gets for "None: no limit"
+_STORE_OP_TIMEOUT = timedelta(seconds=10)  # store operations after setup (abort notices)
+_WATCH_INTERVAL = 0.05  # how often the watcher polls the store for an abort notice
+_DRAIN_NO_LIMIT = 600.0  # how long close waits for pending work when collective_timeout is None
+_ABORT_KEY = "abort"
+_GLOO_THREADS = 2
+_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+_env_lock = threading.Lock()
+
+
+def _span(seconds: float | None) -> timedelta:
+    return _NO_LIMIT if seconds is None else timedelta(seconds=seconds)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def translate(exc: BaseException, phase: str) -> Failure:
+    """A torch error as a lampdist failure: a timeout, or a failed collective."""
+    if isinstance(exc, LampdistError):
+        return type(exc), exc.message
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    lowered = text.lower()
+    kind: type[LampdistError] = CollectiveFailed
+    if "timed out" in lowered or "timeout" in lowered:
+        kind = CliqueTimeout
+    elif phase == _SETUP:
+        kind = CliqueError
+    return kind, f"{phase} failed: {text}"
+
+
+def prefer_nccl_cleanup() -> None:
+    """Make NCCL's watchdog abort the communicator on an error instead of killing the process.
+
+    torch's default (3, tear the process down) would turn a dead peer into SIGABRT; 2 aborts
+    the communicator and lets the clique raise. Only set when the user has not chosen.
+    """
+    with _env_lock:
+        if _NCCL_ERROR_HANDLING not in os.environ:
+            os.environ[_NCCL_ERROR_HANDLING] = "2"
+            logger.info(
+                "set %s=2 so that NCCL errors raise instead of aborting the process",
+                _NCCL_ERROR_HANDLING,
+            )
+
+
+@attrs.define(eq=False)
+class _Deadline:
+    seconds: float | None
+    rank: int
+    start: float = attrs.field(factory=time.monotonic)
+
+    def remaining(self) -> timedelta:
+        if self.seconds is None:
+            return _NO_LIMIT
+        left = self.start + self.seconds - time.monotonic()
+        if left <= 0:
+            raise CliqueTimeout(
+                f"the clique was not set up within setup_timeout={self.seconds} s; "
+                "check that every rank opens it with the same clique id",
+                rank=self.rank,
+                phase=_SETUP,
+            )
+        return timedelta(seconds=left)
+
+
+def _make_gloo(
+    *,
+    store: Any,
+    host: str,
+    rank: int,
+    nranks: int,
+    name: str,
+    deadline: _Deadline,
+    op_timeout: timedelta,
+) -> Any:
+    gloo = ProcessGroupGloo
+    options = gloo._Options()  # type: ignore[attr-defined]  # the stubs call it Options
+    if _is_loopback(host):
+        device = gloo.create_device(hostname="127.0.0.1", lazy_init=False)
+    else:
+        device = gloo.create_default_device(lazy_init=False)
+    options._devices = [device]
+    options._threads = _GLOO_THREADS
+    options._timeout = deadline.remaining()  # the constructor's wait for all ranks
+    options.group_name = name
+    group = gloo(store, rank, nranks, options)  # blocks until every rank has connected
+    group.set_timeout(op_timeout)
+    return group
+
+
+def _make_nccl(
+    *,
+    store: Any,
+    keys: Any,
+    rank: int,
+    nranks: int,
+    name: str,
+    device: torch.device,
+    deadline: _Deadline,
+    op_timeout: timedelta,
+) -> Any:
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
+    if nccl is None:
+        raise CliqueError("this torch build has no NCCL", rank=rank, phase=_SETUP)
+    # Every rank alive before NCCL's own, unbounded, communicator setup starts.
+    keys.set(f"ready/{rank}", "1")
+    keys.wait([f"ready/{peer}" for peer in range(nranks)], deadline.remaining())
+    options = nccl.Options()
+    options._timeout = op_timeout
+    options.is_high_priority_stream = False
+    options.group_name = name
+    group = nccl(store, rank, nranks, options)
+    with torch.cuda.device(device):
+        group.eager_connect_single_device(device)  # blocks until every rank has joined
+    return group
+
+
+@attrs.define(eq=False)
+class Group:
+    """The live state of one open clique on one rank (see the module docstring)."""
+
+    rank: int
+    nranks: int
+    device: torch.device
+    backend: str
+    collective_timeout: float | None
+    _pg: Any = attrs.field(alias="pg", repr=False)
+    _store: Any = attrs.field(alias="store", repr=False)
+    _keys: Any = attrs.field(alias="keys", repr=False)
+    _tether: Tether = attrs.field(alias="tether", repr=False)
+    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
+    _pg_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
+    _pending: set[PendingCollective] = attrs.field(factory=set, init=False, repr=False)
+    _failure: Failure | None = attrs.field(default=None, init=False, repr=False)
+    _closing: bool = attrs.field(default=False, init=False, repr=False)
+    _threads: list[threading.Thread] = attrs.field(factory=list, init=False, repr=False)
+    _queue: queue.SimpleQueue[Any] | None = attrs.field(default=None, init=False, repr=False)
+    _wake_reader: socket.socket | None = attrs.field(default=None, init=False, repr=False)
+    _wake_writer: socket.socket | None = attrs.field(default=None, init=False, repr=False)
+    _goodbye: bool = attrs.field(default=False, init=False, repr=False)
+
+    # -- setup ---------------------------------------------------------------------------
+
+    @classmethod
+    def connect(
+        cls,
+        *,
+        clique_id: CliqueId,
+        rank: int,
+        device: torch.device,
+        setup_timeout: float | None,
+        collective_timeout: float | None,
+        threaded: bool,
+    ) -> Group:
+        """Build the process group (blocking: run it in a worker thread).
+
+        Raises :class:`CliqueTimeout` when the peers do not all arrive within
+        ``setup_timeout`` and :class:`CliqueError` on any other setup failure.
+        """
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        deadline = _Deadline(setup_timeout, rank)
+        op_timeout = _span(collective_timeout)
+        store: Any = None
+        keys: Any = None
+        pg: Any = None
+        base: Any = None
+        pg_store: Any = None
+        tether: Tether | None = None
+        try:
+            store = TCPStore(
+                clique_id.host,
+                clique_id.port,
+                None,
+                False,
+                timeout=deadline.remaining(),
+                wait_for_workers=False,
+            )
+            base = PrefixStore(clique_id.prefix, store)
+            generation = base.add(f"generation/{rank}", 1)  # several openings of one id
+            keys = PrefixStore(f"open/{generation}", base)
+            pg_store = PrefixStore("pg", keys)
+            name = f"lampdist-{clique_id.prefix[:8]}-{generation}"
+            tether = Tether.connect(
+                keys=keys,
+                rank=rank,
+                nranks=clique_id.nranks,
+                host=clique_id.host,
+                port=clique_id.port,
+                remaining=deadline.remaining,
+            )
+            if backend == "gloo":
+                pg = _make_gloo(
+                    store=pg_store,
+                    host=clique_id.host,
+                    rank=rank,
+                    nranks=clique_id.nranks,
+                    name=name,
+                    deadline=deadline,
+                    op_timeout=op_timeout,
+                )
+            else:
+                pg = _make_nccl(
+                    store=pg_store,
+                    keys=keys,
+                    rank=rank,
+                    nranks=clique_id.nranks,
+                    name=name,
+                    device=device,
+                    deadline=deadline,
+                    op_timeout=op_timeout,
+                )
+            store.set_timeout(_STORE_OP_TIMEOUT)
+            group = cls(
+                rank=rank,
+                nranks=clique_id.nranks,
+                device=device,
+                backend=backend,
+                collective_timeout=collective_timeout,
+                pg=pg,
+                store=store,
+                keys=keys,
+                tether=tether,
+            )
+        except BaseException as exc:
+            # Drop every partial object here, before the error travels with our frame.
+            if tether is not None:
+                tether.close(goodbye=False)
+            store = keys = pg = base = pg_store = tether = None
+            traceback.clear_frames(exc.__traceback__)  # the frames below still hold stores
+            gc.collect()
+            if isinstance(exc, LampdistError) or not isinstance(exc, Exception):
+                raise
+            kind, message = translate(exc, _SETUP)
+            raise kind(message, rank=rank, phase=_SETUP) from exc
+        group._start_threads(threaded or backend == "nccl")
+        logger.debug("rank %d: %s clique %s open", rank, backend, name)
+        return group
+
+    def _start_threads(self, threaded: bool) -> None:
+        self._wake_reader, self._wake_writer = socket.socketpair()
+        watcher = threading.Thread(
+            target=self._watch, daemon=True, name=f"lampdist-clique-watch-{self.rank}"
+        )
+        self._threads.append(watcher)
+        if threaded:
+            self._queue = queue.SimpleQueue()
+            enqueuer = threading.Thread(
+                target=self._run_enqueuer, daemon=True, name=f"lampdist-clique-enqueue-{self.rank}"
+            )
+            self._threads.append(enqueuer)
+        for thread in self._threads:
+            thread.start()
+
+    # -- collectives ---------------------------------------------------------------------
+
+    def start(self, name: str, issue: Issue, *, wait_for_device: bool = False) -> PendingCollective:
+        """Start a collective from any thread; raise at once if the clique is closed or broken."""
+        pending = PendingCollective(
+            name=name, rank=self.rank, owner=self, timeout=self.collective_timeout
+        )
+        with self._lock:
+            if self._closing:
+                raise CliqueError(
+                    "the clique is closed; open a new one", rank=self.rank, phase=name
+                )
+            failure = self._failure
+            if failure is None:
+                self._pending.add(pending)
+        if failure is not None:
+            kind, message = failure
+            raise kind(message, rank=self.rank, phase=name)
+        if self._queue is None:
+            self._enqueue(pending, issue, None, wait_for_device)
+        else:
+            # The caller's stream: the collective must see the work queued before this call.
+            stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+            self._queue.put((pending, issue, stream, wait_for_device))
+        return pending
+
+    def _run_enqueuer(self) -> None:
+        # NCCL: one thread per rank enqueues, so several ranks of one process never share a
+        # thread (NCCL calls may block until the peers' calls arrive).
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        items = self._queue
+        if items is None:  # set before this thread starts
+            return
+        while (item := items.get()) is not None:
+            self._enqueue(*item)
+            del item
+
+    def _enqueue(
+        self, pending: PendingCollective, issue: Issue, stream: Any, wait_for_device: bool
+    ) -> None:
+        works: list[Any] = []
+        failure: Failure | None = None
+        with self._pg_lock:
+            pg = self._pg
+            try:
+                if pg is None:
+                    failure = (CollectiveFailed, "the clique was torn down")
+                elif stream is not None:
+                    with torch.cuda.stream(stream):
+                        issue(pg, works)
+                else:
+                    issue(pg, works)
+            except Exception as exc:
+                failure = translate(exc, pending.name)
+            finally:
+                del pg  # the group's last reference must never be a thread's local
+        pending._attach(
+            works,
+            track_device=self.backend == "nccl",
+            wait_for_device=wait_for_device,
+            failure=failure,
+        )
+
+    # -- what pending collectives call -----------------------------------------------------
+
+    def _retire(self, pending: PendingCollective) -> None:
+        with self._lock:
+            self._pending.discard(pending)
+
+    def _fail(self, failure: Failure) -> None:
+        with self._lock:
+            if self._failure is not None:
+                return
+            self._failure = failure
+            pending = list(self._pending)
+        logger.debug("rank %d: clique failed: %s", self.rank, failure[1])
+        for each in pending:
+            each._fail(failure)
+
+    def _translate(self, exc: BaseException, phase: str) -> Failure:
+        kind, message = translate(exc, phase)
+        if isinstance(exc, LampdistError):
+            return kind, message
+        # A peer that leaves abnormally posts its notice before its sockets close: name it.
+        notice = self._read_notice()
+        if notice is not None and notice[0] != str(self.rank):
+            return CollectiveFailed, f"{phase} failed: rank {notice[0]} left the clique: " + (
+                f"{notice[1]} ({message.removeprefix(f'{phase} failed: ')})"
+            )
+        return kind, message
+
+    def _read_notice(self) -> tuple[str, str] | None:
+        keys = self._keys
+        try:
+            if keys is None or not keys.check([_ABORT_KEY]):
+                return None
+            notice = keys.get(_ABORT_KEY).decode(errors="replace")
+        except Exception:
+            return None
+        peer, _, reason = notice.partition("\n")
+        return peer, reason
+
+    # -- peers that die or abort ----------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Watch the tether for dead peers and the store for abort notices until stopped."""
+        wake = self._wake_reader
+        if wake is None:
+            return
+        selector = selectors.DefaultSelector()
+        try:
+            selector.register(wake, selectors.EVENT_READ, None)
+            for peer, sock in self._tether.sockets.items():
+                sock.setblocking(False)
+                selector.register(sock, selectors.EVENT_READ, peer)
+            gone_cleanly: set[int] = set()
+            check_store = True
+            while True:
+                for key, _ in selector.select(_WATCH_INTERVAL):
+                    if key.data is None:
+                        return  # stopped
+                    peer = key.data
+                    sock = self._tether.sockets[peer]
+                    try:
+                        data = sock.recv(64)
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        data = b""
+                    if GOODBYE in data:
+                        gone_cleanly.add(peer)
+                    if not data:
+                        selector.unregister(sock)
+                        if peer not in gone_cleanly:
+                            self._break(
+                                f"rank {peer} is gone: its process died or it left the "
+                                "clique without closing it",
+                                relay=True,
+                            )
+                            return
+                if check_store:
+                    check_store = self._check_notice()
+                    if self._failure is not None and self._pg is None:
+                        return
+        finally:
+            selector.close()
+
+    def _check_notice(self) -> bool:
+        """Look for a peer's abort notice; False once the store need not be asked again."""
+        try:
+            if not self._keys.check([_ABORT_KEY]):
+                return True
+        except Exception as exc:  # the store is gone: the tether still watches the peers
+            logger.debug("rank %d: stop watching the store: %s", self.rank, exc)
+            return False
+        notice = self._read_notice()
+        if notice is None:
+            return False
+        peer, reason = notice
+        if peer != str(self.rank):
+            self._break(f"rank {peer} left the clique: {reason}", relay=False)
+        return False
+
+    def _break(self, message: str, *, relay: bool) -> None:
+        """A peer died or aborted: fail everything here, tell the others, drop the group."""
+        self._fail((CollectiveFailed, message))
+        if relay:
+            self._post_notice(message)
+        self._abort_nccl()
+        with self._pg_lock:
+            pg, self._pg = self._pg, None
+        # Gloo: dropping the group closes its sockets, so peers blocked on us fail at once.
+        del pg
+
+    def _abort_nccl(self) -> None:
+        """Abort the NCCL communicator: its kernels stop and the enqueue thread unblocks.
+
+        Deliberately without the group lock: an enqueue blocked inside NCCL holds it, and
+        only the abort can set it free.
+        """
+        if self.backend != "nccl":
+            return
+        pg = self._pg
+        try:
+            if pg is not None:
+                pg.abort()
+        except Exception:
+            logger.exception("rank %d: aborting the NCCL communicator failed", self.rank)
+        finally:
+            del pg
+
+    def _post_notice(self, reason: str) -> None:
+        try:
+            self._keys.set(_ABORT_KEY, f"{self.rank}\n{reason}")
+        except Exception as exc:
+            logger.debug("rank %d: could not post the abort notice: %s", self.rank, exc)
+
+    def _announce_abort(self, reason: str) -> None:
+        self._fail((CollectiveFailed, f"the clique was torn down on rank {self.rank}: {reason}"))
+        self._post_notice(reason)
+        self._abort_nccl()
+
+    # -- teardown ------------------------------------------------------------------------
+
+    async def aclose(
+        self, exc: BaseException | None, *, limiter: anyio.CapacityLimiter | None
+    ) -> None:
+        """Tear down on every path; raise :class:`CliqueTimeout` only for a clean exit whose
+        started collectives did not finish."""
+        with anyio.CancelScope(shield=True):
+            with self._lock:
+                self._closing = True
+                failure = self._failure
+            abnormal = exc is not None or failure is not None
+            if abnormal:
+                reason = _describe(exc) if exc is not None else (failure or ("", ""))[1]
+                await anyio.to_thread.run_sync(self._announce_abort, reason, limiter=limiter)
+            # After an abort NCCL's kernels are gone and their completions may never be
+            # reported; Gloo's works end once the peers, told above, close their sockets.
+            drained = (abnormal and self.backend == "nccl") or await self._drain()
+            if not drained and not abnormal:
+                abnormal = True
+                await anyio.to_thread.run_sync(
+                    self._announce_abort, "started collectives did not finish", limiter=limiter
+                )
+            if not abnormal and self.backend == "nccl":
+                await anyio.to_thread.run_sync(self._shutdown, limiter=limiter)
+            self._goodbye = not abnormal
+            await anyio.to_thread.run_sync(self._stop_threads, limiter=limiter)
+            await anyio.to_thread.run_sync(self._release, limiter=limiter)
+        if not drained and exc is None:
+            raise CliqueTimeout(
+                f"started collectives did not finish within {self._drain_timeout()} s of "
+                "closing the clique; await every collective before leaving the clique",
+                rank=self.rank,
+                phase=_TEARDOWN,
+            )
+
+    def _drain_timeout(self) -> float:
+        return _DRAIN_NO_LIMIT if self.collective_timeout is None else self.collective_timeout
+
+    async def _drain(self) -> bool:
+        with anyio.move_on_after(self._drain_timeout()):
+            while True:
+                with self._lock:
+                    pending = next(iter(self._pending), None)
+                if pending is None:
+                    return True
+                await pending._final.wait()
+                self._retire(pending)
+        return False
+
+    def _shutdown(self) -> None:
+        """NCCL after a clean exit: flush and destroy the communicator (abort if that fails)."""
+        pg = self._pg
+        try:
+            if pg is not None:
+                pg.shutdown()
+        except Exception:
+            logger.exception("rank %d: NCCL shutdown failed; aborting", self.rank)
+            self._abort_nccl()
+        finally:
+            del pg
+
+    def _stop_threads(self) -> None:
+        if self._wake_writer is not None:
+            self._wake_writer.send(b"x")
+        if self._queue is not None:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join()
+        self._threads.clear()
+
+    def _release(self) -> None:
+        with self._pg_lock:
+            pg, self._pg = self._pg, None
+        with self._lock:
+            pending, self._pending = list(self._pending), set()
+        for each in pending:
+            each._release()
+        # Gloo joins its worker threads here, after any stuck work has failed or timed out.
+        del pg, pending
+        self._tether.close(goodbye=self._goodbye)
+        for end in (self._wake_reader, self._wake_writer):
+            if end is not None:
+                end.close()
+        self._wake_reader = self._wake_writer = None
+        self._keys = self._store = None
+        if not self._goodbye:
+            # Every reference above is dropped by reference counting; after a failure, also
+            # collect the cycles that tracebacks form, in case one of them reaches a work.
+            gc.collect()
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, anyio.get_cancelled_exc_class()):
+        return "cancelled"
+    text = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

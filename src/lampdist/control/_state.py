@@ -1,0 +1,295 @@
+"""Bookkeeping shared by the in-process and the TCP channels: who joined, who failed, who
+stopped, on the root; whether the root vanished, on a follower."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from typing import NoReturn
+
+import anyio
+import anyio.lowlevel
+import attrs
+from anyio.abc import ObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from .._errors import (
+    ConfigError,
+    ControlError,
+    JoinTimeout,
+    LampdistError,
+    PeerDisconnected,
+)
+from ._command import Command, CommandKind
+
+__all__ = [
+    "ChannelState",
+    "CommandRelay",
+    "FollowerState",
+    "Notifier",
+    "RootRegistry",
+    "copy_error",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Bound on shielded cleanup (closing streams) so that it cannot wedge a rank.
+CLOSE_TIMEOUT = 5.0
+
+
+class ChannelState(enum.Enum):
+    """Guards ``__aenter__`` against reuse."""
+
+    NEW = "new"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+def copy_error(error: LampdistError) -> LampdistError:
+    """A fresh exception equal to ``error`` (raising one instance twice tangles tracebacks)."""
+    return type(error)(error.message, rank=error.rank, phase=error.phase)
+
+
+def check_enter(state: ChannelState, what: str, rank: int) -> None:
+    """Refuse to enter a channel twice."""
+    if state is not ChannelState.NEW:
+        raise ControlError(
+            f"{what} can be entered only once; create a new channel", rank=rank, phase="open"
+        )
+
+
+def check_open(state: ChannelState, what: str, rank: int, phase: str) -> None:
+    """Refuse calls outside ``async with``."""
+    if state is not ChannelState.OPEN:
+        raise ControlError(
+            f"{what} is {state.value}: use it inside 'async with'", rank=rank, phase=phase
+        )
+
+
+@attrs.define(eq=False)
+class Notifier:
+    """Wakes every waiter at the next :meth:`notify` (a condition variable without a lock).
+
+    Its event is made lazily, so that channels can be created outside an event loop.
+    """
+
+    _event: anyio.Event | None = None
+
+    def notify(self) -> None:
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+    async def wait(self) -> None:
+        if self._event is None:
+            self._event = anyio.Event()
+        await self._event.wait()
+
+
+@attrs.define(eq=False)
+class RootRegistry:
+    """The root's view of its followers."""
+
+    nranks: int
+    phase: str = "join"
+    closed: bool = False
+    stop_sent: bool = False
+    clique_published: bool = False
+    joined: set[int] = attrs.field(factory=set)
+    live: set[int] = attrs.field(factory=set)
+    stopped: set[int] = attrs.field(factory=set)
+    failures: dict[int, LampdistError] = attrs.field(factory=dict)
+    first_failure: LampdistError | None = None
+    changed: Notifier = attrs.field(factory=Notifier)
+
+    def admission_error(self, rank: int) -> str | None:
+        """Why ``rank`` may not join now, or None."""
+        if self.closed:
+            return "the root is closing; start a new run"
+        if self.stop_sent:
+            return "the run has already stopped"
+        if not 1 <= rank < self.nranks:
+            if self.nranks == 1:
+                return f"rank {rank} cannot join: this run has no followers (nranks=1)"
+            return (
+                f"rank {rank} is out of range: this run has nranks={self.nranks}, so "
+                f"followers are ranks 1..{self.nranks - 1}"
+            )
+        if rank in self.joined:
+            return f"rank {rank} has already joined; give every follower its own rank"
+        return None
+
+    def admit(self, rank: int) -> None:
+        """Register ``rank`` (after :meth:`admission_error` said None)."""
+        self.joined.add(rank)
+        self.live.add(rank)
+        logger.info("rank %d joined the control channel", rank, extra={"rank": rank})
+        self.changed.notify()
+
+    def fail(self, rank: int, error: LampdistError, *, reported: bool = False) -> None:
+        """Record that ``rank`` failed; a disconnect after STOP is a clean leave. The first
+        failure of a rank sticks."""
+        if rank in self.failures or self.closed:
+            return
+        self.live.discard(rank)
+        if rank in self.stopped and not reported:
+            logger.debug("rank %d left after STOP", rank, extra={"rank": rank})
+        else:
+            self.failures[rank] = error
+            if self.first_failure is None:
+                self.first_failure = error
+            logger.warning("%s", error, extra={"rank": rank})
+        self.changed.notify()
+
+    def mark_stopped(self, rank: int) -> None:
+        """``rank`` holds STOP: from now on its leaving is no failure."""
+        self.stopped.add(rank)
+
+    def check_broadcast(self, command: Command) -> None:
+        """Refuse a broadcast before the clique id or after STOP."""
+        if not self.clique_published:
+            raise ControlError(
+                "publish the clique id before broadcasting commands", rank=0, phase="broadcast"
+            )
+        if self.stop_sent:
+            raise ControlError(
+                f"cannot broadcast {command.kind.name}: STOP was already broadcast",
+                rank=0,
+                phase="broadcast",
+            )
+        self.phase = command.kind.value
+        if command.kind is CommandKind.STOP:
+            self.stop_sent = True
+
+    async def wait_for_peers(self, n: int, timeout: float | None) -> None:  # noqa: ASYNC109
+        """See :meth:`RootChannel.wait_for_peers`."""
+        if not isinstance(n, int) or not 0 <= n < self.nranks:
+            raise ConfigError(
+                f"wait_for_peers needs 0 <= n <= {self.nranks - 1} (the number of followers), "
+                f"got {n!r}",
+                rank=0,
+                phase="join",
+            )
+        await anyio.lowlevel.checkpoint()
+        with anyio.move_on_after(timeout):
+            while len(self.live) < n:
+                if self.first_failure is not None:
+                    raise copy_error(self.first_failure)
+                await self.changed.wait()
+            return
+        missing = [rank for rank in range(1, self.nranks) if rank not in self.live]
+        raise JoinTimeout(
+            f"{len(self.live)} of {n} followers joined within {timeout} s; missing ranks "
+            f"{missing} (are they running, with the right address and secret?)",
+            rank=0,
+            phase="join",
+        )
+
+    async def watch(self) -> NoReturn:
+        """See :meth:`RootChannel.watch`."""
+        while self.first_failure is None:
+            await self.changed.wait()
+        raise copy_error(self.first_failure)
+
+
+@attrs.define(eq=False)
+class FollowerState:
+    """A follower's view of the root."""
+
+    rank: int
+    phase: str = "join"
+    stopped: bool = False
+    failure: LampdistError | None = None
+    changed: Notifier = attrs.field(factory=Notifier)
+
+    def root_lost(self, reason: str) -> None:
+        """Record that the root vanished (ignored after STOP; the first reason sticks)."""
+        if self.stopped or self.failure is not None:
+            return
+        self.failure = PeerDisconnected(reason, rank=0, phase=self.phase)
+        logger.warning("rank %d: %s", self.rank, self.failure, extra={"rank": self.rank})
+        self.changed.notify()
+
+    async def watch(self) -> NoReturn:
+        """See :meth:`FollowerChannel.watch`."""
+        while self.failure is None:
+            await self.changed.wait()
+        raise copy_error(self.failure)
+
+
+@attrs.define(eq=False)
+class CommandRelay:
+    """Hands commands to the user's stream in order without ever blocking the caller of
+    :meth:`put` (a reader that must keep reading heartbeats, or the in-process root).
+
+    When nothing is queued and the user's stream is a memory object stream with room, a
+    command goes straight in; otherwise it waits in an unbounded queue (one command per pass:
+    it stays short) for :meth:`run`. The user's stream is closed after STOP, and when the
+    relay ends without STOP (the root vanished; :meth:`FollowerState.watch` says why).
+    """
+
+    follower: FollowerState
+    commands: ObjectSendStream[Command]
+    _queue_in: MemoryObjectSendStream[Command] = attrs.field(init=False)
+    _queue_out: MemoryObjectReceiveStream[Command] = attrs.field(init=False)
+    _queued: int = 0
+    _deliver: bool = True
+    shut: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        self._queue_in, self._queue_out = anyio.create_memory_object_stream[Command](math.inf)
+
+    def put(self, command: Command) -> None:
+        """Pass ``command`` on; raises ``anyio.BrokenResourceError`` once the follower's
+        channel has closed."""
+        if self.shut:
+            raise anyio.BrokenResourceError
+        self.follower.phase = command.kind.value
+        stop = command.kind is CommandKind.STOP
+        if stop:
+            self.follower.stopped = True
+        if self._queued == 0 and isinstance(self.commands, MemoryObjectSendStream):
+            try:
+                self.commands.send_nowait(command)
+            except anyio.WouldBlock:
+                pass
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                self._stop_delivering()
+                if stop:
+                    self.end()
+                return
+            else:
+                if stop:
+                    self.commands.close()
+                    self.end()
+                return
+        self._queued += 1
+        self._queue_in.send_nowait(command)
+
+    def end(self) -> None:
+        """No more commands will come: :meth:`run` finishes the queue and returns."""
+        self._queue_in.close()
+
+    def _stop_delivering(self) -> None:
+        if self._deliver:
+            self._deliver = False
+            logger.debug("rank %d: nobody reads the commands any more", self.follower.rank)
+
+    async def run(self) -> None:
+        """Deliver queued commands until STOP or :meth:`end`, then close the user's stream."""
+        try:
+            async for command in self._queue_out:
+                if self._deliver:
+                    try:
+                        await self.commands.send(command)
+                    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        self._stop_delivering()
+                self._queued -= 1  # only now may put() deliver directly again
+                if command.kind is CommandKind.STOP:
+                    return
+            self.follower.root_lost("the root closed the control channel without STOP")
+        finally:
+            self.shut = True
+            with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
+                await self.commands.aclose()

@@ -1,0 +1,392 @@
+"""The root side of the TCP control channel."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import ssl
+from types import TracebackType
+from typing import NoReturn, Self
+
+import anyio
+import anyio.lowlevel
+import attrs
+from anyio.abc import ByteStream, SocketAttribute, SocketStream, TaskGroup
+from anyio.streams.tls import TLSStream
+
+from .._clique_id import CliqueId
+from .._errors import (
+    ConfigError,
+    ControlError,
+    LampdistError,
+    LampdistTimeout,
+    MismatchError,
+    PeerDisconnected,
+    ProtocolError,
+)
+from ._abc import DEFAULT_BROADCAST_TIMEOUT, USE_CHANNEL_DEFAULT, UseChannelDefault, resolve_timeout
+from ._auth import make_proof, new_nonce, secret_bytes, verify_proof
+from ._command import Command, CommandKind
+from ._settings import (
+    DEFAULT_HANDSHAKE_TIMEOUT,
+    DEFAULT_HEARTBEAT_INTERVAL,
+    DEFAULT_HEARTBEAT_TIMEOUT,
+    TcpSettings,
+    check_settings,
+)
+from ._state import (
+    CLOSE_TIMEOUT,
+    ChannelState,
+    RootRegistry,
+    check_enter,
+    check_open,
+    copy_error,
+)
+from ._tcp_session import AckRound, FollowerSession
+from ._wire import (
+    DEFAULT_MAX_FRAME_BYTES,
+    Auth,
+    Challenge,
+    CliqueMessage,
+    CommandMessage,
+    FramedStream,
+    Hello,
+    Reject,
+    RejectCode,
+    Welcome,
+    encode_frame,
+)
+
+__all__ = ["TcpRootChannel", "tcp_root"]
+
+logger = logging.getLogger(__name__)
+
+#: How long the root tries to tell a refused peer why (it may not listen).
+_REJECT_TIMEOUT = 1.0
+
+
+class _Refused(Exception):
+    """A handshake ends with a rejection frame."""
+
+    def __init__(self, code: RejectCode, reason: str) -> None:
+        super().__init__(reason)
+        self.code, self.reason = code, reason
+
+
+@attrs.define(eq=False)
+class TcpRootChannel:
+    """The root side of the TCP control channel; see :class:`RootChannel` and
+    :func:`tcp_root`."""
+
+    nranks: int
+    _host: str
+    _port: int
+    _key: bytes
+    _settings: TcpSettings
+    _broadcast_timeout: float | None
+    _registry: RootRegistry = attrs.field(init=False)
+    _state: ChannelState = ChannelState.NEW
+    _sessions: dict[int, FollowerSession] = attrs.field(factory=dict)
+    _clique_id: CliqueId | None = None
+    _seq: int = 0
+    _address: tuple[str, int] | None = None
+    _task_group: TaskGroup | None = None
+
+    def __attrs_post_init__(self) -> None:
+        self._registry = RootRegistry(nranks=self.nranks)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The ``(host, port)`` the root listens on (the port picked when given 0)."""
+        if self._address is None:
+            raise ControlError("the root is not listening yet: enter it first", rank=0)
+        return self._address
+
+    async def __aenter__(self) -> Self:
+        check_enter(self._state, "the root channel", 0)
+        self._state = ChannelState.OPEN
+        try:
+            listener = await anyio.create_tcp_listener(local_host=self._host, local_port=self._port)
+        except OSError as exc:
+            self._state = ChannelState.CLOSED
+            raise ControlError(
+                f"cannot listen on {self._host}:{self._port} ({exc})", rank=0, phase="open"
+            ) from exc
+        address = listener.listeners[0].extra(SocketAttribute.local_address)
+        assert isinstance(address, tuple)  # an IP listener has a (host, port, ...) address
+        self._address = (str(address[0]), int(address[1]))
+        task_group = anyio.create_task_group()
+        await task_group.__aenter__()
+        self._task_group = task_group
+        task_group.start_soon(self._serve, listener)
+        logger.info("control root listening on %s:%d", *self._address, extra={"rank": 0})
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        self._state = ChannelState.CLOSED
+        self._registry.closed = True
+        self._registry.changed.notify()
+        assert self._task_group is not None  # set by __aenter__
+        self._task_group.cancel_scope.cancel()
+        return await self._task_group.__aexit__(exc_type, exc, tb)
+
+    async def _serve(self, listener: anyio.abc.Listener[SocketStream]) -> None:
+        async with listener:
+            await listener.serve(self._handle_connection, task_group=self._task_group)
+
+    async def _handle_connection(self, raw: SocketStream) -> None:
+        peer = _peer_name(raw)
+        framed: FramedStream | None = None
+        session: FollowerSession | None = None
+        try:
+            with anyio.fail_after(self._settings.handshake_timeout):
+                stream: ByteStream = raw
+                if self._settings.ssl_context is not None:
+                    stream = await TLSStream.wrap(
+                        raw,
+                        server_side=True,
+                        ssl_context=self._settings.ssl_context,
+                        standard_compatible=False,
+                    )
+                framed = FramedStream(stream, self._settings.max_frame_bytes)
+                session = await self._handshake(framed, peer)
+            await session.run()
+        except _Refused as exc:
+            logger.warning("refused a control connection from %s: %s", peer, exc.reason)
+            await _try_reject(framed, exc.code, exc.reason)
+        except TimeoutError:
+            reason = f"no complete handshake within {self._settings.handshake_timeout} s"
+            logger.warning("closed a control connection from %s: %s", peer, reason)
+            await _try_reject(framed, "protocol", reason)
+        except (anyio.EndOfStream, anyio.BrokenResourceError, OSError) as exc:
+            logger.warning("a control connection from %s broke in the handshake: %r", peer, exc)
+        except Exception:
+            logger.exception("unexpected error on a control connection from %s", peer)
+            if session is not None:
+                session.lost("the root's connection handler failed")
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
+                if framed is not None:
+                    await framed.aclose()
+                await raw.aclose()
+
+    async def _handshake(self, framed: FramedStream, peer: str) -> FollowerSession:
+        try:
+            hello = await framed.receive()
+            if not isinstance(hello, Hello):
+                raise _Refused("protocol", f"expected a 'hello' frame, got '{hello.TAG}'")
+            root_nonce = new_nonce()
+            await framed.send(Challenge(nonce=root_nonce))
+            auth = await framed.receive()
+        except ProtocolError as exc:
+            raise _Refused("protocol", exc.message) from None
+        if not isinstance(auth, Auth):
+            raise _Refused("protocol", f"expected an 'auth' frame, got '{auth.TAG}'")
+        rank, nonces = hello.rank, {"follower_nonce": hello.nonce, "root_nonce": root_nonce}
+        if not verify_proof(self._key, "follower", auth.proof, rank=rank, **nonces):
+            raise _Refused(
+                "auth",
+                f"authentication failed for rank {rank}: its secret differs from the root's",
+            )
+        if not hello.heartbeat_interval < self._settings.heartbeat_timeout:
+            raise _Refused(
+                "mismatch",
+                f"the follower's heartbeat_interval ({hello.heartbeat_interval} s) must be "
+                f"below the root's heartbeat_timeout ({self._settings.heartbeat_timeout} s)",
+            )
+        reason = self._registry.admission_error(rank)
+        if reason is not None:
+            raise _Refused("join", reason)
+        session = FollowerSession(rank, framed, self._registry, self._settings)
+        self._sessions[rank] = session
+        self._registry.admit(rank)
+        welcome = Welcome(
+            proof=make_proof(self._key, "root", rank=rank, **nonces),
+            heartbeat_interval=self._settings.heartbeat_interval,
+        )
+        session.enqueue(encode_frame(welcome, self._settings.max_frame_bytes))
+        if self._clique_id is not None:
+            session.enqueue(self._clique_frame(self._clique_id))
+        logger.debug("rank %d joined from %s", rank, peer, extra={"rank": rank})
+        return session
+
+    def _clique_frame(self, clique_id: CliqueId) -> bytes:
+        return encode_frame(CliqueMessage(clique_id=clique_id), self._settings.max_frame_bytes)
+
+    async def publish_clique_id(self, clique_id: CliqueId) -> None:
+        """See :meth:`RootChannel.publish_clique_id`."""
+        check_open(self._state, "the root channel", 0, "publish")
+        await anyio.lowlevel.checkpoint()
+        if clique_id.nranks != self.nranks:
+            raise MismatchError(
+                f"the clique id is for nranks={clique_id.nranks}, the channel for "
+                f"nranks={self.nranks}",
+                rank=0,
+                phase="publish",
+            )
+        if self._clique_id is not None:
+            if self._clique_id == clique_id:
+                return
+            raise ConfigError(
+                "a different clique id was already published", rank=0, phase="publish"
+            )
+        self._clique_id = clique_id
+        self._registry.clique_published = True
+        frame = self._clique_frame(clique_id)
+        for session in self._sessions.values():
+            session.enqueue(frame)
+
+    async def peers(self) -> int:
+        """See :meth:`RootChannel.peers`."""
+        await anyio.lowlevel.checkpoint()
+        return len(self._registry.live)
+
+    async def wait_for_peers(self, n: int, timeout: float | None) -> None:  # noqa: ASYNC109
+        """See :meth:`RootChannel.wait_for_peers`."""
+        check_open(self._state, "the root channel", 0, "join")
+        await self._registry.wait_for_peers(n, timeout)
+
+    async def broadcast(
+        self,
+        command: Command,
+        *,
+        timeout: float | UseChannelDefault | None = USE_CHANNEL_DEFAULT,  # noqa: ASYNC109
+    ) -> None:
+        """See :meth:`RootChannel.broadcast`: returns once every follower acknowledged."""
+        check_open(self._state, "the root channel", 0, "broadcast")
+        limit = resolve_timeout(timeout, self._broadcast_timeout, rank=0, phase="broadcast")
+        registry = self._registry
+        registry.check_broadcast(command)
+        self._seq += 1
+        seq = self._seq
+        frame = encode_frame(
+            CommandMessage(seq=seq, command=command), self._settings.max_frame_bytes
+        )
+        errors: list[LampdistError] = []
+        targets: list[FollowerSession] = []
+        for rank in sorted(registry.joined):
+            failure = registry.failures.get(rank)
+            if failure is not None:
+                errors.append(copy_error(failure))
+            elif self._sessions[rank].ended:
+                errors.append(PeerDisconnected("the follower left", rank=rank, phase="broadcast"))
+            else:
+                targets.append(self._sessions[rank])
+        ack_round = AckRound(seq, {session.rank for session in targets})
+        for session in targets:
+            session.ack_round = ack_round
+            if command.kind is CommandKind.STOP:
+                session.stop_seq = seq
+        with anyio.move_on_after(limit):
+            for session in targets:
+                await session.send(frame)
+            if ack_round.waiting:
+                await ack_round.done.wait()
+        for session in targets:
+            if session.acked_seq >= seq:
+                continue
+            failure = registry.failures.get(session.rank)
+            if failure is not None:
+                errors.append(copy_error(failure))
+            elif session.ended:
+                errors.append(
+                    PeerDisconnected(
+                        "the follower left before acknowledging",
+                        rank=session.rank,
+                        phase="broadcast",
+                    )
+                )
+            else:
+                errors.append(
+                    LampdistTimeout(
+                        f"no acknowledgement of {command.kind.name} within {limit} s",
+                        rank=session.rank,
+                        phase="broadcast",
+                    )
+                )
+        if errors:
+            errors.sort(key=lambda error: error.rank or 0)
+            for extra in errors[1:]:
+                logger.warning("broadcast of %s: also %s", command.kind.name, extra)
+            raise errors[0]
+
+    async def watch(self) -> NoReturn:
+        """See :meth:`RootChannel.watch`."""
+        await self._registry.watch()
+
+
+async def _try_reject(framed: FramedStream | None, code: RejectCode, reason: str) -> None:
+    """Tell a refused peer why, if it listens (best effort, bounded)."""
+    if framed is None:
+        return
+    with (
+        anyio.move_on_after(_REJECT_TIMEOUT),
+        contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError),
+    ):
+        await framed.send(Reject(code=code, reason=reason))
+
+
+def _peer_name(stream: SocketStream) -> str:
+    try:
+        address = stream.extra(SocketAttribute.remote_address)
+    except (OSError, anyio.TypedAttributeLookupError):
+        return "an unknown peer"
+    if isinstance(address, tuple):
+        return f"{address[0]}:{address[1]}"
+    return str(address)
+
+
+def tcp_root(
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    nranks: int,
+    secret: str | bytes | None,
+    insecure: bool = False,
+    ssl_context: ssl.SSLContext | None = None,
+    heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+    broadcast_timeout: float | None = DEFAULT_BROADCAST_TIMEOUT,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+) -> TcpRootChannel:
+    """The root side of a TCP control channel, as an async context manager.
+
+    ``async with tcp_root(nranks=4, secret=s) as root:`` listens on ``host:port`` (127.0.0.1
+    and a free port by default; see :attr:`TcpRootChannel.address`) and accepts followers
+    that prove they hold ``secret`` (the same ``str`` or ``bytes`` on every rank; it never
+    crosses the wire). ``ssl_context`` (a server context) turns on TLS. Heartbeats go both
+    ways every ``heartbeat_interval`` seconds; a follower silent for ``heartbeat_timeout``
+    counts as disconnected. A connection gets ``handshake_timeout`` seconds to authenticate;
+    frames over ``max_frame_bytes`` are refused. Bad peers are refused with a WARNING log
+    line and never disturb the followers that joined.
+
+    Raises :class:`lampdist.ConfigError` for bad settings, and without a secret unless
+    ``insecure=True`` (for a trusted network only); :class:`lampdist.ControlError` on
+    entering if it cannot listen.
+    """
+    key = secret_bytes(secret, insecure=insecure, rank=0)
+    if not isinstance(nranks, int) or isinstance(nranks, bool) or nranks < 1:
+        raise ConfigError(f"nranks must be an integer >= 1, got {nranks!r}", rank=0, phase="config")
+    settings = check_settings(
+        rank=0,
+        ssl_context=ssl_context,
+        heartbeat_interval=heartbeat_interval,
+        heartbeat_timeout=heartbeat_timeout,
+        handshake_timeout=handshake_timeout,
+        max_frame_bytes=max_frame_bytes,
+    )
+    resolve_timeout(broadcast_timeout, None, rank=0, phase="config")
+    return TcpRootChannel(
+        nranks=nranks,
+        host=host,
+        port=port,
+        key=key,
+        settings=settings,
+        broadcast_timeout=broadcast_timeout,
+    )

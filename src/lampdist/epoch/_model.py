@@ -1,0 +1,82 @@
+"""The model a training loop runs: a module, its loss, and how to count a batch's examples."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from .._errors import BadBatch
+
+__all__ = ["SupervisedModel", "count_examples", "move_to_device"]
+
+
+def count_examples(target: Any) -> int:
+    """``len(target)``: the number of examples of a batch whose target is ``target``."""
+    if isinstance(target, torch.Tensor):
+        return int(target.shape[0]) if target.dim() > 0 else 1
+    return len(target)
+
+
+@attrs.define(eq=False)
+class SupervisedModel:
+    """A module and its loss: ``loss_fn(module(inputs), target)`` is the mean loss of a batch.
+
+    A batch is ``(inputs, target)``: ``inputs`` a tensor, or a tuple or dict of tensors (a
+    tuple is passed as positional arguments, a dict as keyword arguments); ``target`` anything
+    ``loss_fn`` takes. Its example count is ``len(target)`` unless ``example_count`` says
+    otherwise. The loss must be the *mean* over the batch's examples: lampdist weights it by
+    the example count so that n ranks train exactly like one process on all their examples.
+    """
+
+    module: torch.nn.Module
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    example_count: Callable[[Any], int] = count_examples
+
+    def forward_loss(self, inputs: Any, target: Any) -> torch.Tensor:
+        """The mean loss of one batch (the module's mode and grad mode are the caller's)."""
+        if isinstance(inputs, Mapping):
+            output = self.module(**inputs)
+        elif isinstance(inputs, tuple | list):
+            output = self.module(*inputs)
+        else:
+            output = self.module(inputs)
+        loss = self.loss_fn(output, target)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise BadBatch(
+                "loss_fn must return a scalar tensor (the mean loss over the batch), "
+                f"got {type(loss).__name__}"
+                + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+            )
+        return loss.reshape(())
+
+
+def move_to_device(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor in it (nested tuples, lists and dicts) moved to ``device``.
+
+    Pinned CPU tensors are copied without blocking the host.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.device == device:
+            return value
+        return value.to(device, non_blocking=value.is_pinned())
+    if isinstance(value, Mapping):
+        return {key: move_to_device(item, device) for key, item in value.items()}
+    if isinstance(value, tuple | list):
+        moved = [move_to_device(item, device) for item in value]
+        return tuple(moved) if isinstance(value, tuple) else moved
+    return value
+
+
+def check_batch(batch: object) -> tuple[Any, Any]:
+    """``batch`` as ``(inputs, target)``; raises :class:`BadBatch` for anything else."""
+    if not isinstance(batch, Sequence) or isinstance(batch, str | bytes) or len(batch) != 2:
+        raise BadBatch(
+            "a batch must be an (inputs, target) pair, "
+            f"got {type(batch).__name__}"
+            + (f" of length {len(batch)}" if isinstance(batch, Sequence) else "")
+        )
+    inputs, target = batch
+    return inputs, target

@@ -1,0 +1,303 @@
+"""One pass over a rank's batches on the clique: training steps and validation.
+
+A training step, on every rank: forward and backward over up to ``accumulate`` batches with
+each batch's mean loss weighted by its example count, so the flat gradient buffers hold sums.
+Then, with ``step_on="root"``: one reduce of the gradients and a small float64 ``meta`` tensor
+(examples, loss sum, whether this rank has more batches) to the root, which divides by the
+clique's example count, steps and broadcasts the parameters, the module's buffers and a
+``more`` flag. With ``step_on="every_rank"``: one all-reduce of the same tensors and every
+rank steps. The pass ends when no rank has batches left. Either way the update equals one
+process stepping on the concatenation of every rank's batches of the step.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import time
+from collections.abc import Callable
+from functools import partial
+
+import anyio
+import anyio.to_thread
+import attrs
+import torch
+
+from .._effects import BatchSource
+from .._errors import LampdistError, TrainingError
+from ..clique import Clique
+from ._batches import BatchReader, LoadedBatch, open_batches
+from ._flat import FlatModel
+from ._model import SupervisedModel
+from ._options import OnPassEvent, PassEvent, PassResult, TrainingOptions
+from ._stepper import LossScale, Stepper
+
+__all__ = ["RankRunner"]
+
+_EXAMPLES, _LOSS, _MORE = 0, 1, 2
+
+
+@attrs.define(eq=False)
+class RankRunner:
+    """Runs the passes of one rank. ``stepper`` is the root's optimizer, and every rank's with
+    ``step_on="every_rank"``; followers stepping on the root hold none."""
+
+    rank: int
+    clique: Clique
+    model: SupervisedModel
+    flat: FlatModel
+    options: TrainingOptions
+    stepper: Stepper | None = None
+    on_event: OnPassEvent | None = None
+    loss_scale: LossScale = attrs.field()
+    _compute_limiter: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))
+
+    @loss_scale.default
+    def _default_loss_scale(self) -> LossScale:
+        if self.stepper is not None:
+            return self.stepper.loss_scale
+        return LossScale(enabled=self.options.autocast_dtype == torch.float16)
+
+    @property
+    def device(self) -> torch.device:
+        """The rank's device."""
+        return self.clique.device
+
+    @property
+    def is_root(self) -> bool:
+        """Whether this is rank 0."""
+        return self.rank == 0
+
+    async def sync_parameters(self) -> None:
+        """Broadcast the root's parameters and buffers so that every rank holds them."""
+        await self.clique.broadcast([*self.flat.parameter_buffers, *self.flat.module_buffers])
+
+    async def sync_optimizer_state(self) -> None:
+        """Give every rank the root's optimizer state (for ``step_on="every_rank"``)."""
+        assert self.stepper is not None
+        length = torch.zeros(1, dtype=torch.int64, device=self.device)
+        payload = torch.zeros(0, dtype=torch.uint8, device=self.device)
+        if self.is_root:
+            buffer = io.BytesIO()
+            torch.save(self.stepper.optimizer.state_dict(), buffer)
+            data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+            payload = data.to(self.device)
+            length[0] = payload.numel()
+        await self.clique.broadcast([length])
+        if not self.is_root:
+            payload = torch.zeros(int(length.item()), dtype=torch.uint8, device=self.device)
+        await self.clique.broadcast([payload])
+        if not self.is_root:
+            state = torch.load(
+                io.BytesIO(payload.cpu().numpy().tobytes()),
+                map_location=self.device,
+                weights_only=True,
+            )
+            self.stepper.optimizer.load_state_dict(state)
+
+    async def train_pass(
+        self, source: BatchSource, *, epoch: int, pass_index: int, lr_factor: float
+    ) -> PassResult:
+        """One training pass; the result covers the whole clique where this rank steps."""
+        if self.stepper is not None:
+            self.stepper.set_lr_factor(lr_factor)
+        self.model.module.train()
+        self.flat.zero_gradients()
+        started = time.perf_counter()
+        total_loss = 0.0
+        total_examples = steps = skipped = 0
+        async with open_batches(
+            source, model=self.model, device=self.device, rank=self.rank, phase="train"
+        ) as reader:
+            more = True
+            while more:
+                meta = await self._accumulate(reader, epoch)
+                examples, loss_sum, more, counted = await self._synchronise(meta, epoch, steps)
+                steps += 1
+                if counted:
+                    total_loss += loss_sum
+                    total_examples += int(examples)
+                else:
+                    skipped += int(examples > 0)
+                if self.on_event is not None and self.is_root:
+                    await self.on_event(
+                        PassEvent(
+                            epoch=epoch,
+                            kind="train",
+                            pass_index=pass_index,
+                            step=steps,
+                            batches=reader.batches_read,
+                            total_batches=reader.total,
+                            examples=total_examples,
+                            loss=total_loss / total_examples if total_examples else math.nan,
+                            seconds=time.perf_counter() - started,
+                            done=not more,
+                        )
+                    )
+        if self.stepper is None:
+            return PassResult(loss=math.nan, examples=0, steps=steps)
+        if total_examples == 0 and skipped == 0:
+            raise TrainingError(
+                f"epoch {epoch}: the training pass saw no examples on any rank; "
+                "check train_batches",
+                rank=self.rank,
+                phase="train",
+            )
+        loss = total_loss / total_examples if total_examples else math.nan
+        return PassResult(loss=loss, examples=total_examples, steps=steps, skipped_steps=skipped)
+
+    async def _synchronise(
+        self, meta: torch.Tensor, epoch: int, step: int
+    ) -> tuple[float, float, bool, bool]:
+        """Combine the step's gradients over the clique and step where the optimizer lives.
+
+        Returns the clique's examples and loss sum (zeros on a follower that does not step),
+        whether any rank has more batches, and whether the step's loss counts.
+        """
+        gradients = self.flat.gradient_buffers
+        if self.options.step_on == "every_rank":
+            assert self.stepper is not None
+            await self.clique.all_reduce([*gradients, meta])
+            examples, loss_sum, more = meta.tolist()
+            counted = await self._step(examples, loss_sum, epoch, step)
+            if self.flat.module_buffers:
+                await self.clique.broadcast(self.flat.module_buffers)
+            return examples, loss_sum, more > 0, counted
+        await self.clique.reduce([*gradients, meta], root=0)
+        if not self.is_root:
+            self.flat.zero_gradients()  # the reduce left partial sums in them
+            return 0.0, 0.0, await self._receive_parameters(), False
+        examples, loss_sum, more = meta.tolist()
+        counted = await self._step(examples, loss_sum, epoch, step)
+        await self._send_parameters(more > 0)
+        return examples, loss_sum, more > 0, counted
+
+    async def _step(self, examples: float, loss_sum: float, epoch: int, step: int) -> bool:
+        assert self.stepper is not None
+        step_once = partial(self.stepper.step, examples, loss_sum, epoch=epoch, step=step)
+        return await anyio.to_thread.run_sync(step_once, limiter=self._compute_limiter)
+
+    async def validation_pass(
+        self, source: BatchSource, *, epoch: int, pass_index: int
+    ) -> PassResult:
+        """One validation pass in eval mode without gradients; one reduce at the end."""
+        self.model.module.eval()
+        started = time.perf_counter()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        examples = 0
+        async with open_batches(
+            source, model=self.model, device=self.device, rank=self.rank, phase="valid"
+        ) as reader:
+            while (batch := await reader.next()) is not None:
+                if batch.examples == 0:
+                    continue
+                loss_sum += await self._compute(self._evaluate, batch, "valid", epoch)
+                examples += batch.examples
+            batches = reader.batches_read
+        meta = torch.zeros(2, dtype=torch.float64, device=self.device)
+        meta[0] = examples
+        meta[1] = loss_sum
+        await self.clique.reduce([meta], root=0)
+        if not self.is_root:
+            return PassResult(loss=math.nan, examples=examples, steps=0)
+        total_examples, total_loss = meta.tolist()
+        if total_examples == 0:
+            raise TrainingError(
+                f"epoch {epoch}: the validation pass saw no examples on any rank; "
+                "check validation_batches",
+                rank=self.rank,
+                phase="valid",
+            )
+        loss = total_loss / total_examples
+        if self.on_event is not None:
+            await self.on_event(
+                PassEvent(
+                    epoch=epoch,
+                    kind="valid",
+                    pass_index=pass_index,
+                    step=0,
+                    batches=batches,
+                    total_batches=batches,
+                    examples=int(total_examples),
+                    loss=loss,
+                    seconds=time.perf_counter() - started,
+                    done=True,
+                )
+            )
+        return PassResult(loss=loss, examples=int(total_examples), steps=0)
+
+    async def _compute(
+        self,
+        function: Callable[[LoadedBatch], torch.Tensor],
+        batch: LoadedBatch,
+        phase: str,
+        epoch: int,
+    ) -> torch.Tensor:
+        """Run ``function(batch)`` in a worker thread; user errors come back naming the rank."""
+        try:
+            return await anyio.to_thread.run_sync(function, batch, limiter=self._compute_limiter)
+        except LampdistError:
+            raise
+        except Exception as exc:
+            raise TrainingError(
+                f"epoch {epoch}: the model raised {type(exc).__name__}: {exc}",
+                rank=self.rank,
+                phase=phase,
+            ) from exc
+
+    async def _accumulate(self, reader: BatchReader, epoch: int) -> torch.Tensor:
+        """Forward and backward over up to ``accumulate`` batches; returns the step's meta."""
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        examples = 0
+        for _ in range(self.options.accumulate_gradient_over_n_batches):
+            batch = await reader.next()
+            if batch is None:
+                break
+            if batch.examples == 0:
+                continue
+            loss_sum += await self._compute(self._forward_backward, batch, "train", epoch)
+            examples += batch.examples
+        more = await reader.has_next()
+        meta = torch.zeros(3, dtype=torch.float64, device=self.device)
+        meta[_EXAMPLES] = examples
+        meta[_LOSS] = loss_sum
+        meta[_MORE] = 1.0 if more else 0.0
+        return meta
+
+    def _forward_backward(self, batch: LoadedBatch) -> torch.Tensor:
+        """Runs in a worker thread: backward of the example-weighted loss; returns it."""
+        with self._autocast():
+            loss = self.model.forward_loss(batch.inputs, batch.target)
+        weighted = loss * batch.examples
+        scaled = weighted * self.loss_scale.factor if self.loss_scale.enabled else weighted
+        scaled.backward()  # type: ignore[no-untyped-call]  # torch's backward is untyped
+        self.flat.ensure_gradient_views()
+        return weighted.detach().to(torch.float64)
+
+    def _evaluate(self, batch: LoadedBatch) -> torch.Tensor:
+        """Runs in a worker thread: the example-weighted loss without gradients."""
+        with torch.no_grad(), self._autocast():
+            loss = self.model.forward_loss(batch.inputs, batch.target)
+        return loss.detach().to(torch.float64) * batch.examples
+
+    def _autocast(self) -> torch.autocast:
+        dtype = self.options.autocast_dtype
+        return torch.autocast(
+            device_type=self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None
+        )
+
+    async def _send_parameters(self, more: bool) -> None:
+        control = torch.tensor(
+            [1.0 if more else 0.0, self.loss_scale.scale], dtype=torch.float64, device=self.device
+        )
+        await self.clique.broadcast(
+            [*self.flat.parameter_buffers, *self.flat.module_buffers, control], root=0
+        )
+
+    async def _receive_parameters(self) -> bool:
+        control = torch.zeros(2, dtype=torch.float64, device=self.device)
+        await self.clique.broadcast(
+            [*self.flat.parameter_buffers, *self.flat.module_buffers, control], root=0
+        )
+        more, self.loss_scale.scale = control.tolist()
+        return bool(more > 0)

@@ -1,0 +1,217 @@
+"""What the root and the followers share: devices, the agreement check, failure reporting."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import NoReturn
+
+import anyio
+import attrs
+import torch
+
+from .._errors import (
+    CliqueTimeout,
+    CollectiveFailed,
+    ConfigError,
+    LampdistError,
+    MismatchError,
+    PeerDisconnected,
+    RankFailed,
+)
+from ..clique import Clique
+from ..epoch import FlatModel, Stepper, TrainingOptions
+
+__all__ = [
+    "DERIVED",
+    "OptimizerFactory",
+    "Phase",
+    "agree",
+    "check_rank",
+    "create_stepper",
+    "describe",
+    "find_culprit",
+    "most_telling",
+    "resolve_device",
+    "single_error",
+]
+
+CULPRIT_TIMEOUT = 2.0
+"""How long a rank whose collective failed waits for the control channel to name the culprit."""
+
+
+def resolve_device(device: torch.device | str | int) -> torch.device:
+    """``device`` as a :class:`torch.device`: a device, a string (``"cuda:1"``) or a CUDA index."""
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, bool):
+        raise ConfigError(f"device must be a torch.device, a string or a CUDA index, got {device}")
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    if isinstance(device, str):
+        try:
+            return torch.device(device)
+        except RuntimeError as exc:
+            raise ConfigError(f"device {device!r} is not a device string like 'cuda:0'") from exc
+    raise ConfigError(
+        f"device must be a torch.device, a string or a CUDA index, got {type(device).__name__}"
+    )
+
+
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+"""``(parameters) -> optimizer``: builds the optimizer over the model's parameters."""
+
+
+def create_stepper(
+    rank: int, optimizer_factory: OptimizerFactory, flat: FlatModel, options: TrainingOptions
+) -> Stepper:
+    """The optimizer of ``optimizer_factory`` over the flat parameters, wrapped to step."""
+    optimizer = optimizer_factory(flat.parameters)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            "optimizer_factory must return a torch.optim.Optimizer, "
+            f"got {type(optimizer).__name__}",
+            rank=rank,
+            phase="configure",
+        )
+    return Stepper.create(rank, optimizer, flat, options)
+
+
+def check_rank(rank: int, nranks: int) -> None:
+    """Raise :class:`ConfigError` unless ``0 <= rank < nranks``."""
+    if nranks < 1:
+        raise ConfigError(f"nranks must be >= 1 (every rank, the root included), got {nranks}")
+    if not 0 <= rank < nranks:
+        raise ConfigError(f"rank must be in 0..{nranks - 1} for nranks={nranks}, got {rank}")
+
+
+@attrs.define
+class Phase:
+    """Where a rank is (phase name, epoch, pass), for error messages and failure reports."""
+
+    name: str = "join"
+    epoch: int = 0
+    pass_index: int = 0
+    reported: bool = False
+
+
+def describe(error: BaseException) -> str:
+    """``"Type: message"`` of the most telling error in ``error`` (see :func:`single_error`)."""
+    leaf = most_telling(error)
+    return f"{type(leaf).__name__}: {leaf}"
+
+
+def most_telling(error: BaseException) -> BaseException:
+    """``error`` itself, or for an exception group the error :func:`single_error` would raise."""
+    if not isinstance(error, BaseExceptionGroup):
+        return error
+    cancelled = anyio.get_cancelled_exc_class()
+    real = [leaf for leaf in _leaves(error) if not isinstance(leaf, cancelled)]
+    return _most_telling(real) or error
+
+
+async def agree(
+    clique: Clique,
+    flat: FlatModel,
+    options: TrainingOptions,
+    *,
+    validates: bool,
+    phase: str = "agreement",
+) -> None:
+    """Check on every rank that all ranks have the root's model layout and settings.
+
+    Raises :class:`MismatchError` on every rank, naming the ranks that differ and in what.
+    """
+    settings = f"{options.describe()}, validation_batches given: {validates}"
+    mine = torch.tensor(
+        [_digest64(flat.fingerprint), _digest64(settings.encode())],
+        dtype=torch.int64,
+        device=clique.device,
+    )
+    gathered = torch.zeros(2 * clique.nranks, dtype=torch.int64, device=clique.device)
+    await clique.all_gather(gathered, mine)
+    rows = gathered.view(clique.nranks, 2).tolist()
+    model_ranks = [r for r, row in enumerate(rows) if row[0] != rows[0][0]]
+    settings_ranks = [r for r, row in enumerate(rows) if row[1] != rows[0][1]]
+    problems = []
+    if model_ranks:
+        problems.append(
+            f"ranks {model_ranks} have model parameters or buffers (names, shapes, dtypes, "
+            "requires_grad) that differ from the root's"
+        )
+    if settings_ranks:
+        problems.append(
+            f"ranks {settings_ranks} have settings that differ from the root's "
+            f"(this rank has {settings})"
+        )
+    if problems:
+        raise MismatchError(
+            "; ".join(problems) + ": give every rank the same model and settings",
+            rank=clique.rank,
+            phase=phase,
+        )
+
+
+def _digest64(data: bytes) -> int:
+    return int.from_bytes(hashlib.sha256(data).digest()[:7], "big")
+
+
+async def find_culprit(watch: Callable[[], Awaitable[NoReturn]]) -> LampdistError | None:
+    """After a collective failed: the control channel's account of which peer failed, if it
+    gives one within :data:`CULPRIT_TIMEOUT` seconds."""
+    with anyio.move_on_after(CULPRIT_TIMEOUT):
+        try:
+            await watch()
+        except (RankFailed, PeerDisconnected) as exc:
+            return exc
+    return None
+
+
+DERIVED: tuple[type[BaseException], ...] = (
+    RankFailed,
+    PeerDisconnected,
+    CollectiveFailed,
+    CliqueTimeout,
+)
+"""Errors that report another failure, most telling first."""
+
+
+@contextmanager
+def single_error() -> Iterator[None]:
+    """Re-raise an exception group as its most telling error.
+
+    A failure shows up several times: where it happened, as failed collectives elsewhere, and
+    as the control channel's report naming the failed rank. This keeps the original error,
+    else the report; it raises the group itself only when it holds unrelated errors.
+    """
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        chosen = most_telling(group)
+        if chosen is group:
+            raise
+        raise chosen from chosen.__cause__
+
+
+def _most_telling(errors: list[BaseException]) -> BaseException | None:
+    """The original error if there is one kind of it (the lowest rank's), else the most telling
+    report of a failure elsewhere; ``None`` for several unrelated errors."""
+    original = [e for e in errors if not isinstance(e, DERIVED)]
+    if original:
+        if len({type(e) for e in original}) > 1:
+            return None
+        return min(original, key=lambda e: getattr(e, "rank", None) or 0)
+    for kind in DERIVED:
+        for error in errors:
+            if isinstance(error, kind):
+                return error
+    return None
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc

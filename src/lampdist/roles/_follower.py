@@ -1,0 +1,245 @@
+"""The follower: join, open the clique, run the pass the root commands, until STOP."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Literal
+
+import anyio
+import torch
+from anyio.streams.memory import MemoryObjectReceiveStream
+
+from .._effects import BatchSource
+from .._errors import (
+    CliqueTimeout,
+    CollectiveFailed,
+    ConfigError,
+    LampdistError,
+    PeerDisconnected,
+    RankFailed,
+)
+from ..clique import open_clique
+from ..control import Command, CommandKind, FollowerChannel
+from ..epoch import FlatModel, RankRunner, StepOn, Stepper, SupervisedModel, TrainingOptions
+from ._common import (
+    DERIVED,
+    OptimizerFactory,
+    Phase,
+    agree,
+    check_rank,
+    create_stepper,
+    describe,
+    find_culprit,
+    most_telling,
+    resolve_device,
+    single_error,
+)
+
+__all__ = ["follow_distributed_training"]
+
+logger = logging.getLogger(__name__)
+
+REPORT_TIMEOUT = 1.0
+
+
+async def follow_distributed_training(
+    *,
+    rank: int,
+    nranks: int,
+    device: torch.device | str | int,
+    control: FollowerChannel,
+    model: SupervisedModel,
+    train_batches: BatchSource,
+    validation_batches: BatchSource | None = None,
+    accumulate_gradient_over_n_batches: int = 1,
+    autocast_dtype: torch.dtype | None = None,
+    step_on: StepOn = "root",
+    optimizer_factory: OptimizerFactory | None = None,
+    max_grad_norm: float | None = None,
+    non_finite_loss: Literal["raise", "skip"] = "raise",
+    join_timeout: float | None = 300.0,
+    setup_timeout: float | None = 300.0,
+    collective_timeout: float | None = 600.0,
+) -> None:
+    """Follow a data-parallel training run as rank ``rank`` (1..nranks-1) until the root stops it.
+
+    The follower joins through ``control`` (within ``join_timeout``), opens the clique on
+    ``device`` with the clique id the root published, and for each command runs one training
+    or validation pass over its own batches. It holds no optimizer: each step sends its
+    example-weighted gradients to the root and receives the root's parameters. On STOP it
+    receives the final (or best) weights into ``model.module`` and returns.
+
+    ``accumulate_gradient_over_n_batches`` and ``autocast_dtype`` must equal the root's.
+    Raises :class:`~lampdist.MismatchError` when this rank disagrees with the root,
+    :class:`~lampdist.RankFailed` when the root (rank 0) aborts the run, naming its error,
+    :class:`~lampdist.PeerDisconnected` when the root vanishes, and the errors of this
+    rank's own training (:class:`~lampdist.TrainingError`), which it also reports to the root.
+    Several unrelated failures at once come as an ``ExceptionGroup``.
+    """
+    check_rank(rank, nranks)
+    if rank == 0:
+        raise ConfigError("rank 0 is the root: call drive_distributed_training for it")
+    torch_device = resolve_device(device)
+    options = TrainingOptions(
+        accumulate_gradient_over_n_batches=accumulate_gradient_over_n_batches,
+        autocast_dtype=autocast_dtype,
+        step_on=step_on,
+        max_grad_norm=max_grad_norm,
+        non_finite_loss=non_finite_loss,
+    )
+    flat = FlatModel.create(model.module, torch_device)
+    stepper = None
+    if step_on == "every_rank":
+        if optimizer_factory is None:
+            raise ConfigError(
+                "step_on='every_rank' needs optimizer_factory on the followers too: pass the "
+                "root's",
+                rank=rank,
+                phase="configure",
+            )
+        stepper = create_stepper(rank, optimizer_factory, flat, options)
+    phase = Phase("join")
+    send, receive = anyio.create_memory_object_stream[Command](math.inf)
+    with single_error():
+        async with anyio.create_task_group() as group, receive:
+            group.start_soon(_watch, control)
+            try:
+                await _run(
+                    rank=rank,
+                    nranks=nranks,
+                    device=torch_device,
+                    control=control,
+                    model=model,
+                    flat=flat,
+                    options=options,
+                    stepper=stepper,
+                    train_batches=train_batches,
+                    validation_batches=validation_batches,
+                    commands=receive,
+                    join_timeout=join_timeout,
+                    setup_timeout=setup_timeout,
+                    collective_timeout=collective_timeout,
+                    phase=phase,
+                    send=send,
+                )
+            except Exception as exc:
+                leaf = most_telling(exc)
+                if isinstance(leaf, CollectiveFailed | CliqueTimeout):
+                    culprit = _root_abort(receive) or await find_culprit(control.watch)
+                    if culprit is not None:
+                        raise culprit from leaf
+                if not phase.reported and not isinstance(leaf, RankFailed | PeerDisconnected):
+                    with anyio.CancelScope(shield=True):
+                        await _report(control, phase.name, exc)
+                raise
+            group.cancel_scope.cancel()
+
+
+async def _watch(control: FollowerChannel) -> None:
+    await control.watch()
+
+
+async def _report(control: FollowerChannel, phase: str, error: BaseException) -> None:
+    """Best effort: tell the root why this rank stops."""
+    with anyio.move_on_after(REPORT_TIMEOUT):
+        try:
+            await control.report_failure(phase, describe(error))
+        except LampdistError as exc:
+            logger.debug("could not report the failure to the root: %s", exc)
+
+
+def _root_abort(commands: MemoryObjectReceiveStream[Command]) -> RankFailed | None:
+    """The root's own reason for stopping, if its abort command is already here."""
+    while True:
+        try:
+            command = commands.receive_nowait()
+        except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+            return None
+        if command.kind is CommandKind.STOP and command.error is not None:
+            return RankFailed(command.error, rank=0, phase="stop")
+
+
+async def _run(
+    *,
+    rank: int,
+    nranks: int,
+    device: torch.device,
+    control: FollowerChannel,
+    model: SupervisedModel,
+    flat: FlatModel,
+    options: TrainingOptions,
+    stepper: Stepper | None,
+    train_batches: BatchSource,
+    validation_batches: BatchSource | None,
+    commands: MemoryObjectReceiveStream[Command],
+    send: anyio.abc.ObjectSendStream[Command],
+    join_timeout: float | None,
+    setup_timeout: float | None,
+    collective_timeout: float | None,
+    phase: Phase,
+) -> None:
+    clique_id = await control.join(send, timeout=join_timeout)
+    phase.name = "clique setup"
+    async with open_clique(
+        nranks=nranks,
+        rank=rank,
+        device=device,
+        clique_id=clique_id,
+        setup_timeout=setup_timeout,
+        collective_timeout=collective_timeout,
+    ) as clique:
+        runner = RankRunner(
+            rank=rank, clique=clique, model=model, flat=flat, options=options, stepper=stepper
+        )
+        try:
+            await _follow_commands(runner, commands, train_batches, validation_batches, phase)
+        except Exception as exc:
+            # Report before the clique closes, so the root learns the cause before the
+            # collectives on other ranks fail.
+            if not isinstance(most_telling(exc), DERIVED):
+                with anyio.CancelScope(shield=True):
+                    await _report(control, phase.name, exc)
+                phase.reported = True
+            raise
+
+
+async def _follow_commands(
+    runner: RankRunner,
+    commands: MemoryObjectReceiveStream[Command],
+    train_batches: BatchSource,
+    validation_batches: BatchSource | None,
+    phase: Phase,
+) -> None:
+    phase.name = "agreement"
+    validates = validation_batches is not None
+    await agree(runner.clique, runner.flat, runner.options, validates=validates)
+    await runner.sync_parameters()
+    if runner.options.step_on == "every_rank":
+        await runner.sync_optimizer_state()
+    phase.name = "wait for command"
+    async for command in commands:
+        if command.kind is CommandKind.STOP:
+            if command.error is not None:
+                raise RankFailed(command.error, rank=0, phase="stop")
+            phase.name = "stop"
+            await runner.sync_parameters()
+            return
+        if command.kind is CommandKind.TRAIN:
+            phase.name = "train"
+            await runner.train_pass(
+                train_batches,
+                epoch=command.epoch,
+                pass_index=command.pass_index,
+                lr_factor=command.lr_factor if command.lr_factor is not None else 1.0,
+            )
+        elif command.kind is CommandKind.VALID:
+            phase.name = "valid"
+            assert validation_batches is not None  # the agreement check ensures it
+            await runner.validation_pass(
+                validation_batches, epoch=command.epoch, pass_index=command.pass_index
+            )
+        phase.name = "wait for command"
+    raise PeerDisconnected(
+        "the root closed the control channel without STOP", rank=0, phase=phase.name
+    )

@@ -1,0 +1,336 @@
+"""The root's driver: rendezvous, the epoch loop, the optimizer, and the end of the run."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import anyio
+import torch
+
+from .._effects import BatchSource, CheckpointState
+from .._errors import (
+    CheckpointError,
+    CliqueTimeout,
+    CollectiveFailed,
+    LampdistError,
+)
+from ..clique import open_clique, serve_rendezvous
+from ..control import Command, CommandKind, RootChannel
+from ..epoch import (
+    FlatModel,
+    OnPassEvent,
+    RankRunner,
+    StepOn,
+    Stepper,
+    SupervisedModel,
+    TrainingOptions,
+)
+from ..loop import LoopState, TrainingState, check_epochs_arguments, epochs
+from ..schedules import LearningRateSchedule, noop
+from ._common import (
+    OptimizerFactory,
+    Phase,
+    agree,
+    check_rank,
+    create_stepper,
+    describe,
+    find_culprit,
+    most_telling,
+    resolve_device,
+    single_error,
+)
+
+__all__ = ["drive_distributed_training"]
+
+logger = logging.getLogger(__name__)
+
+ABORT_TIMEOUT = 2.0
+"""How long the root tries to tell the followers why it stops."""
+
+
+async def drive_distributed_training(
+    *,
+    nranks: int,
+    device: torch.device | str | int,
+    control: RootChannel,
+    model: SupervisedModel,
+    optimizer_factory: OptimizerFactory,
+    train_batches: BatchSource,
+    validation_batches: BatchSource | None = None,
+    max_epochs: int,
+    checkpoint_state: CheckpointState | None = None,
+    validation_frequency: int = 1,
+    return_min_validation_loss_model: Iterable[int] = (),
+    learning_rate_schedule: LearningRateSchedule[Any] | None = None,
+    init_state: TrainingState | None = None,
+    accumulate_gradient_over_n_batches: int = 1,
+    learning_rate_schedule_init_state: Any = None,
+    validation_loss_exponential_smoothing_factor: float = 1.0,
+    max_grad_norm: float | None = None,
+    autocast_dtype: torch.dtype | None = None,
+    non_finite_loss: Literal["raise", "skip"] = "raise",
+    step_on: StepOn = "root",
+    on_event: OnPassEvent | None = None,
+    rendezvous_host: str = "127.0.0.1",
+    join_timeout: float | None = 300.0,
+    setup_timeout: float | None = 300.0,
+    collective_timeout: float | None = 600.0,
+) -> LoopState:
+    """Drive a data-parallel training run as the root (rank 0) and return the final loop state.
+
+    The root publishes a fresh clique id on ``control``, waits up to ``join_timeout`` for the
+    ``nranks - 1`` followers, opens the clique on ``device``, checks that every rank has the
+    same model layout and settings, and runs the epoch loop (see :func:`lampdist.epochs` for
+    the schedule, validation, smoothing and best-model rules). It holds the optimizer: each
+    step reduces the example-weighted gradients of all ranks to the root, steps, and
+    broadcasts the parameters back. ``checkpoint_state`` is awaited after every epoch with the
+    live state dicts (copy them if you keep them past the call). At the end every rank holds
+    the best model (if ``return_min_validation_loss_model`` made one) or the final one.
+
+    ``init_state`` and ``learning_rate_schedule_init_state`` resume a run; pass what
+    ``lampdist.checkpoint.load_latest`` returned. ``on_event`` receives a
+    :class:`~lampdist.PassEvent` after every step and pass.
+
+    Raises :class:`~lampdist.ConfigError` for bad arguments, :class:`~lampdist.MismatchError`
+    when ranks disagree, :class:`~lampdist.RankFailed` or :class:`~lampdist.PeerDisconnected`
+    naming a follower that failed, :class:`~lampdist.JoinTimeout`, and the errors of the
+    training itself (:class:`~lampdist.TrainingError`, :class:`~lampdist.NonFiniteLoss`).
+    Several unrelated failures at once come as an ``ExceptionGroup``.
+    """
+    check_rank(0, nranks)
+    torch_device = resolve_device(device)
+    options = TrainingOptions(
+        accumulate_gradient_over_n_batches=accumulate_gradient_over_n_batches,
+        max_grad_norm=max_grad_norm,
+        autocast_dtype=autocast_dtype,
+        non_finite_loss=non_finite_loss,
+        step_on=step_on,
+    )
+    schedule = learning_rate_schedule if learning_rate_schedule is not None else noop()
+    check_epochs_arguments(
+        max_epochs,
+        validation_frequency,
+        validation_loss_exponential_smoothing_factor,
+        init_state.loop_state if init_state is not None else LoopState(),
+    )
+    flat = FlatModel.create(model.module, torch_device)
+    stepper = create_stepper(0, optimizer_factory, flat, options)
+    phase = Phase("join")
+    with single_error():
+        async with anyio.create_task_group() as group:
+            group.start_soon(_watch, control)
+            try:
+                state = await _run(
+                    nranks=nranks,
+                    device=torch_device,
+                    control=control,
+                    model=model,
+                    flat=flat,
+                    stepper=stepper,
+                    options=options,
+                    schedule=schedule,
+                    train_batches=train_batches,
+                    validation_batches=validation_batches,
+                    max_epochs=max_epochs,
+                    checkpoint_state=checkpoint_state,
+                    validation_frequency=validation_frequency,
+                    return_min_validation_loss_model=return_min_validation_loss_model,
+                    init_state=init_state,
+                    learning_rate_schedule_init_state=learning_rate_schedule_init_state,
+                    smoothing=validation_loss_exponential_smoothing_factor,
+                    on_event=on_event,
+                    rendezvous_host=rendezvous_host,
+                    join_timeout=join_timeout,
+                    setup_timeout=setup_timeout,
+                    collective_timeout=collective_timeout,
+                    phase=phase,
+                )
+            except Exception as exc:
+                leaf = most_telling(exc)
+                culprit = None
+                if isinstance(leaf, CollectiveFailed | CliqueTimeout):
+                    culprit = await find_culprit(control.watch)
+                with anyio.CancelScope(shield=True):
+                    await _abort_followers(control, phase, culprit or exc)
+                if culprit is not None:
+                    raise culprit from leaf
+                raise
+            except BaseException as exc:
+                with anyio.CancelScope(shield=True):
+                    await _abort_followers(control, phase, exc)
+                raise
+            group.cancel_scope.cancel()
+    return state
+
+
+async def _watch(control: RootChannel) -> None:
+    await control.watch()
+
+
+async def _abort_followers(control: RootChannel, phase: Phase, error: BaseException) -> None:
+    """Best effort: tell the followers that still listen why the run stops."""
+    message = f"the root stopped in phase {phase.name!r}: {describe(error)}"
+    with anyio.move_on_after(ABORT_TIMEOUT):
+        try:
+            await control.broadcast(
+                Command(
+                    kind=CommandKind.STOP,
+                    epoch=phase.epoch,
+                    pass_index=phase.pass_index,
+                    error=message,
+                )
+            )
+        except LampdistError as exc:
+            logger.debug("could not tell every follower that the run stops: %s", exc)
+
+
+async def _run(
+    *,
+    nranks: int,
+    device: torch.device,
+    control: RootChannel,
+    model: SupervisedModel,
+    flat: FlatModel,
+    stepper: Stepper,
+    options: TrainingOptions,
+    schedule: LearningRateSchedule[Any],
+    train_batches: BatchSource,
+    validation_batches: BatchSource | None,
+    max_epochs: int,
+    checkpoint_state: CheckpointState | None,
+    validation_frequency: int,
+    return_min_validation_loss_model: Iterable[int],
+    init_state: TrainingState | None,
+    learning_rate_schedule_init_state: Any,
+    smoothing: float,
+    on_event: OnPassEvent | None,
+    rendezvous_host: str,
+    join_timeout: float | None,
+    setup_timeout: float | None,
+    collective_timeout: float | None,
+    phase: Phase,
+) -> LoopState:
+    module = model.module
+    optimizer = stepper.optimizer
+    best_model_state: dict[str, torch.Tensor] | None = None
+    loop_state = None
+    if init_state is not None:
+        module.load_state_dict(init_state.model_state)
+        optimizer.load_state_dict(dict(init_state.optimizer_state))
+        if init_state.best_model_state is not None:
+            best_model_state = _snapshot(init_state.best_model_state, device)
+        loop_state = init_state.loop_state
+    first_epoch = loop_state.epoch if loop_state is not None else 0
+
+    async with serve_rendezvous(nranks=nranks, host=rendezvous_host) as clique_id:
+        await control.publish_clique_id(clique_id)
+        await control.wait_for_peers(nranks - 1, join_timeout)
+        phase.name = "clique setup"
+        async with open_clique(
+            nranks=nranks,
+            rank=0,
+            device=device,
+            clique_id=clique_id,
+            setup_timeout=setup_timeout,
+            collective_timeout=collective_timeout,
+        ) as clique:
+            runner = RankRunner(
+                rank=0,
+                clique=clique,
+                model=model,
+                flat=flat,
+                options=options,
+                stepper=stepper,
+                on_event=on_event,
+            )
+            phase.name = "agreement"
+            await agree(clique, flat, options, validates=validation_batches is not None)
+            await runner.sync_parameters()
+            if options.step_on == "every_rank":
+                await runner.sync_optimizer_state()
+            pass_index = 0
+            epoch = first_epoch - 1
+
+            async def train_epoch(lr_factor: float) -> float:
+                nonlocal pass_index, epoch
+                epoch += 1
+                phase.name, phase.epoch, phase.pass_index = "train", epoch, pass_index
+                await control.broadcast(
+                    Command(
+                        kind=CommandKind.TRAIN,
+                        epoch=epoch,
+                        pass_index=pass_index,
+                        lr_factor=lr_factor,
+                    )
+                )
+                result = await runner.train_pass(
+                    train_batches, epoch=epoch, pass_index=pass_index, lr_factor=lr_factor
+                )
+                pass_index += 1
+                return result.loss
+
+            async def validation_epoch() -> float:
+                nonlocal pass_index
+                assert validation_batches is not None
+                phase.name, phase.pass_index = "valid", pass_index
+                await control.broadcast(
+                    Command(kind=CommandKind.VALID, epoch=epoch, pass_index=pass_index)
+                )
+                result = await runner.validation_pass(
+                    validation_batches, epoch=epoch, pass_index=pass_index
+                )
+                pass_index += 1
+                return result.loss
+
+            async def save_best() -> None:
+                nonlocal best_model_state
+                best_model_state = _snapshot(module.state_dict(), device)
+
+            async def checkpoint(state: LoopState, lr_state: Any) -> None:
+                assert checkpoint_state is not None
+                phase.name = "checkpoint"
+                training_state = TrainingState(
+                    loop_state=state,
+                    model_state=module.state_dict(),
+                    optimizer_state=optimizer.state_dict(),
+                    best_model_state=best_model_state,
+                )
+                try:
+                    await checkpoint_state(training_state, lr_state)
+                except LampdistError:
+                    raise
+                except Exception as exc:
+                    raise CheckpointError(
+                        f"epoch {state.epoch - 1}: checkpoint_state raised "
+                        f"{type(exc).__name__}: {exc}",
+                        rank=0,
+                        phase="checkpoint",
+                    ) from exc
+
+            final = await epochs(
+                max_epochs=max_epochs,
+                train_epoch=train_epoch,
+                validation_epoch=validation_epoch if validation_batches is not None else None,
+                save_min_validation_loss_model=save_best,
+                checkpoint_state=checkpoint if checkpoint_state is not None else None,
+                validation_frequency=validation_frequency,
+                return_min_validation_loss_model=return_min_validation_loss_model,
+                learning_rate_schedule=schedule,
+                init_state=loop_state,
+                learning_rate_schedule_init_state=learning_rate_schedule_init_state,
+                validation_loss_exponential_smoothing_factor=smoothing,
+            )
+            phase.name = "stop"
+            if best_model_state is not None:
+                module.load_state_dict(best_model_state)
+            await control.broadcast(
+                Command(kind=CommandKind.STOP, epoch=final.epoch, pass_index=pass_index)
+            )
+            await runner.sync_parameters()
+    return final
+
+
+def _snapshot(state: Any, device: torch.device) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().to(device, copy=True) for name, tensor in state.items()}

@@ -1,0 +1,87 @@
+"""One rank of a multi-process training run over TCP, for the tests.
+
+    python -m tests.roles.tcp_rank --rank 0 --nranks 2 --out DIR [--port 0]
+
+The root prints ``PORT <n>`` once it listens; followers take ``--port``. Each rank writes its
+final weights to ``DIR/rank<r>.pt`` and the root writes its learning curve to
+``DIR/curve.json``. The secret comes from ``LAMPDIST_SECRET``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+import anyio
+import torch
+
+import lampdist
+from lampdist import control
+
+from .reference import make_model, make_shards, mse
+
+SIZES = [[5, 7, 3, 9, 2], [6, 6, 0, 4]]
+VALID_SIZES = [[5, 3], [4]]
+EPOCHS = 2
+ACCUMULATE = 3
+
+
+def sgd(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+async def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--nranks", type=int, required=True)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    secret = os.environ["LAMPDIST_SECRET"]
+    train = make_shards(SIZES, seed=1)[args.rank]
+    valid = make_shards(VALID_SIZES, seed=2)[args.rank]
+    module = make_model(seed=0 if args.rank == 0 else 10 + args.rank)
+    model = lampdist.SupervisedModel(module, mse)
+    if args.rank == 0:
+        async with control.tcp_root(
+            "127.0.0.1", args.port, nranks=args.nranks, secret=secret
+        ) as root:
+            print(f"PORT {root.address[1]}", flush=True)
+            state = await lampdist.drive_distributed_training(
+                nranks=args.nranks,
+                device="cpu",
+                control=root,
+                model=model,
+                optimizer_factory=sgd,
+                train_batches=lambda: train,
+                validation_batches=lambda: valid,
+                max_epochs=EPOCHS,
+                accumulate_gradient_over_n_batches=ACCUMULATE,
+                join_timeout=30,
+            )
+        curve = [[p.training_loss, p.validation_loss] for p in state.learning_curve]
+        (args.out / "curve.json").write_text(json.dumps(curve))
+    else:
+        async with control.tcp_follower(
+            "127.0.0.1", args.port, rank=args.rank, secret=secret
+        ) as follower:
+            await lampdist.follow_distributed_training(
+                rank=args.rank,
+                nranks=args.nranks,
+                device="cpu",
+                control=follower,
+                model=model,
+                train_batches=lambda: train,
+                validation_batches=lambda: valid,
+                accumulate_gradient_over_n_batches=ACCUMULATE,
+                join_timeout=30,
+            )
+    torch.save(module.state_dict(), args.out / f"rank{args.rank}.pt")
+
+
+if __name__ == "__main__":
+    anyio.run(main, sys.argv[1:])

@@ -1,0 +1,213 @@
+"""n in-process CPU ranks train exactly like one process on the concatenated batches."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterable, Sequence
+
+import anyio
+import pytest
+import torch
+
+import lampdist
+
+from .reference import Batch, make_model, make_shards, mse, reference_training
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def sgd(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def adamw(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.01)
+
+
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+def source(batches: Sequence[Batch]) -> lampdist.BatchSource:
+    return lambda: list(batches)
+
+
+CASES = {
+    "even-2": ([[8, 8, 8, 8], [8, 8, 8, 8]], 1),
+    "even-3-acc3": ([[4] * 6, [4] * 6, [4] * 6], 3),
+    "uneven-3": ([[5, 7, 3, 9, 2], [6, 6], []], 1),
+    "uneven-3-acc3": ([[5, 7, 3, 9, 2], [6, 6], []], 3),
+    "empty-batches-2": ([[4, 0, 6, 0], [0, 0, 3]], 1),
+    "empty-batches-2-acc3": ([[4, 0, 6, 0, 5], [0, 0, 3]], 3),
+}
+
+
+@pytest.mark.parametrize(
+    ("optimizer_factory", "step_on"),
+    [(sgd, "root"), (adamw, "root"), (adamw, "every_rank")],
+    ids=["sgd", "adamw", "adamw-every-rank"],
+)
+@pytest.mark.parametrize("case", sorted(CASES))
+async def test_matches_single_process_reference(
+    case: str, optimizer_factory: OptimizerFactory, step_on: lampdist.epoch.StepOn
+) -> None:
+    sizes, accumulate = CASES[case]
+    nranks = len(sizes)
+    train = make_shards(sizes, seed=1)
+    valid = make_shards([[5, 3]] * nranks, seed=2)
+    initial = make_model()
+    expected, train_losses, valid_losses = reference_training(
+        initial,
+        optimizer_factory,
+        train,
+        valid,
+        epochs=2,
+        accumulate=accumulate,
+    )
+    modules = [make_model(seed=10 + rank) for rank in range(nranks)]
+    modules[0].load_state_dict(initial.state_dict())  # followers start from other weights
+    with anyio.fail_after(60):
+        state = await lampdist.local_data_parallel_training_loop(
+            models_with_data_streams=[
+                (lampdist.SupervisedModel(module, mse), source(t), source(v))
+                for module, t, v in zip(modules, train, valid, strict=True)
+            ],
+            optimizer_factory=optimizer_factory,
+            max_epochs=2,
+            accumulate_gradient_over_n_batches=accumulate,
+            step_on=step_on,
+        )
+    for module in modules:
+        for (name, got), want in zip(
+            module.state_dict().items(), expected.state_dict().values(), strict=True
+        ):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-9, msg=name)
+    assert [p.training_loss for p in state.learning_curve] == pytest.approx(train_losses, rel=1e-9)
+    assert [p.validation_loss for p in state.learning_curve] == pytest.approx(
+        valid_losses, rel=1e-9
+    )
+    assert state.epoch == 2
+
+
+async def test_validation_runs_in_eval_mode_without_grad_and_training_in_train_mode() -> None:
+    seen: list[tuple[str, bool, bool]] = []
+
+    class Probe(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 1).double()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(("forward", self.training, torch.is_grad_enabled()))
+            return self.linear(x)  # type: ignore[no-any-return]
+
+    shards = make_shards([[4, 4], [4]], seed=3)
+    modules = [Probe(), Probe()]
+    await lampdist.local_data_parallel_training_loop(
+        models_with_data_streams=[
+            (lampdist.SupervisedModel(m, mse), source(s), source(s))
+            for m, s in zip(modules, shards, strict=True)
+        ],
+        optimizer_factory=sgd,
+        max_epochs=1,
+    )
+    train_calls = [s for s in seen if s[1]]
+    eval_calls = [s for s in seen if not s[1]]
+    assert train_calls and all(grad for _, _, grad in train_calls)
+    assert eval_calls and not any(grad for _, _, grad in eval_calls)
+    assert len(train_calls) == 3 and len(eval_calls) == 3
+
+
+async def test_best_model_is_restored_on_every_rank() -> None:
+    """With a learning rate that diverges after epoch 1, the best model is the early one."""
+    shards = make_shards([[8, 8], [8, 8]], seed=4)
+    modules = [make_model(), make_model(seed=5)]
+    snapshots: list[dict[str, torch.Tensor]] = []
+
+    async def on_event(event: lampdist.PassEvent) -> None:
+        if event.kind == "valid":
+            snapshots.append(copy.deepcopy(modules[0].state_dict()))
+
+    schedule = lampdist.schedules.from_epoch_count(lambda epoch: 1.0 if epoch < 2 else 40.0)
+    state = await lampdist.local_data_parallel_training_loop(
+        models_with_data_streams=[
+            (lampdist.SupervisedModel(m, mse), source(s), source(s))
+            for m, s in zip(modules, shards, strict=True)
+        ],
+        optimizer_factory=sgd,
+        max_epochs=5,
+        learning_rate_schedule=schedule,
+        return_min_validation_loss_model=range(5),
+        on_event=on_event,
+    )
+    assert state.min_validation_epoch is not None
+    losses = [p.smoothed_validation_loss for p in state.learning_curve]
+    assert state.min_validation_epoch == losses.index(min(losses))  # type: ignore[type-var]
+    assert state.min_validation_epoch < 4
+    best = snapshots[state.min_validation_epoch]
+    for module in modules:
+        for name, tensor in module.state_dict().items():
+            assert torch.equal(tensor, best[name]), name
+
+
+async def test_progress_events_count_the_whole_clique() -> None:
+    shards = make_shards([[4, 4, 4], [4, 4]], seed=6)
+    events: list[lampdist.PassEvent] = []
+
+    async def on_event(event: lampdist.PassEvent) -> None:
+        events.append(event)
+
+    await lampdist.local_data_parallel_training_loop(
+        models_with_data_streams=[
+            (lampdist.SupervisedModel(make_model(), mse), source(s), source(s)) for s in shards
+        ],
+        optimizer_factory=sgd,
+        max_epochs=1,
+        on_event=on_event,
+    )
+    train = [e for e in events if e.kind == "train"]
+    assert [e.step for e in train] == [1, 2, 3]
+    assert [e.examples for e in train] == [8, 16, 20]
+    assert train[-1].done and not train[0].done
+    assert train[-1].total_batches == 3
+    (valid,) = [e for e in events if e.kind == "valid"]
+    assert valid.examples == 20 and valid.done
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+async def test_mixed_precision_trains_and_keeps_ranks_equal(
+    dtype: torch.dtype, caplog: pytest.LogCaptureFixture
+) -> None:
+    """fp16 with a loss this large overflows at the initial loss scale: the root must skip
+    those steps and lower the scale, and training still moves the weights."""
+
+    def big_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return mse(output, target) * 1e4
+
+    caplog.set_level("INFO", logger="lampdist.epoch")
+    shards = make_shards([[8] * 10, [8] * 10], seed=9)
+    modules = [make_model().float() for _ in shards]
+    before = [p.detach().clone() for p in modules[0].parameters()]
+    state = await lampdist.local_data_parallel_training_loop(
+        models_with_data_streams=[
+            (lampdist.SupervisedModel(m, big_loss), source(_as_float(s)), None)
+            for m, s in zip(modules, shards, strict=True)
+        ],
+        optimizer_factory=lambda params: torch.optim.SGD(params, lr=1e-6),
+        max_epochs=2,
+        autocast_dtype=dtype,
+    )
+    assert all(math.isfinite(p.training_loss) for p in state.learning_curve)
+    overflowed = [r for r in caplog.records if "overflowed" in r.getMessage()]
+    assert bool(overflowed) == (dtype == torch.float16)
+    after = list(modules[0].parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    for a, b in zip(modules[0].parameters(), modules[1].parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def _as_float(batches: Sequence[Batch]) -> list[Batch]:
+    return [(x.float(), y.float()) for x, y in batches]

@@ -1,0 +1,170 @@
+"""Failures, bad input and cancellation in the single-process loop end every rank promptly."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+import lampdist
+
+from .reference import Batch, make_model, make_shards, mse
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def source(batches: Sequence[Batch]) -> lampdist.BatchSource:
+    return lambda: list(batches)
+
+
+def entries(
+    nranks: int = 2, models: Sequence[torch.nn.Module] | None = None, loss: Any = mse
+) -> list[tuple[lampdist.SupervisedModel, lampdist.BatchSource, lampdist.BatchSource]]:
+    shards = make_shards([[4, 4, 4]] * nranks, seed=7)
+    models = models or [make_model() for _ in range(nranks)]
+    return [
+        (lampdist.SupervisedModel(m, loss), source(s), source(s))
+        for m, s in zip(models, shards, strict=True)
+    ]
+
+
+async def run(streams: Any, **kwargs: Any) -> lampdist.LoopState:
+    with anyio.fail_after(20):
+        return await lampdist.local_data_parallel_training_loop(
+            models_with_data_streams=streams, optimizer_factory=sgd, **{"max_epochs": 2, **kwargs}
+        )
+
+
+async def test_exception_in_a_followers_loss_names_that_rank_and_phase() -> None:
+    def failing_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise ZeroDivisionError("boom")
+
+    streams = entries(3)
+    streams[2] = (lampdist.SupervisedModel(streams[2][0].module, failing_loss), *streams[2][1:])
+    with pytest.raises(lampdist.TrainingError) as caught:
+        await run(streams)
+    assert (caught.value.rank, caught.value.phase) == (2, "train")
+    assert isinstance(caught.value.__cause__, ZeroDivisionError)
+
+
+async def test_exception_in_the_roots_checkpoint_stops_everyone() -> None:
+    async def checkpoint(state: lampdist.TrainingState, lr_state: object) -> None:
+        raise OSError("disk full")
+
+    with pytest.raises(lampdist.CheckpointError, match="disk full") as caught:
+        await run(entries(3), checkpoint_state=checkpoint)
+    assert (caught.value.rank, caught.value.phase) == (0, "checkpoint")
+    assert isinstance(caught.value.__cause__, OSError)
+
+
+async def test_a_batch_source_that_raises_names_rank_and_phase() -> None:
+    def broken() -> list[Batch]:
+        raise RuntimeError("no data")
+
+    streams = entries(2)
+    streams[1] = (streams[1][0], broken, streams[1][2])
+    with pytest.raises(lampdist.TrainingError, match="no data") as caught:
+        await run(streams)
+    assert (caught.value.rank, caught.value.phase) == (1, "train")
+
+
+async def test_a_batch_of_the_wrong_shape_is_a_bad_batch() -> None:
+    streams = entries(2)
+    streams[0] = (streams[0][0], lambda: [torch.zeros(3)], streams[0][2])  # type: ignore[assignment]
+    with pytest.raises(lampdist.BadBatch) as caught:
+        await run(streams)
+    assert (caught.value.rank, caught.value.phase) == (0, "train")
+
+
+async def test_models_that_differ_between_ranks_are_refused_before_training() -> None:
+    trained: list[int] = []
+
+    class Counting(torch.nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.inner = make_model(width=width)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            trained.append(1)
+            return self.inner(x)  # type: ignore[no-any-return]
+
+    streams = entries(3, models=[Counting(6), Counting(6), Counting(7)])
+    with pytest.raises(lampdist.MismatchError, match=r"ranks \[2\] have model"):
+        await run(streams)
+    assert trained == []
+
+
+async def test_validation_on_some_ranks_only_is_a_mismatch() -> None:
+    streams = entries(2)
+    streams[1] = (streams[1][0], streams[1][1], None)  # type: ignore[assignment]
+    with pytest.raises(lampdist.MismatchError, match="validation_batches"):
+        await run(streams)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+async def test_non_finite_loss_raises_naming_epoch_and_step(value: float) -> None:
+    def poisoned(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return mse(output, target) * value
+
+    streams = entries(2)
+    streams[1] = (lampdist.SupervisedModel(streams[1][0].module, poisoned), *streams[1][1:])
+    with pytest.raises(lampdist.NonFiniteLoss, match="epoch 0, step 0"):
+        await run(streams)
+
+
+async def test_non_finite_loss_can_skip_the_step() -> None:
+    calls = 0
+
+    def sometimes_nan(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return mse(output, target) * (math.nan if calls == 2 else 1.0)
+
+    streams = entries(2)
+    before = [p.detach().clone() for p in streams[0][0].module.parameters()]
+    streams[1] = (lampdist.SupervisedModel(streams[1][0].module, sometimes_nan), *streams[1][1:])
+    state = await run(streams, non_finite_loss="skip", max_epochs=1)
+    assert math.isfinite(state.learning_curve[0].training_loss)
+    after = list(streams[0][0].module.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
+async def test_cancelling_the_loop_from_outside_ends_every_rank() -> None:
+    async def slow() -> Any:
+        for batch in make_shards([[4] * 1000], seed=8)[0]:
+            await anyio.sleep(0.01)
+            yield batch
+
+    streams = entries(3)
+    streams = [(m, slow, v) for m, _, v in streams]
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as group:
+            group.start_soon(run, streams)
+            await anyio.sleep(1.0)
+            group.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_epochs": -1}, "max_epochs"),
+        ({"accumulate_gradient_over_n_batches": 0}, "accumulate_gradient_over_n_batches"),
+        ({"validation_frequency": 0}, "validation_frequency"),
+        ({"validation_loss_exponential_smoothing_factor": 0.0}, "smoothing"),
+        ({"autocast_dtype": torch.float64}, "autocast_dtype"),
+    ],
+)
+async def test_invalid_arguments_are_config_errors(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(lampdist.ConfigError, match=match):
+        await run(entries(2), **kwargs)

@@ -1,0 +1,116 @@
+"""A run interrupted after epoch k and resumed from its checkpoint ends exactly like one that
+was never interrupted: weights, optimizer, best model, loop state and schedule."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+import torch
+
+import lampdist
+from lampdist import schedules
+
+from .reference import make_model, make_shards, mse
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def adamw(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.05)
+
+
+class Stop(Exception):
+    pass
+
+
+async def train(
+    *,
+    max_epochs: int,
+    stop_after: int | None = None,
+    resume: tuple[lampdist.TrainingState, Any] | None = None,
+    schedule: schedules.LearningRateSchedule[Any],
+    step_on: lampdist.epoch.StepOn = "root",
+) -> tuple[list[torch.nn.Module], lampdist.LoopState | None, list[tuple[Any, Any]]]:
+    shards = make_shards([[6, 5, 7], [4, 8]], seed=11)
+    valid = make_shards([[6], [5]], seed=12)
+    modules = [make_model(), make_model(seed=3)]
+    saved: list[tuple[Any, Any]] = []
+
+    async def checkpoint(state: lampdist.TrainingState, lr_state: Any) -> None:
+        saved.append((copy.deepcopy(state), lr_state))
+        if stop_after is not None and state.loop_state.epoch == stop_after:
+            raise Stop
+
+    try:
+        state = await lampdist.local_data_parallel_training_loop(
+            models_with_data_streams=[
+                (
+                    lampdist.SupervisedModel(m, mse),
+                    functools.partial(list, s),
+                    functools.partial(list, v),
+                )
+                for m, s, v in zip(modules, shards, valid, strict=True)
+            ],
+            optimizer_factory=adamw,
+            max_epochs=max_epochs,
+            checkpoint_state=checkpoint,
+            learning_rate_schedule=schedule,
+            return_min_validation_loss_model=range(max_epochs),
+            validation_loss_exponential_smoothing_factor=0.5,
+            init_state=resume[0] if resume else None,
+            learning_rate_schedule_init_state=resume[1] if resume else None,
+            step_on=step_on,
+        )
+    except lampdist.CheckpointError as exc:
+        if not isinstance(exc.__cause__, Stop):
+            raise
+        return modules, None, saved
+    return modules, state, saved
+
+
+@pytest.mark.parametrize("step_on", ["root", "every_rank"])
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        schedules.reduce_on_plateau(patience=1, reduce_factor=0.5),
+        schedules.decrement(every=2, factor=0.5),
+        # diverges after epoch 2, so the best model was saved before the interruption
+        schedules.from_epoch_count(lambda epoch: 1.0 if epoch < 2 else 60.0),
+    ],
+    ids=["reduce_on_plateau", "decrement", "best-model-before-interruption"],
+)
+async def test_interrupted_and_resumed_equals_uninterrupted(
+    schedule: schedules.LearningRateSchedule[Any], step_on: lampdist.epoch.StepOn
+) -> None:
+    whole, whole_state, whole_saved = await train(max_epochs=6, schedule=schedule, step_on=step_on)
+    _, stopped, partial_saved = await train(
+        max_epochs=6, stop_after=3, schedule=schedule, step_on=step_on
+    )
+    assert stopped is None
+    assert len(partial_saved) == 3
+    resumed, resumed_state, resumed_saved = await train(
+        max_epochs=6, resume=partial_saved[-1], schedule=schedule, step_on=step_on
+    )
+    assert resumed_state == whole_state
+    for a, b in zip(whole, resumed, strict=True):
+        for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+            assert torch.equal(x, y), name
+    (want, want_lr), (got, got_lr) = whole_saved[-1], resumed_saved[-1]
+    assert got_lr == want_lr
+    assert got.loop_state == want.loop_state == whole_state
+    assert want.best_model_state is not None
+    assert got.best_model_state is not None
+    for name, tensor in want.best_model_state.items():
+        assert torch.equal(got.best_model_state[name], tensor), name
+    want_opt, got_opt = want.optimizer_state["state"], got.optimizer_state["state"]
+    assert want_opt.keys() == got_opt.keys()
+    for key, entry in want_opt.items():
+        for field, value in entry.items():
+            assert torch.equal(torch.as_tensor(got_opt[key][field]), torch.as_tensor(value))
