@@ -8,6 +8,7 @@ is killed and reaped before :func:`launch` returns or raises.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import secrets
@@ -23,7 +24,7 @@ import attrs
 
 from _loops import SECRET_ENV, Kind, RankResult, RunSpec
 
-__all__ = ["ROOT_ONLY", "BenchmarkError", "Config", "Settings", "launch"]
+__all__ = ["BenchmarkError", "Config", "Settings", "launch", "root_only"]
 
 HERE = Path(__file__).resolve().parent
 LOOPS = HERE / "_loops.py"
@@ -31,9 +32,17 @@ SOURCE = HERE.parent / "src"
 POLL_INTERVAL = 0.05
 LOG_TAIL = 4000
 
-# lampdist keyword arguments only drive_distributed_training takes; a variant passes every
-# other key to both entry points.
-ROOT_ONLY = frozenset({"max_grad_norm", "non_finite_loss"})
+
+def root_only() -> frozenset[str]:
+    """The keyword arguments drive_distributed_training takes and follow_distributed_training
+    does not: a lampdist variant passes these to the root alone and every other key to both.
+    (max_grad_norm and non_finite_loss go to both: they act wherever the optimizer steps,
+    on every rank with step_on="every_rank".)"""
+    import lampdist
+
+    root = inspect.signature(lampdist.drive_distributed_training).parameters
+    follower = inspect.signature(lampdist.follow_distributed_training).parameters
+    return frozenset(root) - frozenset(follower)
 
 
 class BenchmarkError(RuntimeError):
@@ -51,7 +60,8 @@ class Config:
     def rank_kwargs(self, rank: int) -> dict[str, Any]:
         """The keyword arguments rank ``rank``'s entry point receives."""
         if self.kind == "lampdist" and rank > 0:
-            return {key: value for key, value in self.kwargs.items() if key not in ROOT_ONLY}
+            skipped = root_only()
+            return {key: value for key, value in self.kwargs.items() if key not in skipped}
         return dict(self.kwargs)
 
 

@@ -226,6 +226,8 @@ async def run_lampdist(spec: RunSpec, workload: Workload, device: torch.device) 
                 model=model,
                 train_batches=source,
                 autocast_dtype=dtype,
+                # used when a variant has every rank step (step_on="every_rank")
+                optimizer_factory=lambda params: create_optimizer(params, device),
                 **spec.kwargs,
             )
         return RankResult(

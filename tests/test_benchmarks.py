@@ -73,16 +73,26 @@ def test_a_failing_configuration_fails_the_run_with_its_output() -> None:
 
 def test_configs_parse_names_and_variants(throughput: ModuleType) -> None:
     configs = throughput.parse_configs(
-        ["single,ddp", "lampdist-ar=step_on:every_rank,max_grad_norm:1.5,bucket_mb:25", "ddp-x="]
+        [
+            "single,ddp",
+            "lampdist-ar=step_on:every_rank,max_grad_norm:1.5,bucket_mb:25",
+            "ddp-x=",
+            "lampdist-host=rendezvous_host:127.0.0.1,step_on:root",
+        ]
     )
-    assert [config.name for config in configs] == ["single", "ddp", "lampdist-ar", "ddp-x"]
+    names = [config.name for config in configs]
+    assert names == ["single", "ddp", "lampdist-ar", "ddp-x", "lampdist-host"]
     variant = configs[2]
     assert variant.kind == "lampdist"
     assert variant.kwargs == {"step_on": "every_rank", "max_grad_norm": 1.5, "bucket_mb": 25}
     assert variant.rank_kwargs(0) == variant.kwargs
-    assert variant.rank_kwargs(1) == {"step_on": "every_rank", "bucket_mb": 25}
+    # followers take max_grad_norm too (it acts wherever the optimizer steps)
+    assert variant.rank_kwargs(1) == variant.kwargs
     assert configs[3].kind == "ddp"
     assert configs[3].kwargs == {}
+    root_only = configs[4]
+    assert root_only.rank_kwargs(0) == {"rendezvous_host": "127.0.0.1", "step_on": "root"}
+    assert root_only.rank_kwargs(1) == {"step_on": "root"}
     assert throughput.parse_value("true") is True
     assert throughput.parse_value("none") is None
 
