@@ -84,26 +84,36 @@ class RankRunner:
         assert self.stepper is not None
         if self.alone:
             return
-        length = torch.zeros(1, dtype=torch.int64, device=self.device)
-        payload = torch.zeros(0, dtype=torch.uint8, device=self.device)
+        optimizer = self.stepper.optimizer
+        device = self.device
+        length = torch.zeros(1, dtype=torch.int64, device=device)
+        payload = torch.zeros(0, dtype=torch.uint8, device=device)
         if self.is_root:
-            buffer = io.BytesIO()
-            torch.save(self.stepper.optimizer.state_dict(), buffer)
-            data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-            payload = data.to(self.device)
+
+            def serialise() -> torch.Tensor:
+                buffer = io.BytesIO()
+                torch.save(optimizer.state_dict(), buffer)
+                data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+                return data.to(device)
+
+            payload = await anyio.to_thread.run_sync(serialise)
             length[0] = payload.numel()
         await self.clique.broadcast([length])
         if not self.is_root:
             (size,) = await self._to_host(length)
-            payload = torch.zeros(int(size), dtype=torch.uint8, device=self.device)
+            payload = torch.zeros(int(size), dtype=torch.uint8, device=device)
         await self.clique.broadcast([payload])
         if not self.is_root:
-            state = torch.load(
-                io.BytesIO(payload.cpu().numpy().tobytes()),
-                map_location=self.device,
-                weights_only=True,
-            )
-            self.stepper.optimizer.load_state_dict(state)
+
+            def load() -> None:
+                state = torch.load(
+                    io.BytesIO(payload.cpu().numpy().tobytes()),
+                    map_location=device,
+                    weights_only=True,
+                )
+                optimizer.load_state_dict(state)
+
+            await anyio.to_thread.run_sync(load)
 
     async def train_pass(
         self, source: BatchSource, *, epoch: int, pass_index: int, lr_factor: float

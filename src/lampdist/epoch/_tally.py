@@ -62,7 +62,7 @@ class Tally:
             host = torch.empty(meta.shape, dtype=meta.dtype, pin_memory=True)
             host.copy_(meta, non_blocking=True)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch
-            event.record()
+            event.record(torch.cuda.current_stream(meta.device))
             self._pending.append(_Readback(step, host, event))
         else:
             self._pending.append(_Readback(step, meta.clone(), None))
