@@ -37,6 +37,9 @@ class HashingWriter:
 
     The sha256 of a large chunk runs on ``pool`` while the chunk is written, so hashing costs
     little extra time; ``check`` is called before every chunk (it raises to abort a write).
+    An exception in ``write`` is not raised through ``torch.save`` (whose cleanup would
+    replace it with a RuntimeError): it is kept in ``failure``, later writes are dropped,
+    and :func:`write_file` raises it once ``torch.save`` has returned.
     """
 
     def __init__(
@@ -47,11 +50,19 @@ class HashingWriter:
         self._pool = pool
         self._hash = hashlib.sha256()
         self.size = 0
+        self.failure: BaseException | None = None
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data).cast("B")
-        total = len(view)
-        for start in range(0, total, _CHUNK_BYTES):
+        if self.failure is None:
+            try:
+                self._write(view)
+            except BaseException as exc:  # re-raised by write_file, cancellation included
+                self.failure = exc
+        return len(view)
+
+    def _write(self, view: memoryview) -> None:
+        for start in range(0, len(view), _CHUNK_BYTES):
             self._check()
             chunk = view[start : start + _CHUNK_BYTES]
             if len(chunk) >= _PARALLEL_HASH_BYTES:
@@ -59,15 +70,15 @@ class HashingWriter:
                 try:
                     self._file.write(chunk)
                 finally:
-                    hashed.result()  # the chunk is only valid until we return
+                    hashed.result()  # the chunk is only valid until write returns
             else:
                 self._hash.update(chunk)
                 self._file.write(chunk)
-        self.size += total
-        return total
+            self.size += len(chunk)
 
     def flush(self) -> None:
-        self._file.flush()
+        if self.failure is None:
+            self._file.flush()
 
     def hexdigest(self) -> str:
         return self._hash.hexdigest()
@@ -83,7 +94,11 @@ def write_file(
     """Create ``path``, let ``produce`` fill it, fsync it; its size and sha256."""
     with open(path, "xb") as file:
         writer = HashingWriter(file, check=check, pool=pool)
-        produce(writer)
+        try:
+            produce(writer)
+        finally:
+            if writer.failure is not None:
+                raise writer.failure
         file.flush()
         os.fsync(file.fileno())
     return FileRecord(name=path.name, size=writer.size, sha256=writer.hexdigest())

@@ -36,6 +36,7 @@ from ._format import (
     STATE,
     TEMP_PREFIX,
     CheckpointName,
+    FileRecord,
     dump_json,
     loop_state_to_json,
     manifest_to_bytes,
@@ -84,14 +85,6 @@ def write_checkpoint(
     started = time.perf_counter()
     epoch = training_state.loop_state.epoch
     state_json = _state_json(training_state, lr_state, rng, schedule_init)
-    model = _plain_state_dict(training_state.model_state)
-    optimizer = _plain_state_dict(training_state.optimizer_state)
-    best = training_state.best_model_state
-    best = None if best is None else _plain_state_dict(best)
-    check_weights_only_loadable(model, "model_state")
-    check_weights_only_loadable(optimizer, "optimizer_state")
-    if best is not None:
-        check_weights_only_loadable(best, "best_model_state")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with writer_lock(directory):
@@ -101,27 +94,7 @@ def write_checkpoint(
             temp.mkdir()
             committed = False
             try:
-                parts: list[tuple[str, Any]] = [(RNG, rng.tensors()), (MODEL, model)]
-                parts += [(OPTIMIZER, optimizer)]
-                if best is not None:
-                    parts.append((BEST_MODEL, best))
-                with ThreadPoolExecutor(1, thread_name_prefix="lampdist-checkpoint") as pool:
-                    records = [
-                        write_file(
-                            temp / STATE, lambda f: f.write(state_json), check=check, pool=pool
-                        )
-                    ]
-                    for filename, obj in parts:
-                        records.append(
-                            write_file(
-                                temp / filename,
-                                functools.partial(torch.save, obj),
-                                check=check,
-                                pool=pool,
-                            )
-                        )
-                    manifest = manifest_to_bytes(records)
-                    write_file(temp / MANIFEST, lambda f: f.write(manifest), check=check, pool=pool)
+                records = _write_files(temp, state_json, training_state, rng, check)
                 fsync_directory(temp)
                 check()  # the last point at which a cancellation aborts the write
                 target = directory / name.name
@@ -152,17 +125,53 @@ def write_checkpoint(
     return target
 
 
+def _write_files(
+    temp: Path,
+    state_json: bytes,
+    training_state: TrainingState,
+    rng: RngStates,
+    check: Callable[[], None],
+) -> list[FileRecord]:
+    """Write every file but the manifest, then the manifest; the records of all of them."""
+    parts: list[tuple[str, str, Mapping[str, Any]]] = [
+        (MODEL, "model_state", training_state.model_state),
+        (OPTIMIZER, "optimizer_state", training_state.optimizer_state),
+    ]
+    if training_state.best_model_state is not None:
+        parts.append((BEST_MODEL, "best_model_state", training_state.best_model_state))
+    with ThreadPoolExecutor(1, thread_name_prefix="lampdist-checkpoint") as pool:
+        records = [
+            write_file(temp / STATE, lambda f: f.write(state_json), check=check, pool=pool),
+            write_file(
+                temp / RNG, functools.partial(torch.save, rng.tensors()), check=check, pool=pool
+            ),
+        ]
+        for filename, label, state_dict in parts:
+            plain = _plain_state_dict(state_dict)
+            check_weights_only_loadable(plain, label)
+            save = functools.partial(torch.save, plain)
+            records.append(write_file(temp / filename, save, check=check, pool=pool))
+        manifest = manifest_to_bytes(records)
+        write_file(temp / MANIFEST, lambda f: f.write(manifest), check=check, pool=pool)
+    return records
+
+
 def _state_json(
     training_state: TrainingState, lr_state: Any, rng: RngStates, schedule_init: Any
 ) -> bytes:
     schedule_json = schedule_state_to_json(lr_state)
     if schedule_init is not NO_SCHEDULE:
-        rebuilt = rebuild_schedule_state(schedule_init, schedule_json)
-        if type(rebuilt) is not type(lr_state) or schedule_state_to_json(rebuilt) != schedule_json:
+        try:
+            rebuilt = rebuild_schedule_state(schedule_init, schedule_json)
+            fits = type(rebuilt) is type(lr_state)
+            fits = fits and schedule_state_to_json(rebuilt) == schedule_json
+        except CheckpointError:
+            fits = False
+        if not fits:
             raise CheckpointError(
-                f"the learning-rate schedule state {lr_state!r} would not come back as it is "
-                f"from its JSON form (it came back as {rebuilt!r}); its type must match the "
-                "schedule's initial state",
+                f"the learning-rate schedule state {lr_state!r} does not fit the schedule "
+                f"given to to_directory (its initial state is {schedule_init!r}), so "
+                "load_latest could not rebuild it: pass the schedule the training runs with",
                 phase="checkpoint",
             )
     return dump_json(
