@@ -1,4 +1,4 @@
-"""Files: hashed and fsynced writes, checksummed reads, the writer lock, safe-load checks."""
+"""Files: hashed and fsynced writes, checksummed reads, the writer lock."""
 
 from __future__ import annotations
 
@@ -6,40 +6,35 @@ import contextlib
 import hashlib
 import os
 import sys
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import torch
-
 from .._errors import CheckpointError
-from ._format import FileRecord
+from ._format import BLOCK_BYTES, FileRecord
 
 __all__ = [
     "HashingWriter",
-    "check_weights_only_loadable",
     "fsync_directory",
     "hash_file",
     "write_file",
     "writer_lock",
 ]
 
-_CHUNK_BYTES = 64 << 20
-"""Large writes go out in chunks this size, each checked for cancellation."""
 _PARALLEL_HASH_BYTES = 1 << 20
-"""Chunks at least this size are hashed on a helper thread while they are being written."""
+"""Pieces at least this size are hashed on the pool while they are being written."""
 
 
 class HashingWriter:
     """A write-only file object for ``torch.save`` that hashes what it writes.
 
-    The sha256 of a large chunk runs on ``pool`` while the chunk is written, so hashing costs
-    little extra time; ``check`` is called before every chunk (it raises to abort a write).
-    An exception in ``write`` is not raised through ``torch.save`` (whose cleanup would
-    replace it with a RuntimeError): it is kept in ``failure``, later writes are dropped,
-    and :func:`write_file` raises it once ``torch.save`` has returned.
+    Every ``BLOCK_BYTES`` block of the file gets its own sha256, so the blocks of a large
+    write are hashed on ``pool``'s threads in parallel while this thread writes them: the
+    checksums cost little extra time. ``check`` is called before every block written (it
+    raises to abort). An exception in ``write`` is not raised through ``torch.save`` (whose
+    cleanup would replace it with a RuntimeError): it is kept in ``failure``, later writes
+    are dropped, and :func:`write_file` raises it once ``torch.save`` has returned.
     """
 
     def __init__(
@@ -48,7 +43,7 @@ class HashingWriter:
         self._file = file
         self._check = check
         self._pool = pool
-        self._hash = hashlib.sha256()
+        self._blocks: list[Any] = []  # one hashlib.sha256 per block
         self.size = 0
         self.failure: BaseException | None = None
 
@@ -62,26 +57,40 @@ class HashingWriter:
         return len(view)
 
     def _write(self, view: memoryview) -> None:
-        for start in range(0, len(view), _CHUNK_BYTES):
-            self._check()
-            chunk = view[start : start + _CHUNK_BYTES]
-            if len(chunk) >= _PARALLEL_HASH_BYTES:
-                hashed = self._pool.submit(self._hash.update, chunk)
-                try:
-                    self._file.write(chunk)
-                finally:
-                    hashed.result()  # the chunk is only valid until write returns
-            else:
-                self._hash.update(chunk)
-                self._file.write(chunk)
-            self.size += len(chunk)
+        # Split at block boundaries of the file: each block gets at most one piece per call,
+        # so the pieces can be hashed concurrently.
+        pieces = []
+        offset = 0
+        while offset < len(view):
+            index, within = divmod(self.size + offset, BLOCK_BYTES)
+            if index == len(self._blocks):
+                self._blocks.append(hashlib.sha256())
+            piece = view[offset : offset + min(BLOCK_BYTES - within, len(view) - offset)]
+            pieces.append((self._blocks[index], piece))
+            offset += len(piece)
+        hashing = [
+            self._pool.submit(block.update, piece)
+            for block, piece in pieces
+            if len(piece) >= _PARALLEL_HASH_BYTES
+        ]
+        try:
+            for block, piece in pieces:
+                if len(piece) < _PARALLEL_HASH_BYTES:
+                    block.update(piece)
+                self._check()
+                self._file.write(piece)
+        finally:
+            for future in hashing:  # the data is only valid until write returns
+                if not future.cancel():
+                    future.result()
+        self.size += len(view)
 
     def flush(self) -> None:
         if self.failure is None:
             self._file.flush()
 
-    def hexdigest(self) -> str:
-        return self._hash.hexdigest()
+    def digests(self) -> tuple[str, ...]:
+        return tuple(block.hexdigest() for block in self._blocks)
 
 
 def write_file(
@@ -91,7 +100,7 @@ def write_file(
     check: Callable[[], None],
     pool: ThreadPoolExecutor,
 ) -> FileRecord:
-    """Create ``path``, let ``produce`` fill it, fsync it; its size and sha256."""
+    """Create ``path``, let ``produce`` fill it, fsync it; its size and block checksums."""
     with open(path, "xb") as file:
         writer = HashingWriter(file, check=check, pool=pool)
         try:
@@ -101,20 +110,23 @@ def write_file(
                 raise writer.failure
         file.flush()
         os.fsync(file.fileno())
-    return FileRecord(name=path.name, size=writer.size, sha256=writer.hexdigest())
+    return FileRecord(name=path.name, size=writer.size, sha256=writer.digests())
 
 
-def hash_file(path: Path) -> tuple[int, str]:
-    """The size and sha256 of a file, read in chunks."""
-    digest = hashlib.sha256()
+def hash_file(path: Path) -> tuple[int, tuple[str, ...]]:
+    """The size and the sha256 of every ``BLOCK_BYTES`` block of a file."""
+    digests = []
     size = 0
-    buffer = bytearray(8 << 20)
+    buffer = bytearray(BLOCK_BYTES)
     view = memoryview(buffer)
     with open(path, "rb", buffering=0) as file:
         while count := file.readinto(buffer):
-            digest.update(view[:count])
-            size += count
-    return size, digest.hexdigest()
+            filled = count
+            while filled < BLOCK_BYTES and (more := file.readinto(view[filled:])):
+                filled += more
+            digests.append(hashlib.sha256(view[:filled]).hexdigest())
+            size += filled
+    return size, tuple(digests)
 
 
 def fsync_directory(path: Path) -> None:
@@ -152,47 +164,3 @@ def writer_lock(directory: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
-
-
-_LEAVES: tuple[type, ...] = (
-    bool,
-    int,
-    float,
-    complex,
-    str,
-    bytes,
-    type(None),
-    torch.dtype,
-    torch.device,
-    torch.layout,
-)
-
-
-def check_weights_only_loadable(value: Any, where: str) -> None:
-    """Raise CheckpointError unless ``torch.load(weights_only=True)`` can load ``value``.
-
-    Checked before writing, so that a checkpoint which could only be loaded by running code
-    from the file is never written in the first place.
-    """
-    if isinstance(value, torch.Tensor):
-        return
-    if type(value) in (dict, OrderedDict):
-        for key, item in value.items():
-            check_weights_only_loadable(key, f"{where} key {key!r}")
-            check_weights_only_loadable(item, f"{where}[{key!r}]")
-        return
-    if type(value) in (list, tuple, torch.Size):
-        for index, item in enumerate(value):
-            check_weights_only_loadable(item, f"{where}[{index}]")
-        return
-    if type(value) in _LEAVES:
-        return
-    safe = tuple(g for g in torch.serialization.get_safe_globals() if isinstance(g, type))
-    if isinstance(value, safe):
-        return
-    raise CheckpointError(
-        f"cannot checkpoint {where}: a {type(value).__qualname__} cannot be loaded with "
-        "torch.load(weights_only=True); keep state dicts to tensors, numbers, strings and "
-        "containers, or register the type with torch.serialization.add_safe_globals",
-        phase="checkpoint",
-    )

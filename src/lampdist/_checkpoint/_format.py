@@ -8,7 +8,8 @@ is written again) holding::
     model.pt        the model state dict            (torch.save, loaded with weights_only)
     optimizer.pt    the optimizer state dict
     best_model.pt   the best model state dict, absent when there is none
-    manifest.json   written last: size and sha256 of every other file, its own checksum
+    manifest.json   written last: the size of every other file, the sha256 of each of its
+                    16 MiB blocks (hashed in parallel), and the manifest's own checksum
 
 The manifest envelope ``{"format_version": int, "files": ..., "checksum": str}`` is stable
 across format versions, so a reader can always tell "newer format" from "damaged".
@@ -28,6 +29,7 @@ from ..loop._state import CurvePoint, LoopState
 
 __all__ = [
     "BEST_MODEL",
+    "BLOCK_BYTES",
     "FORMAT_VERSION",
     "MANIFEST",
     "MODEL",
@@ -54,6 +56,8 @@ RNG = "rng.pt"
 MODEL = "model.pt"
 OPTIMIZER = "optimizer.pt"
 BEST_MODEL = "best_model.pt"
+BLOCK_BYTES = 16 << 20
+"""The manifest holds the sha256 of every block of this many bytes of every file."""
 TEMP_PREFIX = ".tmp-"
 """A writer's scratch entries start with this: ignored on load, removed by the next writer."""
 
@@ -90,7 +94,8 @@ class FileRecord:
 
     name: str
     size: int
-    sha256: str
+    sha256: tuple[str, ...]
+    """The sha256 of each ``BLOCK_BYTES`` block, in order (none for an empty file)."""
 
 
 def dump_json(value: Any) -> bytes:
@@ -103,7 +108,10 @@ def _manifest_body(version: int, files: Any) -> bytes:
 
 
 def manifest_to_bytes(files: list[FileRecord]) -> bytes:
-    body = {record.name: {"size": record.size, "sha256": record.sha256} for record in files}
+    body = {
+        "block_bytes": BLOCK_BYTES,
+        "files": {r.name: {"size": r.size, "sha256": list(r.sha256)} for r in files},
+    }
     checksum = hashlib.sha256(_manifest_body(FORMAT_VERSION, body)).hexdigest()
     return dump_json({"format_version": FORMAT_VERSION, "files": body, "checksum": checksum})
 
@@ -136,9 +144,15 @@ def parse_manifest(data: bytes, *, where: str) -> list[FileRecord]:
     if version < 1:
         raise Damaged(f"invalid format version {version}")
     try:
+        if files["block_bytes"] != BLOCK_BYTES:
+            raise Damaged(f"block size {files['block_bytes']}, not {BLOCK_BYTES}")
         return [
-            FileRecord(name=str(name), size=int(entry["size"]), sha256=str(entry["sha256"]))
-            for name, entry in files.items()
+            FileRecord(
+                name=str(name),
+                size=int(entry["size"]),
+                sha256=tuple(str(digest) for digest in entry["sha256"]),
+            )
+            for name, entry in files["files"].items()
         ]
     except (TypeError, KeyError, ValueError) as exc:
         raise Damaged(f"malformed manifest entry ({exc!r})") from exc

@@ -21,11 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import torch
 
 from .._errors import CheckpointError
 from ..loop._state import TrainingState
-from ._files import check_weights_only_loadable, fsync_directory, write_file, writer_lock
+from ._files import fsync_directory, write_file, writer_lock
 from ._format import (
     BEST_MODEL,
     FORMAT_VERSION,
@@ -43,10 +42,14 @@ from ._format import (
 )
 from ._rng import RngStates
 from ._schedule_state import rebuild_schedule_state, schedule_state_to_json
+from ._torch_io import check_weights_only_loadable, save_tensors
 
 __all__ = ["NO_SCHEDULE", "committed_checkpoints", "write_checkpoint"]
 
 _log = logging.getLogger("lampdist.checkpoint")
+
+_HASH_THREADS = min(8, os.cpu_count() or 1)
+"""Threads hashing blocks while the writer thread writes them."""
 
 NO_SCHEDULE: Any = object()
 """Marks "no schedule given" (``None`` could be a schedule's initial state)."""
@@ -139,17 +142,17 @@ def _write_files(
     ]
     if training_state.best_model_state is not None:
         parts.append((BEST_MODEL, "best_model_state", training_state.best_model_state))
-    with ThreadPoolExecutor(1, thread_name_prefix="lampdist-checkpoint") as pool:
+    with ThreadPoolExecutor(_HASH_THREADS, thread_name_prefix="lampdist-checkpoint") as pool:
         records = [
             write_file(temp / STATE, lambda f: f.write(state_json), check=check, pool=pool),
             write_file(
-                temp / RNG, functools.partial(torch.save, rng.tensors()), check=check, pool=pool
+                temp / RNG, functools.partial(save_tensors, rng.tensors()), check=check, pool=pool
             ),
         ]
         for filename, label, state_dict in parts:
             plain = _plain_state_dict(state_dict)
             check_weights_only_loadable(plain, label)
-            save = functools.partial(torch.save, plain)
+            save = functools.partial(save_tensors, plain)
             records.append(write_file(temp / filename, save, check=check, pool=pool))
         manifest = manifest_to_bytes(records)
         write_file(temp / MANIFEST, lambda f: f.write(manifest), check=check, pool=pool)
