@@ -28,6 +28,8 @@ import torch
 
 import lampdist
 from lampdist import CurvePoint, LoopState, TrainingState, checkpoint
+from lampdist._checkpoint import _torch_io
+from lampdist._checkpoint._format import BLOCK_BYTES
 from lampdist._checkpoint._rng import capture_rng_states
 from lampdist._checkpoint._write import NO_SCHEDULE, write_checkpoint
 
@@ -203,6 +205,29 @@ async def test_round_trip_without_best_model_and_with_plain_schedule_states(tmp_
         assert_identical(loaded[1], lr_state)
 
 
+@pytest.mark.parametrize("crc_free", [True, False])
+async def test_files_larger_than_a_block_are_checked_block_by_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, crc_free: bool
+) -> None:
+    if not crc_free:  # the fallback to plain torch.save, for a torch whose _save changed
+        monkeypatch.setattr(_torch_io, "_CRC_FREE_SAVE", False)
+    big = torch.arange(5 << 20, dtype=torch.float32)  # 20 MiB: two blocks and a bit
+    state = attrs.evolve(small_state(2), model_state={"big": big, "small": torch.ones(3)})
+    save = checkpoint.to_directory(tmp_path)
+    await save(small_state(1), None)
+    await save(state, None)
+    manifest = json.loads((tmp_path / "epoch-000002" / "manifest.json").read_text())
+    assert len(manifest["files"]["files"]["model.pt"]["sha256"]) == 2
+    loaded = checkpoint.load_latest(tmp_path)
+    assert loaded is not None
+    assert_identical(loaded[0], state)
+    model_file = tmp_path / "epoch-000002" / "model.pt"
+    data = bytearray(model_file.read_bytes())
+    data[BLOCK_BYTES + 12345] ^= 0x10  # in the second block only
+    model_file.write_bytes(bytes(data))
+    assert _loaded_epoch(tmp_path) == 1
+
+
 async def test_attrs_schedule_state_loads_as_dict_without_schedule(tmp_path: Path) -> None:
     lr_state = _ScheduleState(factor=0.5, inner=_Inner(count=2))
     await checkpoint.to_directory(tmp_path)(small_state(1), lr_state)
@@ -276,6 +301,12 @@ async def test_keeps_the_newest_and_rewrites_of_an_epoch_supersede(tmp_path: Pat
         await save(small_state(3), None)
     assert committed(tmp_path) == ["epoch-000004", "epoch-000005.1"]
     assert scratch(tmp_path) == []
+
+
+async def test_a_negative_epoch_is_refused(tmp_path: Path) -> None:
+    state = attrs.evolve(small_state(1), loop_state=LoopState(epoch=-1))
+    with pytest.raises(lampdist.CheckpointError, match="negative"):
+        await checkpoint.to_directory(tmp_path)(state, None)
 
 
 def test_keep_must_be_positive() -> None:

@@ -119,8 +119,8 @@ def load_latest(
     states saved with the checkpoint are restored as well (on the root, just before training
     resumes), so a resumed run draws the same random numbers as an uninterrupted one.
 
-    A damaged newest checkpoint (truncated, a flipped byte, a missing file: every file's
-    sha256 is checked against the manifest) is skipped with a WARNING log and the one
+    A damaged newest checkpoint (truncated, a flipped byte, a missing file: every file is
+    checked against the sha256 checksums in its manifest) is skipped with a WARNING log and the one
     before it is used. This call blocks; from async code run it in a worker thread
     (``await anyio.to_thread.run_sync(functools.partial(load_latest, path, ...))``).
 

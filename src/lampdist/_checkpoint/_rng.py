@@ -59,8 +59,14 @@ class RngStates:
 
 
 def capture_rng_states() -> RngStates:
-    """The current global RNG states (CUDA ones only when CUDA is available)."""
-    cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else ()
+    """The current global RNG states.
+
+    CUDA ones only when this process has initialised CUDA: otherwise its CUDA generators
+    were never used, and reading them would create a CUDA context on every device.
+    """
+    initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]  # unannotated in torch
+    used_cuda = torch.cuda.is_available() and initialized
+    cuda = tuple(torch.cuda.get_rng_state_all()) if used_cuda else ()
     numpy_state = np.random.get_state(legacy=True)
     if isinstance(numpy_state, dict):  # a non-MT19937 bit generator: keep it JSON-able
         numpy_state = _plain(numpy_state)

@@ -87,6 +87,8 @@ def write_checkpoint(
     """
     started = time.perf_counter()
     epoch = training_state.loop_state.epoch
+    if epoch < 0:
+        raise CheckpointError(f"cannot checkpoint a negative epoch {epoch}", phase="checkpoint")
     state_json = _state_json(training_state, lr_state, rng, schedule_init)
     try:
         directory.mkdir(parents=True, exist_ok=True)
