@@ -17,6 +17,7 @@ import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 import lampdist
 from lampdist import CurvePoint, LoopState, TrainingState, checkpoint
 from lampdist._checkpoint import _torch_io
+from lampdist._checkpoint._files import HashingWriter, hash_file, write_file
 from lampdist._checkpoint._format import BLOCK_BYTES
 from lampdist._checkpoint._rng import capture_rng_states
 from lampdist._checkpoint._write import NO_SCHEDULE, write_checkpoint
@@ -226,6 +228,37 @@ async def test_files_larger_than_a_block_are_checked_block_by_block(
     data[BLOCK_BYTES + 12345] ^= 0x10  # in the second block only
     model_file.write_bytes(bytes(data))
     assert _loaded_epoch(tmp_path) == 1
+
+
+def test_block_checksums_are_right_when_hashing_lags_behind_writing(tmp_path: Path) -> None:
+    data = os.urandom(5 * BLOCK_BYTES + 1000)
+    path = tmp_path / "blob"
+
+    def produce(writer: HashingWriter) -> None:
+        # Keep the only hashing thread busy until every byte is written, so that all the
+        # block hashes are still queued when the write loop ends.
+        def written() -> None:  # every whole block is on disk (the tail may be buffered)
+            for _ in range(10_000):
+                if os.stat(path).st_size >= 5 * BLOCK_BYTES:
+                    return
+                threading.Event().wait(0.001)
+            raise AssertionError("the writer did not get to write every block")
+
+        blocker = pool.submit(written)
+        writer.write(b"head")
+        writer.write(data)
+        blocker.result()
+
+    with ThreadPoolExecutor(1) as pool:
+        record = write_file(path, produce, check=lambda: None, pool=pool)
+    content = b"head" + data
+    expected = tuple(
+        hashlib.sha256(content[start : start + BLOCK_BYTES]).hexdigest()
+        for start in range(0, len(content), BLOCK_BYTES)
+    )
+    assert record.size == len(content)
+    assert record.sha256 == expected
+    assert hash_file(path) == (len(content), expected)
 
 
 async def test_attrs_schedule_state_loads_as_dict_without_schedule(tmp_path: Path) -> None:

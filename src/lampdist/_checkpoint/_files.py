@@ -79,9 +79,13 @@ class HashingWriter:
                     block.update(piece)
                 self._check()
                 self._file.write(piece)
+        except BaseException:
+            for future in hashing:  # the write is abandoned: skip what has not started
+                future.cancel()
+            raise
         finally:
             for future in hashing:  # the data is only valid until write returns
-                if not future.cancel():
+                if not future.cancelled():
                     future.result()
         self.size += len(view)
 
