@@ -1,8 +1,8 @@
 """Checkpoint write throughput: lampdist.checkpoint.to_directory against a plain torch.save.
 
 Writes a model state dict of ``--size-mb`` MB of float32 tensors to the same disk three
-ways, ``--repeats`` times each, interleaved, from a clean page cache state (``os.sync``
-before every write, untimed):
+ways, ``--repeats`` times each, interleaved, after an untimed warm-up, with no dirty pages
+in flight (``os.sync`` before every write, untimed):
 
 - ``torch.save``: one file, no fsync (what most training scripts do; not crash safe);
 - ``torch.save + fsync``: the same, made durable;
@@ -50,6 +50,24 @@ def plain_save(model_state: dict[str, torch.Tensor], path: Path, *, fsync: bool)
             os.close(fd)
 
 
+KEEP = 3
+
+
+def warm_up(model_state: dict[str, torch.Tensor], root: Path) -> None:
+    """Fill and free as much page cache as the measurements will use, untimed.
+
+    On a virtual machine the first write into never-touched memory is several times
+    slower (the host backs guest pages lazily), which would penalise whichever method
+    happens to grow the page cache first.
+    """
+    paths = [root / f"warm-up-{i}.pt" for i in range(KEEP + 2)]
+    for path in paths:
+        torch.save(model_state, path)
+    for path in paths:
+        path.unlink()
+    os.sync()
+
+
 def timed(write: Callable[[], None]) -> tuple[float, float]:
     """Wall-clock and CPU seconds (all threads of this process) of one write."""
     os.sync()  # start each write with no dirty pages of the previous one in flight
@@ -71,9 +89,10 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="lampdist-bench-", dir=args.directory))
     seconds: dict[str, list[tuple[float, float]]] = {"torch.save": [], "torch.save + fsync": []}
     seconds["to_directory"] = []
-    save = checkpoint.to_directory(root / "checkpoints", keep=3)
+    save = checkpoint.to_directory(root / "checkpoints", keep=KEEP)
     try:
-        for repeat in range(args.repeats):
+        warm_up(model_state, root)
+        for repeat in range(-1, args.repeats):  # repeat -1 warms up, untimed
             path = root / f"plain-{repeat}.pt"
             seconds["torch.save"].append(
                 timed(functools.partial(plain_save, model_state, path, fsync=False))
@@ -90,6 +109,12 @@ def main() -> None:
                 optimizer_state={"state": {}, "param_groups": []},
             )
             seconds["to_directory"].append(timed(functools.partial(anyio.run, save, state, None)))
+        for measured in seconds.values():
+            del measured[0]  # the warm-up round
+        loaded = checkpoint.load_latest(root / "checkpoints")  # untimed: is it intact?
+        if loaded is None or loaded[0].loop_state.epoch != args.repeats:
+            raise SystemExit("the last checkpoint did not load back")
+        del loaded
     finally:
         shutil.rmtree(root)
 
