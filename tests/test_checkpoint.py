@@ -529,6 +529,40 @@ def test_an_abort_at_any_point_leaves_no_partial_checkpoint(tmp_path: Path) -> N
         assert _loaded_epoch(tmp_path) == 1
 
 
+def test_loading_while_a_writer_prunes_sees_whole_checkpoints(tmp_path: Path) -> None:
+    last = 30
+    failures: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            for epoch in range(1, last + 1):
+                state, lr_state = expected_state(epoch)
+                write_checkpoint(
+                    tmp_path, state, lr_state, capture_rng_states(), keep=1,
+                    schedule_init=NO_SCHEDULE, check=lambda: None,
+                )  # fmt: skip
+        except BaseException as exc:  # reported by the test thread
+            failures.append(exc)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        seen = 0
+        while writer.is_alive() or seen < last:
+            loaded = checkpoint.load_latest(tmp_path)
+            if loaded is not None:
+                epoch = loaded[0].loop_state.epoch
+                assert epoch >= seen
+                assert_identical(loaded[0], expected_state(epoch)[0])
+                seen = epoch
+            if failures:
+                break
+    finally:
+        writer.join(30)
+    assert failures == []
+    assert seen == last
+
+
 class _BlockingStateDict(Mapping[str, torch.Tensor]):
     """A state dict whose iteration (on the writer thread) waits for the test."""
 
