@@ -10,6 +10,7 @@ from datetime import timedelta
 from typing import Any, cast
 
 import anyio
+import anyio.from_thread
 import anyio.to_thread
 import attrs
 import torch
@@ -370,6 +371,7 @@ async def _open(
         setup_timeout=setup_timeout,
         collective_timeout=collective_timeout,
         threaded=threaded,
+        check_cancelled=anyio.from_thread.check_cancelled,
     )
     group = await anyio.to_thread.run_sync(connect, limiter=limiter)
     clique = Clique(rank=rank, nranks=nranks, device=device, backend=group.backend, group=group)

@@ -46,6 +46,7 @@ _TEARDOWN = "clique teardown"
 _NO_LIMIT = timedelta(days=365)  # what the process group gets for "None: no limit"
 _STORE_OP_TIMEOUT = timedelta(seconds=10)  # store operations after setup (abort notices)
 _WATCH_INTERVAL = 0.05  # how often the watcher polls the store for an abort notice
+_SETUP_POLL = 0.05  # the slices of the waits in setup
 _DRAIN_NO_LIMIT = 600.0  # how long close waits for pending work when collective_timeout is None
 _ABORT_KEY = "abort"
 _GLOO_THREADS = 2
@@ -115,6 +116,58 @@ class _Deadline:
         return timedelta(seconds=left)
 
 
+@attrs.define(eq=False)
+class _Setup:
+    """What every wait of the setup checks between its short slices: the deadline, the
+    caller's cancellation (``check_cancelled`` raises it in the worker thread) and, once the
+    keys are known, a peer's notice that it abandoned the setup. A rank that dies or is
+    cancelled in setup thus frees the others at once instead of at ``setup_timeout``."""
+
+    deadline: _Deadline
+    check_cancelled: Callable[[], None]
+    keys: Any = None
+
+    def remaining(self) -> timedelta:
+        self.check_cancelled()
+        if self.keys is not None and self.keys.check([_ABORT_KEY]):
+            peer, _, reason = self.keys.get(_ABORT_KEY).decode(errors="replace").partition("\n")
+            if peer != str(self.deadline.rank):
+                raise CollectiveFailed(
+                    f"rank {peer} left the clique during setup: {reason}",
+                    rank=self.deadline.rank,
+                    phase=_SETUP,
+                )
+        return self.deadline.remaining()
+
+    def wait_for(self, keys: Any, names: list[str]) -> None:
+        """Wait until ``names`` exist in ``keys``, in slices."""
+        while not keys.check(names):
+            self.remaining()
+            time.sleep(_SETUP_POLL)
+
+    def connect_store(self, host: str, port: int) -> Any:
+        """A client of the rendezvous store; while it refuses connections (its rank 0 is
+        gone, or not up yet), retry in slices rather than inside torch's uninterruptible
+        connect loop."""
+        while True:
+            left = self.remaining()
+            try:
+                socket.create_connection((host, port), timeout=left.total_seconds()).close()
+                break
+            except OSError as exc:
+                logger.debug("rank %d: rendezvous store not reachable: %s", self.deadline.rank, exc)
+                time.sleep(_SETUP_POLL)
+        return TCPStore(host, port, None, False, timeout=self.remaining(), wait_for_workers=False)
+
+    def abandon(self, exc: BaseException) -> None:
+        """Tell the peers that this rank abandoned the setup, unless one of them did first."""
+        try:
+            if self.keys is not None and not self.keys.check([_ABORT_KEY]):
+                self.keys.set(_ABORT_KEY, f"{self.deadline.rank}\n{_describe(exc)}")
+        except Exception as error:  # the store is gone: the peers learn it from the store
+            logger.debug("rank %d: could not post the abort notice: %s", self.deadline.rank, error)
+
+
 def _make_gloo(
     *,
     store: Any,
@@ -154,9 +207,6 @@ def _make_nccl(
     nccl = getattr(dist, "ProcessGroupNCCL", None)
     if nccl is None:
         raise CliqueError("this torch build has no NCCL", rank=rank, phase=_SETUP)
-    # Every rank alive before NCCL's own, unbounded, communicator setup starts.
-    keys.set(f"ready/{rank}", "1")
-    keys.wait([f"ready/{peer}" for peer in range(nranks)], deadline.remaining())
     options = nccl.Options()
     options._timeout = op_timeout
     options.is_high_priority_stream = False
@@ -203,14 +253,19 @@ class Group:
         setup_timeout: float | None,
         collective_timeout: float | None,
         threaded: bool,
+        check_cancelled: Callable[[], None] = lambda: None,
     ) -> Group:
         """Build the process group (blocking: run it in a worker thread).
 
-        Raises :class:`CliqueTimeout` when the peers do not all arrive within
-        ``setup_timeout`` and :class:`CliqueError` on any other setup failure.
+        Every wait until all ranks are known to be alive is a loop of short slices that
+        calls ``check_cancelled`` (``anyio.from_thread.check_cancelled``) and looks for a
+        peer's abort notice. Raises :class:`CliqueTimeout` when the peers do not all arrive
+        within ``setup_timeout``, :class:`CollectiveFailed` when a peer abandoned the setup,
+        and :class:`CliqueError` on any other setup failure.
         """
         backend = "nccl" if device.type == "cuda" else "gloo"
         deadline = _Deadline(setup_timeout, rank)
+        setup = _Setup(deadline, check_cancelled)
         op_timeout = _span(collective_timeout)
         store: Any = None
         keys: Any = None
@@ -219,17 +274,11 @@ class Group:
         pg_store: Any = None
         tether: Tether | None = None
         try:
-            store = TCPStore(
-                clique_id.host,
-                clique_id.port,
-                None,
-                False,
-                timeout=deadline.remaining(),
-                wait_for_workers=False,
-            )
+            store = setup.connect_store(clique_id.host, clique_id.port)
             base = PrefixStore(clique_id.prefix, store)
             generation = base.add(f"generation/{rank}", 1)  # several openings of one id
             keys = PrefixStore(f"open/{generation}", base)
+            setup.keys = keys
             pg_store = PrefixStore("pg", keys)
             name = f"lampdist-{clique_id.prefix[:8]}-{generation}"
             tether = Tether.connect(
@@ -238,8 +287,12 @@ class Group:
                 nranks=clique_id.nranks,
                 host=clique_id.host,
                 port=clique_id.port,
-                remaining=deadline.remaining,
+                remaining=setup.remaining,
             )
+            # Every rank alive and tied to rank 0 before the process group's own setup,
+            # which cannot be interrupted, starts.
+            keys.set(f"ready/{rank}", "1")
+            setup.wait_for(keys, [f"ready/{peer}" for peer in range(clique_id.nranks)])
             if backend == "gloo":
                 pg = _make_gloo(
                     store=pg_store,
@@ -274,6 +327,8 @@ class Group:
                 tether=tether,
             )
         except BaseException as exc:
+            setup.abandon(exc)
+            setup.keys = None
             # Drop every partial object here, before the error travels with our frame.
             if tether is not None:
                 tether.close(goodbye=False)
