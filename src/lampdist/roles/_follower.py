@@ -44,6 +44,10 @@ logger = logging.getLogger(__name__)
 
 REPORT_TIMEOUT = 1.0
 
+ROOT_REASON_TIMEOUT = 2 * CULPRIT_TIMEOUT + 1.0
+"""How long a follower whose collective failed waits for the root's reason; the root itself
+first waits up to CULPRIT_TIMEOUT for the control channel to name a culprit."""
+
 
 async def follow_distributed_training(
     *,
@@ -131,7 +135,9 @@ async def follow_distributed_training(
                     culprit = await _find_culprit(receive, control, phase)
                     if culprit is not None:
                         raise culprit from leaf
-                if not phase.reported and not isinstance(leaf, RankFailed | PeerDisconnected):
+                if not phase.reported and not isinstance(leaf, DERIVED):
+                    # Only an original error: a failed or timed-out collective here is the
+                    # consequence of a failure elsewhere, and the root must not blame us.
                     with anyio.CancelScope(shield=True):
                         await _report(control, phase.name, exc)
                 raise
@@ -152,7 +158,7 @@ async def _find_culprit(
 ) -> LampdistError | None:
     """After a collective failed: the root's own reason for stopping (its STOP with an error,
     which follows the failure by a moment), or the channel's word that the root vanished,
-    whichever comes first within :data:`CULPRIT_TIMEOUT` seconds."""
+    whichever comes first within :data:`ROOT_REASON_TIMEOUT` seconds."""
     found: LampdistError | None = None
 
     async def from_root(scope: anyio.CancelScope) -> None:
@@ -171,7 +177,7 @@ async def _find_culprit(
         if error is not None:
             scope.cancel()
 
-    with anyio.move_on_after(CULPRIT_TIMEOUT):
+    with anyio.move_on_after(ROOT_REASON_TIMEOUT):
         async with anyio.create_task_group() as group:
             group.start_soon(from_root, group.cancel_scope)
             group.start_soon(from_channel, group.cancel_scope)
