@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -95,10 +95,11 @@ class Cluster:
     def start(
         self,
         nranks: int,
-        args: dict[int, Sequence[str]] | None = None,
+        args: Mapping[int, Sequence[str]] | None = None,
         common: Sequence[str] = (),
+        followers: Sequence[int] | None = None,
     ) -> None:
-        """Start the root, wait until it listens, then start the followers."""
+        """Start the root, wait until it listens, then start the followers (all by default)."""
         args = args or {}
         root = self.spawn(0, nranks, [*common, *args.get(0, ())])
         deadline = time.monotonic() + START_TIMEOUT
@@ -107,7 +108,7 @@ class Cluster:
                 raise AssertionError(f"the root did not start:\n{root.stderr_text()}")
             time.sleep(0.02)
         self.port = int(match.group(1))
-        for rank in range(1, nranks):
+        for rank in range(1, nranks) if followers is None else followers:
             self.spawn(rank, nranks, [*common, *args.get(rank, ())])
 
     def wait(self, timeout: float, ranks: Sequence[int] | None = None) -> None:

@@ -328,11 +328,14 @@ async def main(args: argparse.Namespace) -> int:
     return code
 
 
-def report(error: BaseException) -> None:
+def report(error: BaseException) -> BaseException:
+    """Print the error line of the exit-code convention; return the error it names (the one
+    error inside task groups' exception groups)."""
     leaf = error
     while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
         leaf = leaf.exceptions[0]
     print(f"lampdist-rank: {type(leaf).__name__}: {leaf}", file=sys.stderr, flush=True)
+    return leaf
 
 
 def entry(argv: list[str]) -> int:
@@ -345,13 +348,10 @@ def entry(argv: list[str]) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     try:
         return anyio.run(main, args)
-    except lampdist.ConfigError as exc:  # MismatchError too
-        report(exc)
-        return EXIT_CONFIG
     except Exception as exc:
         logging.getLogger("tests.reliability.rank").debug("failed", exc_info=True)
-        report(exc)
-        return EXIT_FAILED
+        error = report(exc)
+        return EXIT_CONFIG if isinstance(error, lampdist.ConfigError) else EXIT_FAILED
 
 
 if __name__ == "__main__":
