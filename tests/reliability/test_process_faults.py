@@ -17,6 +17,7 @@ from pathlib import Path
 
 import attrs
 import pytest
+import torch
 
 from . import _training
 from ._harness import Cluster, cluster, report
@@ -51,6 +52,7 @@ class Case:
     deadline: float = 10.0
     faulty_deadline: float | None = None  # a rank that stalled: from the fault, when it ends
     then: Callable[[Cluster], None] | None = None  # after the fault, from the test
+    resume_processes: bool = False  # also resume with the rank script (else in process)
     slow: bool = True
 
 
@@ -279,6 +281,7 @@ CASES = [
         codes={0: SIGTERMED, 1: 0, 2: 0},
         errors={r: "^$" for r in range(3)},
         checkpoint=2,
+        resume_processes=True,
         slow=False,
     ),
     Case(
@@ -362,8 +365,26 @@ async def check_case(case: Case, tmp_path: Path) -> None:
                 assert took < case.faulty_deadline, f"rank {rank} took {took:.1f} s\n{stderr}"
         checkpoints = run.checkpoints
     assert _training.latest_epoch(checkpoints) == case.checkpoint
-    resumed = await _training.train_in_process(case.nranks, resume_from=checkpoints)
-    _training.assert_same_weights(resumed, await _training.reference(case.nranks))
+    want = await _training.reference(case.nranks)
+    if case.resume_processes:
+        resume_with_processes(case, tmp_path, want)
+    else:
+        resumed = await _training.train_in_process(case.nranks, resume_from=checkpoints)
+        _training.assert_same_weights(resumed, want)
+
+
+def resume_with_processes(case: Case, tmp_path: Path, want: dict[str, torch.Tensor]) -> None:
+    """Start the run again with ``--resume``: it finishes, and every rank ends with the
+    weights of the uninterrupted run."""
+    with cluster(tmp_path) as run:
+        run.start(case.nranks, {0: ["--resume"], **dict.fromkeys(range(1, case.nranks), FOLLOWERS)})
+        run.wait(60)
+        for rank, handle in run.ranks.items():
+            assert handle.code == 0, f"rank {rank}:\n{handle.stderr_text()}"
+        out = run.out
+    for rank in range(case.nranks):
+        got = torch.load(out / f"rank{rank}.pt", weights_only=True)
+        _training.assert_same_weights(got, want)
 
 
 @pytest.mark.parametrize(

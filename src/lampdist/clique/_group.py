@@ -196,14 +196,13 @@ def _make_gloo(
 def _make_nccl(
     *,
     store: Any,
-    keys: Any,
     rank: int,
     nranks: int,
     name: str,
     device: torch.device,
-    deadline: _Deadline,
     op_timeout: timedelta,
 ) -> Any:
+    """NCCL's own communicator setup, unbounded: call it once every rank is ready."""
     nccl = getattr(dist, "ProcessGroupNCCL", None)
     if nccl is None:
         raise CliqueError("this torch build has no NCCL", rank=rank, phase=_SETUP)
@@ -306,12 +305,10 @@ class Group:
             else:
                 pg = _make_nccl(
                     store=pg_store,
-                    keys=keys,
                     rank=rank,
                     nranks=clique_id.nranks,
                     name=name,
                     device=device,
-                    deadline=deadline,
                     op_timeout=op_timeout,
                 )
             store.set_timeout(_STORE_OP_TIMEOUT)
