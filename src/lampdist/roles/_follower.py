@@ -16,6 +16,7 @@ from .._errors import (
     CliqueTimeout,
     ConfigError,
     LampdistError,
+    MismatchError,
     PeerDisconnected,
     RankFailed,
 )
@@ -135,7 +136,7 @@ async def follow_distributed_training(
                     culprit = await _find_culprit(receive, control, phase)
                     if culprit is not None:
                         raise culprit from leaf
-                if not phase.reported and not isinstance(leaf, DERIVED):
+                if not phase.reported and _root_must_hear(leaf):
                     # Only an original error: a failed or timed-out collective here is the
                     # consequence of a failure elsewhere, and the root must not blame us.
                     with anyio.CancelScope(shield=True):
@@ -221,11 +222,19 @@ async def _run(
         except Exception as exc:
             # Report before the clique closes, so the root learns the cause before the
             # collectives on other ranks fail.
-            if not isinstance(most_telling(exc), DERIVED):
+            if _root_must_hear(most_telling(exc)):
                 with anyio.CancelScope(shield=True):
                     await _report(control, phase.name, exc)
-                phase.reported = True
+            phase.reported = True
             raise
+
+
+def _root_must_hear(error: BaseException) -> bool:
+    """Whether the root learns of ``error`` only from this rank: not for the consequence of a
+    failure elsewhere, nor for a disagreement, which the agreement check raises on every rank
+    (the root's own MismatchError is the clearer error there)."""
+    agreed = isinstance(error, MismatchError) and error.phase == "agreement"
+    return not agreed and not isinstance(error, DERIVED)
 
 
 async def _follow_commands(
