@@ -148,8 +148,12 @@ async def test_bad_input(case: Case, tmp_path: Path) -> None:
             rank, extra = case.extra
             run.spawn(rank, case.nranks, extra + FOLLOWERS)
         run.wait(60)
+        faults = [
+            run.fault_time(r) for r in run.ranks if (run.out / f"fault-rank{r}.json").exists()
+        ]
         for rank, handle in sorted(run.ranks.items()):
-            report(case.name, handle, None)
+            assert handle.ended_at is not None
+            report(case.name, handle, handle.ended_at - faults[0] if faults else None)
             stderr = handle.stderr_text()
             assert handle.code in case.codes[rank], f"rank {rank}: exit {handle.code}\n{stderr}"
             assert re.search(case.errors.get(rank, ""), handle.error()), f"rank {rank}:\n{stderr}"
