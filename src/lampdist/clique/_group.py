@@ -310,6 +310,8 @@ class Group:
         pending = PendingCollective(
             name=name, rank=self.rank, owner=self, timeout=self.collective_timeout
         )
+        # The caller's stream: the collective must see the work queued on it before this call.
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         with self._lock:
             if self._closing:
                 raise CliqueError(
@@ -318,15 +320,13 @@ class Group:
             failure = self._failure
             if failure is None:
                 self._pending.add(pending)
+                if self._queue is not None:  # under the lock: never behind the stop sentinel
+                    self._queue.put((pending, issue, stream, wait_for_device))
         if failure is not None:
             kind, message = failure
             raise kind(message, rank=self.rank, phase=name)
         if self._queue is None:
             self._enqueue(pending, issue, None, wait_for_device)
-        else:
-            # The caller's stream: the collective must see the work queued before this call.
-            stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-            self._queue.put((pending, issue, stream, wait_for_device))
         return pending
 
     def _run_enqueuer(self) -> None:
@@ -350,7 +350,7 @@ class Group:
             pg = self._pg
             try:
                 if pg is None:
-                    failure = (CollectiveFailed, "the clique was torn down")
+                    failure = self._failure or (CollectiveFailed, "the clique was torn down")
                 elif stream is not None:
                     with torch.cuda.stream(stream):
                         issue(pg, works)
@@ -572,7 +572,8 @@ class Group:
         if self._wake_writer is not None:
             self._wake_writer.send(b"x")
         if self._queue is not None:
-            self._queue.put(None)
+            with self._lock:
+                self._queue.put(None)
         for thread in self._threads:
             thread.join()
         self._threads.clear()
