@@ -496,8 +496,9 @@ class Group:
             del pg
 
     def _post_notice(self, reason: str) -> None:
+        """Post an abort notice for the other ranks; the first one posted stays (the cause)."""
         try:
-            self._keys.set(_ABORT_KEY, f"{self.rank}\n{reason}")
+            self._keys.compare_set(_ABORT_KEY, "", f"{self.rank}\n{reason}")
         except Exception as exc:
             logger.debug("rank %d: could not post the abort notice: %s", self.rank, exc)
 
