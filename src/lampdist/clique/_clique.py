@@ -21,8 +21,9 @@ from torch._C._distributed_c10d import (  # torch.distributed does not re-export
 
 from .._clique_id import CliqueId
 from .._errors import ConfigError, MismatchError
+from ._backends import prefer_nccl_cleanup
 from ._bridge import PendingCollective
-from ._group import Group, prefer_nccl_cleanup
+from ._group import Group
 
 __all__ = ["Clique", "open_clique"]
 
