@@ -304,7 +304,8 @@ def open_clique(
     collective (both in seconds, ``None`` for no limit). Blocking work (building the group,
     tearing it down) runs in worker threads taken from ``limiter``, one per rank at a time:
     a limiter shared by the ranks of one process needs at least as many tokens as there are
-    ranks, or setup deadlocks.
+    ranks, or setup deadlocks. Cancellation during setup takes effect once the group is built
+    or its setup has failed (those threads cannot be interrupted).
 
     On exit the clique waits (up to ``collective_timeout``) for collectives that are still
     running and drops the process group. Leaving with an exception or by cancellation posts

@@ -1,9 +1,10 @@
-"""The process group behind a clique: setup, enqueue, failure, abort notices and teardown.
+"""The live state of one open clique: enqueue, failure, peers that die or abort, teardown.
 
 One :class:`Group` per open clique. It owns the torch process group (never the default
-group), one TCPStore client, a watcher thread that polls the store for abort notices from
-peers, and on NCCL an enqueue thread. Everything blocking runs in worker threads; everything
-it holds is dropped on close, so no group or work object outlives the clique.
+group), one TCPStore client, the liveness tether to rank 0 (see ``_tether``), a watcher
+thread that selects on the tether and polls the store for abort notices, and on NCCL an
+enqueue thread. Everything blocking runs in worker threads; everything it holds is dropped
+on close, so no group or work object outlives the clique.
 """
 
 from __future__ import annotations
