@@ -255,7 +255,7 @@ class PendingCollective:
             for work in works:
                 try:
                     device_futures.append(work.get_future_result())
-                except RuntimeError:  # not implemented by this backend or build
+                except (AttributeError, RuntimeError):  # not in this backend or build
                     device_futures = []
                     break
         with self._lock:
