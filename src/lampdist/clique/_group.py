@@ -1,22 +1,20 @@
-"""The process group behind a clique: setup, enqueue, failure, abort notices and teardown.
+"""The live state of one open clique: enqueue, failure, peers that die or abort, teardown.
 
 One :class:`Group` per open clique. It owns the torch process group (never the default
-group), one TCPStore client, a watcher thread that polls the store for abort notices from
-peers, and on NCCL an enqueue thread. Everything blocking runs in worker threads; everything
-it holds is dropped on close, so no group or work object outlives the clique.
+group), one TCPStore client, the liveness tether to rank 0 (see ``_tether``), a watcher
+thread that selects on the tether and polls the store for abort notices, and on NCCL an
+enqueue thread. Everything blocking runs in worker threads; everything it holds is dropped
+on close, so no group or work object outlives the clique.
 """
 
 from __future__ import annotations
 
 import gc
-import ipaddress
 import logging
-import os
 import queue
 import selectors
 import socket
 import threading
-import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -26,11 +24,18 @@ import anyio
 import anyio.to_thread
 import attrs
 import torch
-import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
+from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from .._clique_id import CliqueId
 from .._errors import CliqueError, CliqueTimeout, CollectiveFailed, LampdistError
+from ._backends import (
+    SETUP,
+    Deadline,
+    make_gloo,
+    make_nccl,
+    span,
+    translate,
+)
 from ._bridge import Failure, PendingCollective
 from ._tether import GOODBYE, Tether
 
@@ -41,130 +46,11 @@ logger = logging.getLogger(__name__)
 # Enqueues the collective's works on the process group, appending each to the list.
 Issue = Callable[[Any, list[Any]], None]
 
-_SETUP = "clique setup"
 _TEARDOWN = "clique teardown"
-_NO_LIMIT = timedelta(days=365)  # what the process group gets for "None: no limit"
 _STORE_OP_TIMEOUT = timedelta(seconds=10)  # store operations after setup (abort notices)
 _WATCH_INTERVAL = 0.05  # how often the watcher polls the store for an abort notice
 _DRAIN_NO_LIMIT = 600.0  # how long close waits for pending work when collective_timeout is None
 _ABORT_KEY = "abort"
-_GLOO_THREADS = 2
-_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
-_env_lock = threading.Lock()
-
-
-def _span(seconds: float | None) -> timedelta:
-    return _NO_LIMIT if seconds is None else timedelta(seconds=seconds)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def translate(exc: BaseException, phase: str) -> Failure:
-    """A torch error as a lampdist failure: a timeout, or a failed collective."""
-    if isinstance(exc, LampdistError):
-        return type(exc), exc.message
-    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    lowered = text.lower()
-    kind: type[LampdistError] = CollectiveFailed
-    if "timed out" in lowered or "timeout" in lowered:
-        kind = CliqueTimeout
-    elif phase == _SETUP:
-        kind = CliqueError
-    return kind, f"{phase} failed: {text}"
-
-
-def prefer_nccl_cleanup() -> None:
-    """Make NCCL's watchdog abort the communicator on an error instead of killing the process.
-
-    torch's default (3, tear the process down) would turn a dead peer into SIGABRT; 2 aborts
-    the communicator and lets the clique raise. Only set when the user has not chosen.
-    """
-    with _env_lock:
-        if _NCCL_ERROR_HANDLING not in os.environ:
-            os.environ[_NCCL_ERROR_HANDLING] = "2"
-            logger.info(
-                "set %s=2 so that NCCL errors raise instead of aborting the process",
-                _NCCL_ERROR_HANDLING,
-            )
-
-
-@attrs.define(eq=False)
-class _Deadline:
-    seconds: float | None
-    rank: int
-    start: float = attrs.field(factory=time.monotonic)
-
-    def remaining(self) -> timedelta:
-        if self.seconds is None:
-            return _NO_LIMIT
-        left = self.start + self.seconds - time.monotonic()
-        if left <= 0:
-            raise CliqueTimeout(
-                f"the clique was not set up within setup_timeout={self.seconds} s; "
-                "check that every rank opens it with the same clique id",
-                rank=self.rank,
-                phase=_SETUP,
-            )
-        return timedelta(seconds=left)
-
-
-def _make_gloo(
-    *,
-    store: Any,
-    host: str,
-    rank: int,
-    nranks: int,
-    name: str,
-    deadline: _Deadline,
-    op_timeout: timedelta,
-) -> Any:
-    gloo = ProcessGroupGloo
-    options = gloo._Options()  # type: ignore[attr-defined]  # the stubs call it Options
-    if _is_loopback(host):
-        device = gloo.create_device(hostname="127.0.0.1", lazy_init=False)
-    else:
-        device = gloo.create_default_device(lazy_init=False)
-    options._devices = [device]
-    options._threads = _GLOO_THREADS
-    options._timeout = deadline.remaining()  # the constructor's wait for all ranks
-    options.group_name = name
-    group = gloo(store, rank, nranks, options)  # blocks until every rank has connected
-    group.set_timeout(op_timeout)
-    return group
-
-
-def _make_nccl(
-    *,
-    store: Any,
-    keys: Any,
-    rank: int,
-    nranks: int,
-    name: str,
-    device: torch.device,
-    deadline: _Deadline,
-    op_timeout: timedelta,
-) -> Any:
-    nccl = getattr(dist, "ProcessGroupNCCL", None)
-    if nccl is None:
-        raise CliqueError("this torch build has no NCCL", rank=rank, phase=_SETUP)
-    # Every rank alive before NCCL's own, unbounded, communicator setup starts.
-    keys.set(f"ready/{rank}", "1")
-    keys.wait([f"ready/{peer}" for peer in range(nranks)], deadline.remaining())
-    options = nccl.Options()
-    options._timeout = op_timeout
-    options.is_high_priority_stream = False
-    options.group_name = name
-    group = nccl(store, rank, nranks, options)
-    with torch.cuda.device(device):
-        group.eager_connect_single_device(device)  # blocks until every rank has joined
-    return group
 
 
 @attrs.define(eq=False)
@@ -210,8 +96,8 @@ class Group:
         ``setup_timeout`` and :class:`CliqueError` on any other setup failure.
         """
         backend = "nccl" if device.type == "cuda" else "gloo"
-        deadline = _Deadline(setup_timeout, rank)
-        op_timeout = _span(collective_timeout)
+        deadline = Deadline(setup_timeout, rank)
+        op_timeout = span(collective_timeout)
         store: Any = None
         keys: Any = None
         pg: Any = None
@@ -241,7 +127,7 @@ class Group:
                 remaining=deadline.remaining,
             )
             if backend == "gloo":
-                pg = _make_gloo(
+                pg = make_gloo(
                     store=pg_store,
                     host=clique_id.host,
                     rank=rank,
@@ -251,7 +137,7 @@ class Group:
                     op_timeout=op_timeout,
                 )
             else:
-                pg = _make_nccl(
+                pg = make_nccl(
                     store=pg_store,
                     keys=keys,
                     rank=rank,
@@ -282,8 +168,8 @@ class Group:
             gc.collect()
             if isinstance(exc, LampdistError) or not isinstance(exc, Exception):
                 raise
-            kind, message = translate(exc, _SETUP)
-            raise kind(message, rank=rank, phase=_SETUP) from exc
+            kind, message = translate(exc, SETUP)
+            raise kind(message, rank=rank, phase=SETUP) from exc
         group._start_threads(threaded or backend == "nccl")
         logger.debug("rank %d: %s clique %s open", rank, backend, name)
         return group
@@ -310,6 +196,8 @@ class Group:
         pending = PendingCollective(
             name=name, rank=self.rank, owner=self, timeout=self.collective_timeout
         )
+        # The caller's stream: the collective must see the work queued on it before this call.
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         with self._lock:
             if self._closing:
                 raise CliqueError(
@@ -318,15 +206,13 @@ class Group:
             failure = self._failure
             if failure is None:
                 self._pending.add(pending)
+                if self._queue is not None:  # under the lock: never behind the stop sentinel
+                    self._queue.put((pending, issue, stream, wait_for_device))
         if failure is not None:
             kind, message = failure
             raise kind(message, rank=self.rank, phase=name)
         if self._queue is None:
             self._enqueue(pending, issue, None, wait_for_device)
-        else:
-            # The caller's stream: the collective must see the work queued before this call.
-            stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-            self._queue.put((pending, issue, stream, wait_for_device))
         return pending
 
     def _run_enqueuer(self) -> None:
@@ -350,7 +236,7 @@ class Group:
             pg = self._pg
             try:
                 if pg is None:
-                    failure = (CollectiveFailed, "the clique was torn down")
+                    failure = self._failure or (CollectiveFailed, "the clique was torn down")
                 elif stream is not None:
                     with torch.cuda.stream(stream):
                         issue(pg, works)
@@ -496,8 +382,9 @@ class Group:
             del pg
 
     def _post_notice(self, reason: str) -> None:
+        """Post an abort notice for the other ranks; the first one posted stays (the cause)."""
         try:
-            self._keys.set(_ABORT_KEY, f"{self.rank}\n{reason}")
+            self._keys.compare_set(_ABORT_KEY, "", f"{self.rank}\n{reason}")
         except Exception as exc:
             logger.debug("rank %d: could not post the abort notice: %s", self.rank, exc)
 
@@ -572,7 +459,8 @@ class Group:
         if self._wake_writer is not None:
             self._wake_writer.send(b"x")
         if self._queue is not None:
-            self._queue.put(None)
+            with self._lock:
+                self._queue.put(None)
         for thread in self._threads:
             thread.join()
         self._threads.clear()
