@@ -13,8 +13,9 @@ def summary_lines(result: DemoResult) -> list[str]:
     """The summary as plain lines: accuracy, best epoch, time, and where the files are."""
     state = result.state
     trained = state.epoch - result.first_epoch
+    epochs = "1 epoch" if trained == 1 else f"{trained} epochs"
     lines = [
-        f"{trained} epochs ({result.first_epoch + 1}-{state.epoch}) on {result.nranks} ranks "
+        f"{epochs} ({result.first_epoch + 1}-{state.epoch}) on {result.nranks} ranks "
         f"({result.device}) in {result.seconds:.1f} s",
         f"validation accuracy {result.accuracy:.1%}",
     ]

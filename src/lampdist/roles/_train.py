@@ -7,6 +7,7 @@ import logging
 import signal
 import ssl
 from collections.abc import Awaitable, Callable, Iterable
+from functools import partial
 from typing import Any, Literal, TypeVar, cast
 
 import anyio
@@ -19,7 +20,7 @@ from ..epoch import OnPassEvent, StepOn, SupervisedModel
 from ..launch import LaunchEnv, from_env
 from ..loop import LoopState, TrainingState
 from ..schedules import LearningRateSchedule
-from ._common import OptimizerFactory
+from ._common import OptimizerFactory, single_error
 from ._follower import follow_distributed_training
 from ._root import drive_distributed_training
 
@@ -209,23 +210,26 @@ async def train(
             collective_timeout=collective_timeout,
         )
 
-    async def run() -> LoopState | None:
-        logger.info(
-            "rank %d of %d on %s, root at %s:%d",
-            env.rank,
-            env.nranks,
-            env.device,
-            env.host,
-            env.port,
-            extra={"rank": env.rank},
-        )
+    async def run(work: Callable[[], Awaitable[T]]) -> T:
+        # Only the training is cancelled on a signal, not the channel: the root still tells
+        # the followers why it stops.
+        if stop_on_signals:
+            return await run_until_signal(work, rank=env.rank)
+        return await work()
+
+    logger.info(
+        "rank %d of %d on %s, root at %s:%d",
+        env.rank,
+        env.nranks,
+        env.device,
+        env.host,
+        env.port,
+        extra={"rank": env.rank},
+    )
+    with single_error():
         async with env.open_control(ssl_context=ssl_context) as control:
             # open_control gives rank 0 the root's side and every other rank a follower's
             if env.is_root:
-                return await run_root(cast(RootChannel, control))
-            await run_follower(cast(FollowerChannel, control))
+                return await run(partial(run_root, cast(RootChannel, control)))
+            await run(partial(run_follower, cast(FollowerChannel, control)))
             return None
-
-    if stop_on_signals:
-        return await run_until_signal(run, rank=env.rank)
-    return await run()
