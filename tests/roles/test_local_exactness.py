@@ -31,11 +31,15 @@ def adamw(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
-def source(batches: Sequence[Batch]) -> lampdist.BatchSource:
-    return lambda: list(batches)
+def source(batches: Sequence[Batch], *, sized: bool = True) -> lampdist.BatchSource:
+    """A batch source; an unsized one (a plain iterator) makes every step carry a flag."""
+    if sized:
+        return lambda: list(batches)
+    return lambda: iter(list(batches))
 
 
 CASES = {
+    "one-rank": ([[8, 8, 5]], 1),
     "even-2": ([[8, 8, 8, 8], [8, 8, 8, 8]], 1),
     "even-3-acc3": ([[4] * 6, [4] * 6, [4] * 6], 3),
     "uneven-3": ([[5, 7, 3, 9, 2], [6, 6], []], 1),
@@ -46,13 +50,22 @@ CASES = {
 
 
 @pytest.mark.parametrize(
-    ("optimizer_factory", "step_on"),
-    [(sgd, "root"), (adamw, "root"), (adamw, "every_rank")],
-    ids=["sgd", "adamw", "adamw-every-rank"],
+    ("optimizer_factory", "step_on", "sized"),
+    [
+        (sgd, "root", True),
+        (adamw, "root", True),
+        (adamw, "every_rank", True),
+        (sgd, "root", False),
+        (adamw, "every_rank", False),
+    ],
+    ids=["sgd", "adamw", "adamw-every-rank", "sgd-unsized", "adamw-every-rank-unsized"],
 )
 @pytest.mark.parametrize("case", sorted(CASES))
 async def test_matches_single_process_reference(
-    case: str, optimizer_factory: OptimizerFactory, step_on: lampdist.epoch.StepOn
+    case: str,
+    optimizer_factory: OptimizerFactory,
+    step_on: lampdist.epoch.StepOn,
+    sized: bool,
 ) -> None:
     sizes, accumulate = CASES[case]
     nranks = len(sizes)
@@ -72,8 +85,13 @@ async def test_matches_single_process_reference(
     with anyio.fail_after(60):
         state = await lampdist.local_data_parallel_training_loop(
             models_with_data_streams=[
-                (lampdist.SupervisedModel(module, mse), source(t), source(v))
-                for module, t, v in zip(modules, train, valid, strict=True)
+                (
+                    lampdist.SupervisedModel(module, mse),
+                    # one rank unsized is enough to need the flags
+                    source(t, sized=sized or rank > 0),
+                    source(v),
+                )
+                for rank, (module, t, v) in enumerate(zip(modules, train, valid, strict=True))
             ],
             optimizer_factory=optimizer_factory,
             max_epochs=2,

@@ -16,7 +16,6 @@ import io
 import math
 import time
 from collections.abc import Callable
-from functools import partial
 
 import anyio
 import anyio.to_thread
@@ -31,6 +30,7 @@ from ._flat import FlatModel
 from ._model import SupervisedModel
 from ._options import OnPassEvent, PassEvent, PassResult, TrainingOptions
 from ._stepper import LossScale, Stepper
+from ._tally import Tally
 
 __all__ = ["RankRunner"]
 
@@ -68,32 +68,52 @@ class RankRunner:
         """Whether this is rank 0."""
         return self.rank == 0
 
+    @property
+    def alone(self) -> bool:
+        """Whether the clique has this rank only (collectives are skipped)."""
+        return self.clique.nranks == 1
+
     async def sync_parameters(self) -> None:
         """Broadcast the root's parameters and buffers so that every rank holds them."""
+        if self.alone:
+            return
         await self.clique.broadcast([*self.flat.parameter_buffers, *self.flat.module_buffers])
 
     async def sync_optimizer_state(self) -> None:
         """Give every rank the root's optimizer state (for ``step_on="every_rank"``)."""
         assert self.stepper is not None
-        length = torch.zeros(1, dtype=torch.int64, device=self.device)
-        payload = torch.zeros(0, dtype=torch.uint8, device=self.device)
+        if self.alone:
+            return
+        optimizer = self.stepper.optimizer
+        device = self.device
+        length = torch.zeros(1, dtype=torch.int64, device=device)
+        payload = torch.zeros(0, dtype=torch.uint8, device=device)
         if self.is_root:
-            buffer = io.BytesIO()
-            torch.save(self.stepper.optimizer.state_dict(), buffer)
-            data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-            payload = data.to(self.device)
+
+            def serialise() -> torch.Tensor:
+                buffer = io.BytesIO()
+                torch.save(optimizer.state_dict(), buffer)
+                data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+                return data.to(device)
+
+            payload = await anyio.to_thread.run_sync(serialise)
             length[0] = payload.numel()
         await self.clique.broadcast([length])
         if not self.is_root:
-            payload = torch.zeros(int(length.item()), dtype=torch.uint8, device=self.device)
+            (size,) = await self._to_host(length)
+            payload = torch.zeros(int(size), dtype=torch.uint8, device=device)
         await self.clique.broadcast([payload])
         if not self.is_root:
-            state = torch.load(
-                io.BytesIO(payload.cpu().numpy().tobytes()),
-                map_location=self.device,
-                weights_only=True,
-            )
-            self.stepper.optimizer.load_state_dict(state)
+
+            def load() -> None:
+                state = torch.load(
+                    io.BytesIO(payload.cpu().numpy().tobytes()),
+                    map_location=device,
+                    weights_only=True,
+                )
+                optimizer.load_state_dict(state)
+
+            await anyio.to_thread.run_sync(load)
 
     async def train_pass(
         self, source: BatchSource, *, epoch: int, pass_index: int, lr_factor: float
@@ -104,78 +124,115 @@ class RankRunner:
         self.model.module.train()
         self.flat.zero_gradients()
         started = time.perf_counter()
-        total_loss = 0.0
-        total_examples = steps = skipped = 0
+        tally = Tally(rank=self.rank, epoch=epoch)
         async with open_batches(
             source, model=self.model, device=self.device, rank=self.rank, phase="train"
         ) as reader:
+            planned = await self._planned_steps(reader)
+            step = 0
             more = True
             while more:
-                meta = await self._accumulate(reader, epoch)
-                examples, loss_sum, more, counted = await self._synchronise(meta, epoch, steps)
-                steps += 1
-                if counted:
-                    total_loss += loss_sum
-                    total_examples += int(examples)
-                else:
-                    skipped += int(examples > 0)
+                meta, local_examples = await self._accumulate(reader, epoch)
+                more = await self._synchronise(meta, local_examples, epoch, step, tally, planned)
+                step += 1
+                if planned is not None:
+                    more = step < planned
+                if self.stepper is not None:
+                    tally.poll()
+                    if not more:
+                        await tally.drain()
                 if self.on_event is not None and self.is_root:
                     await self.on_event(
                         PassEvent(
                             epoch=epoch,
                             kind="train",
                             pass_index=pass_index,
-                            step=steps,
+                            step=tally.steps_read,
                             batches=reader.batches_read,
                             total_batches=reader.total,
-                            examples=total_examples,
-                            loss=total_loss / total_examples if total_examples else math.nan,
+                            examples=tally.examples,
+                            loss=tally.loss,
                             seconds=time.perf_counter() - started,
                             done=not more,
                         )
                     )
         if self.stepper is None:
-            return PassResult(loss=math.nan, examples=0, steps=steps)
-        if total_examples == 0 and skipped == 0:
+            return PassResult(loss=math.nan, examples=0, steps=step)
+        if tally.examples == 0 and tally.skipped == 0:
             raise TrainingError(
                 f"epoch {epoch}: the training pass saw no examples on any rank; "
                 "check train_batches",
                 rank=self.rank,
                 phase="train",
             )
-        loss = total_loss / total_examples if total_examples else math.nan
-        return PassResult(loss=loss, examples=total_examples, steps=steps, skipped_steps=skipped)
+        return PassResult(
+            loss=tally.loss, examples=tally.examples, steps=step, skipped_steps=tally.skipped
+        )
+
+    async def _planned_steps(self, reader: BatchReader) -> int | None:
+        """The pass's step count when every rank's source has a length, else ``None`` (then
+        each step carries a flag saying whether any rank has more batches)."""
+        accumulate = self.options.accumulate_gradient_over_n_batches
+        local = -1 if reader.total is None else reader.total
+        if self.alone:
+            lengths = [local]
+        else:
+            mine = torch.tensor([local], dtype=torch.int64, device=self.device)
+            gathered = torch.zeros(self.clique.nranks, dtype=torch.int64, device=self.device)
+            await self.clique.all_gather(gathered, mine)
+            lengths = [int(n) for n in await self._to_host(gathered)]
+        if min(lengths) < 0:
+            return None
+        return max(1, *(-(-n // accumulate) for n in lengths))
 
     async def _synchronise(
-        self, meta: torch.Tensor, epoch: int, step: int
-    ) -> tuple[float, float, bool, bool]:
+        self,
+        meta: torch.Tensor,
+        local_examples: int,
+        epoch: int,
+        step: int,
+        tally: Tally,
+        planned: int | None,
+    ) -> bool:
         """Combine the step's gradients over the clique and step where the optimizer lives.
 
-        Returns the clique's examples and loss sum (zeros on a follower that does not step),
-        whether any rank has more batches, and whether the step's loss counts.
+        Returns whether any rank has more batches (only meaningful when ``planned`` is None).
+        A stepping rank reads the reduced values on the host before it steps only when it must
+        (no plan, the skip policy, fp16 loss scaling, or no examples of its own, so that it
+        cannot know the clique had some); otherwise it steps on the device and the tally reads
+        the values back later.
         """
         gradients = self.flat.gradient_buffers
-        if self.options.step_on == "every_rank":
-            assert self.stepper is not None
-            await self.clique.all_reduce([*gradients, meta])
-            examples, loss_sum, more = meta.tolist()
-            counted = await self._step(examples, loss_sum, epoch, step)
-            if self.flat.module_buffers:
-                await self.clique.broadcast(self.flat.module_buffers)
-            return examples, loss_sum, more > 0, counted
-        await self.clique.reduce([*gradients, meta], root=0)
-        if not self.is_root:
+        every_rank = self.options.step_on == "every_rank"
+        if not self.alone:
+            if every_rank:
+                await self.clique.all_reduce([*gradients, meta])
+            else:
+                await self.clique.reduce([*gradients, meta], root=0)
+        if self.stepper is None:
             self.flat.zero_gradients()  # the reduce left partial sums in them
-            return 0.0, 0.0, await self._receive_parameters(), False
-        examples, loss_sum, more = meta.tolist()
-        counted = await self._step(examples, loss_sum, epoch, step)
-        await self._send_parameters(more > 0)
-        return examples, loss_sum, more > 0, counted
+            return await self._receive_parameters(read=planned is None)
+        stepper = self.stepper
+        must_read = planned is None or stepper.needs_host_values or local_examples == 0
 
-    async def _step(self, examples: float, loss_sum: float, epoch: int, step: int) -> bool:
-        assert self.stepper is not None
-        step_once = partial(self.stepper.step, examples, loss_sum, epoch=epoch, step=step)
-        return await anyio.to_thread.run_sync(step_once, limiter=self._compute_limiter)
+        def read_and_step() -> bool:
+            if not must_read:
+                stepper.step_on_device(meta[_EXAMPLES])
+                return True
+            examples, loss_sum, more = meta.tolist()
+            counted = stepper.step(examples, loss_sum, epoch=epoch, step=step)
+            tally.record(examples, loss_sum, counted=counted)
+            return bool(more > 0)
+
+        more = await anyio.to_thread.run_sync(read_and_step, limiter=self._compute_limiter)
+        if not must_read:
+            tally.submit(step, meta)
+        if every_rank:
+            if self.flat.module_buffers and not self.alone:
+                await self.clique.broadcast(self.flat.module_buffers)
+        elif not self.alone:
+            await self._send_parameters(more)
+        return more
 
     async def validation_pass(
         self, source: BatchSource, *, epoch: int, pass_index: int
@@ -197,10 +254,11 @@ class RankRunner:
         meta = torch.zeros(2, dtype=torch.float64, device=self.device)
         meta[0] = examples
         meta[1] = loss_sum
-        await self.clique.reduce([meta], root=0)
+        if not self.alone:
+            await self.clique.reduce([meta], root=0)
         if not self.is_root:
             return PassResult(loss=math.nan, examples=examples, steps=0)
-        total_examples, total_loss = meta.tolist()
+        total_examples, total_loss = await self._to_host(meta)
         if total_examples == 0:
             raise TrainingError(
                 f"epoch {epoch}: the validation pass saw no examples on any rank; "
@@ -245,8 +303,9 @@ class RankRunner:
                 phase=phase,
             ) from exc
 
-    async def _accumulate(self, reader: BatchReader, epoch: int) -> torch.Tensor:
-        """Forward and backward over up to ``accumulate`` batches; returns the step's meta."""
+    async def _accumulate(self, reader: BatchReader, epoch: int) -> tuple[torch.Tensor, int]:
+        """Forward and backward over up to ``accumulate`` batches; returns the step's meta
+        (examples, loss sum, whether this rank has more batches) and its example count."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         examples = 0
         for _ in range(self.options.accumulate_gradient_over_n_batches):
@@ -262,7 +321,7 @@ class RankRunner:
         meta[_EXAMPLES] = examples
         meta[_LOSS] = loss_sum
         meta[_MORE] = 1.0 if more else 0.0
-        return meta
+        return meta, examples
 
     def _forward_backward(self, batch: LoadedBatch) -> torch.Tensor:
         """Runs in a worker thread: backward of the example-weighted loss; returns it."""
@@ -294,10 +353,22 @@ class RankRunner:
             [*self.flat.parameter_buffers, *self.flat.module_buffers, control], root=0
         )
 
-    async def _receive_parameters(self) -> bool:
+    async def _receive_parameters(self, *, read: bool) -> bool:
+        """Receive the root's parameters; read its control values (a host sync on CUDA)
+        only when ``read`` or when fp16 loss scaling needs the scale."""
         control = torch.zeros(2, dtype=torch.float64, device=self.device)
-        await self.clique.broadcast(
-            [*self.flat.parameter_buffers, *self.flat.module_buffers, control], root=0
-        )
-        more, self.loss_scale.scale = control.tolist()
+        if not self.alone:
+            await self.clique.broadcast(
+                [*self.flat.parameter_buffers, *self.flat.module_buffers, control], root=0
+            )
+        if not read and not self.loss_scale.enabled:
+            return True
+        more, self.loss_scale.scale = await self._to_host(control)
         return bool(more > 0)
+
+    async def _to_host(self, tensor: torch.Tensor) -> list[float]:
+        """``tensor.tolist()``, off the event loop where it waits for the device."""
+        if tensor.device.type == "cpu":
+            return list(tensor.tolist())
+        values = await anyio.to_thread.run_sync(tensor.tolist, limiter=self._compute_limiter)
+        return list(values)

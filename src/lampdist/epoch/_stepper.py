@@ -79,6 +79,24 @@ class Stepper:
         for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
             group["lr"] = base * factor
 
+    @property
+    def needs_host_values(self) -> bool:
+        """Whether each step must read the clique's loss on the host before stepping (the
+        skip policy and fp16 loss scaling decide per step; the rest can step on the device)."""
+        return self.options.non_finite_loss == "skip" or self.loss_scale.enabled
+
+    def step_on_device(self, examples: torch.Tensor) -> None:
+        """Average over ``examples`` (a device scalar, known to be > 0) and step, without
+        waiting for the device (runs in a worker thread)."""
+        try:
+            for grads in self.flat.gradient_buffers:
+                grads.div_(examples)
+            if self.options.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.flat.parameters, self.options.max_grad_norm)
+            self.optimizer.step()
+        finally:
+            self.flat.zero_gradients()
+
     def step(self, examples: float, loss_sum: float, *, epoch: int, step: int) -> bool:
         """Average the summed gradients over ``examples`` and step (runs in a worker thread).
 

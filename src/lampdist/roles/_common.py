@@ -131,7 +131,9 @@ async def agree(
     )
     gathered = torch.zeros(2 * clique.nranks, dtype=torch.int64, device=clique.device)
     await clique.all_gather(gathered, mine)
-    rows = gathered.view(clique.nranks, 2).tolist()
+    # Off the event loop: on CUDA this waits for the device, and in one process the other
+    # ranks need the loop to queue their part of the collective.
+    rows = await anyio.to_thread.run_sync(gathered.view(clique.nranks, 2).tolist)
     model_ranks = [r for r, row in enumerate(rows) if row[0] != rows[0][0]]
     settings_ranks = [r for r, row in enumerate(rows) if row[1] != rows[0][1]]
     problems = []

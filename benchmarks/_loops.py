@@ -1,0 +1,299 @@
+"""One rank of one benchmark configuration, run as its own process by ``throughput.py``.
+
+    python benchmarks/_loops.py SPEC.json
+
+reads a :class:`RunSpec`, builds the model and the rank's batches on its device, runs the
+configuration's loop (warm-up steps, then timed steps) and writes a :class:`RankResult` as JSON
+to ``spec.result_file``. Timing marks are taken after ``torch.cuda.synchronize`` at the
+boundaries of the timed steps only. Every configuration runs in fresh processes, so peak
+memory (``torch.cuda.max_memory_allocated`` on a GPU, the RSS high-water mark of
+``resource.getrusage`` on CPU) belongs to that configuration alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+import attrs
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from _models import Batch, Workload, build_workload
+
+SECRET_ENV = "LAMPDIST_BENCH_SECRET"
+SETUP_TIMEOUT = timedelta(seconds=120)
+
+Kind = Literal["single", "independent", "ddp", "lampdist"]
+
+
+@attrs.frozen(kw_only=True)
+class RunSpec:
+    """What one rank of one configuration runs (written as JSON by the launcher)."""
+
+    config: str
+    kind: Kind
+    model: str
+    device_type: Literal["cpu", "cuda"]
+    rank: int
+    nranks: int
+    steps: int
+    warmup: int
+    threads: int
+    port: int
+    ready_file: str
+    result_file: str
+    # Keyword arguments of this rank's entry point: DistributedDataParallel's constructor, or
+    # drive_distributed_training (rank 0) / follow_distributed_training (the others).
+    kwargs: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen(kw_only=True)
+class RankResult:
+    """What one rank measured. ``seconds`` and ``samples`` cover the timed steps; a rank that
+    does not time (a lampdist follower) reports ``None``."""
+
+    rank: int
+    seconds: float | None
+    timed_steps: int | None
+    samples: int | None
+    peak_memory_bytes: int
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory(device: torch.device) -> int:
+    """Peak bytes of this process: allocated on the GPU, or resident on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def create_optimizer(params: Any, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW: fused on CUDA, foreach on CPU."""
+    if device.type == "cuda":
+        return torch.optim.AdamW(params, lr=1e-4, fused=True)
+    return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+
+
+def training_step(
+    module: nn.Module, workload: Workload, optimizer: torch.optim.Optimizer, device: torch.device
+) -> Callable[[Batch], None]:
+    """One plain step: forward under autocast, backward, optimizer step, zero the gradients."""
+    dtype = workload.spec.autocast_dtype
+    loss_fn = workload.spec.loss_fn
+
+    def step(batch: Batch) -> None:
+        inputs, target = batch
+        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss = loss_fn(module(inputs), target)
+        loss.backward()  # type: ignore[no-untyped-call]  # torch: Tensor.backward is unannotated
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def timed_loop(
+    step: Callable[[Batch], None],
+    workload: Workload,
+    spec: RunSpec,
+    device: torch.device,
+    *,
+    before_timing: Callable[[], None] | None = None,
+) -> float:
+    """Run the warm-up steps, then time the timed steps; returns their seconds."""
+    for index in range(spec.warmup):
+        step(workload.batch(index))
+    synchronize(device)
+    if before_timing is not None:
+        before_timing()
+    started = time.perf_counter()
+    for index in range(spec.warmup, spec.warmup + spec.steps):
+        step(workload.batch(index))
+    synchronize(device)
+    return time.perf_counter() - started
+
+
+def init_default_group(spec: RunSpec, device: torch.device, backend: str) -> None:
+    """The default process group, through MASTER_ADDR/MASTER_PORT set by the launcher."""
+    dist.init_process_group(
+        backend,
+        rank=spec.rank,
+        world_size=spec.nranks,
+        timeout=SETUP_TIMEOUT,
+        device_id=device if device.type == "cuda" else None,
+    )
+
+
+def run_plain(spec: RunSpec, workload: Workload, device: torch.device) -> RankResult:
+    """The plain single-device loop: alone (``single``) or on every rank at once with no
+    communication (``independent``, a barrier on a CPU Gloo group aligns the starts)."""
+    optimizer = create_optimizer(workload.module.parameters(), device)
+    step = training_step(workload.module, workload, optimizer, device)
+    if spec.kind == "single":
+        seconds = timed_loop(step, workload, spec, device)
+    else:
+        init_default_group(spec, torch.device("cpu"), "gloo")
+        try:
+            seconds = timed_loop(step, workload, spec, device, before_timing=dist.barrier)
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+    return RankResult(
+        rank=spec.rank,
+        seconds=seconds,
+        timed_steps=spec.steps,
+        samples=spec.steps * workload.spec.batch_size,
+        peak_memory_bytes=peak_memory(device),
+    )
+
+
+def run_ddp(spec: RunSpec, workload: Workload, device: torch.device) -> RankResult:
+    """torch DDP over every rank (NCCL on GPUs, Gloo on CPU); rank 0 times it."""
+    init_default_group(spec, device, "nccl" if device.type == "cuda" else "gloo")
+    try:
+        ddp = nn.parallel.DistributedDataParallel(
+            workload.module,
+            device_ids=[device] if device.type == "cuda" else None,
+            **spec.kwargs,
+        )
+        optimizer = create_optimizer(ddp.parameters(), device)
+        seconds = timed_loop(
+            training_step(ddp, workload, optimizer, device), workload, spec, device
+        )
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return RankResult(
+        rank=spec.rank,
+        seconds=seconds if spec.rank == 0 else None,
+        timed_steps=spec.steps if spec.rank == 0 else None,
+        samples=spec.steps * workload.spec.batch_size * spec.nranks if spec.rank == 0 else None,
+        peak_memory_bytes=peak_memory(device),
+    )
+
+
+def batch_source(workload: Workload, total: int) -> Callable[[], Iterator[Batch]]:
+    """The lampdist batch source: the same device tensors, step for step, as the plain loop."""
+
+    def source() -> Iterator[Batch]:
+        return (workload.batch(index) for index in range(total))
+
+    return source
+
+
+def mark_ready(path: str) -> None:
+    """Tell the launcher that the root listens (an atomic rename)."""
+    partial = Path(path + ".partial")
+    partial.write_text("ready")
+    partial.replace(path)
+
+
+async def run_lampdist(spec: RunSpec, workload: Workload, device: torch.device) -> RankResult:
+    """lampdist over every rank: rank 0 drives and times through ``on_event``, the rest follow."""
+    import lampdist
+    from lampdist import control
+
+    secret = os.environ[SECRET_ENV]
+    total = spec.warmup + spec.steps
+    model = lampdist.SupervisedModel(workload.module, workload.spec.loss_fn)
+    source = batch_source(workload, total)
+    dtype = workload.spec.autocast_dtype
+    if spec.rank > 0:
+        async with control.tcp_follower(
+            "127.0.0.1", spec.port, rank=spec.rank, secret=secret
+        ) as follower:
+            await lampdist.follow_distributed_training(
+                rank=spec.rank,
+                nranks=spec.nranks,
+                device=device,
+                control=follower,
+                model=model,
+                train_batches=source,
+                autocast_dtype=dtype,
+                # used when a variant has every rank step (step_on="every_rank")
+                optimizer_factory=lambda params: create_optimizer(params, device),
+                **spec.kwargs,
+            )
+        return RankResult(
+            rank=spec.rank,
+            seconds=None,
+            timed_steps=None,
+            samples=None,
+            peak_memory_bytes=peak_memory(device),
+        )
+
+    # (perf_counter, step, examples) at the end of the last warm-up step and of the pass
+    marks: list[tuple[float, int, int]] = []
+
+    async def on_event(event: lampdist.PassEvent) -> None:
+        if event.kind == "train" and (event.step == spec.warmup or event.done):
+            # Blocks the event loop on purpose: the mark must follow the device's work.
+            synchronize(device)
+            marks.append((time.perf_counter(), event.step, event.examples))
+
+    async with control.tcp_root("127.0.0.1", spec.port, nranks=spec.nranks, secret=secret) as root:
+        mark_ready(spec.ready_file)
+        await lampdist.drive_distributed_training(
+            nranks=spec.nranks,
+            device=device,
+            control=root,
+            model=model,
+            optimizer_factory=lambda params: create_optimizer(params, device),
+            train_batches=source,
+            max_epochs=1,
+            autocast_dtype=dtype,
+            on_event=on_event,
+            **spec.kwargs,
+        )
+    if len(marks) != 2:
+        raise RuntimeError(
+            f"{spec.config}: expected an event at step {spec.warmup} and at the end of the "
+            f"pass, got {len(marks)}; is --steps >= 1?"
+        )
+    (start, first_step, first_examples), (end, last_step, last_examples) = marks
+    return RankResult(
+        rank=0,
+        seconds=end - start,
+        timed_steps=last_step - first_step,
+        samples=last_examples - first_examples,
+        peak_memory_bytes=peak_memory(device),
+    )
+
+
+def main(argv: list[str]) -> None:
+    """Run the configuration the spec file ``argv[0]`` names and write the rank's result."""
+    spec = RunSpec(**json.loads(Path(argv[0]).read_text()))
+    if spec.device_type == "cuda":
+        device = torch.device("cuda", spec.rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(spec.threads)
+    workload = build_workload(spec.model, device, rank=spec.rank)
+    if spec.kind == "lampdist":
+        result = anyio.run(run_lampdist, spec, workload, device)
+    elif spec.kind == "ddp":
+        result = run_ddp(spec, workload, device)
+    else:
+        result = run_plain(spec, workload, device)
+    Path(spec.result_file).write_text(json.dumps(attrs.asdict(result)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

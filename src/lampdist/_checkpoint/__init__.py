@@ -1,0 +1,1 @@
+"""The machinery behind :mod:`lampdist.checkpoint`: format, files, RNG, writer, reader."""

@@ -1,0 +1,149 @@
+"""Reading the newest intact checkpoint; damaged ones are skipped with a warning."""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from .._errors import CheckpointError
+from ..loop._state import TrainingState
+from ._files import hash_file
+from ._format import (
+    BEST_MODEL,
+    FORMAT_VERSION,
+    MANIFEST,
+    MODEL,
+    OPTIMIZER,
+    RNG,
+    STATE,
+    Damaged,
+    loop_state_from_json,
+    parse_manifest,
+)
+from ._rng import RngStates
+from ._write import committed_checkpoints
+
+__all__ = ["Loaded", "read_latest"]
+
+_log = logging.getLogger("lampdist.checkpoint")
+
+_RESCANS = 5
+"""How often to list the directory again when a writer removes a checkpoint while we read."""
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Loaded:
+    """One checkpoint as read from disk."""
+
+    path: Path
+    training_state: TrainingState
+    lr_state_json: dict[str, Any]
+    rng: RngStates
+
+
+class _Vanished(Exception):
+    """The checkpoint was removed (by a concurrent writer's pruning) while being read."""
+
+
+def read_latest(directory: Path, *, map_location: Any) -> Loaded | None:
+    """The newest intact checkpoint in ``directory``, or None when it holds none.
+
+    Raises CheckpointVersionError for a newer format and CheckpointError when there are
+    checkpoints but none of them is intact.
+    """
+    for _ in range(_RESCANS):
+        try:
+            found = committed_checkpoints(directory)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot list checkpoints in {directory} ({exc})", phase="resume"
+            ) from exc
+        if not found:
+            return None
+        damaged = []
+        try:
+            for _name, path in found:
+                try:
+                    return _read_one(path, map_location=map_location)
+                except Damaged as exc:
+                    _log.warning("skipping damaged checkpoint %s: %s", path, exc)
+                    damaged.append(f"{path.name} ({exc})")
+        except _Vanished:
+            continue
+        raise CheckpointError(
+            f"every checkpoint in {directory} is damaged: {'; '.join(damaged)}; "
+            "remove them to start afresh",
+            phase="resume",
+        )
+    raise CheckpointError(
+        f"checkpoints in {directory} kept disappearing while being read: is another process "
+        "pruning them?",
+        phase="resume",
+    )
+
+
+def _read_one(path: Path, *, map_location: Any) -> Loaded:
+    try:
+        return _read_files(path, map_location=map_location)
+    except FileNotFoundError as exc:
+        if not path.exists():
+            raise _Vanished from exc
+        raise Damaged(f"missing file ({exc.filename})") from exc
+    except OSError as exc:
+        raise Damaged(f"unreadable ({exc})") from exc
+
+
+def _read_files(path: Path, *, map_location: Any) -> Loaded:
+    records = parse_manifest((path / MANIFEST).read_bytes(), where=str(path))
+    names = {record.name for record in records}
+    if not {STATE, RNG, MODEL, OPTIMIZER} <= names:
+        raise Damaged(f"the manifest lists {sorted(names)}, not every required file")
+    for record in records:
+        size, sha256 = hash_file(path / record.name)
+        if size != record.size:
+            raise Damaged(f"{record.name} has {size} bytes, the manifest says {record.size}")
+        if sha256 != record.sha256:
+            raise Damaged(f"{record.name} does not match its sha256 checksum")
+    try:
+        state = json.loads((path / STATE).read_bytes())
+        if state["format_version"] != FORMAT_VERSION:
+            raise Damaged(f"state.json has format version {state['format_version']}")
+        loop_state = loop_state_from_json(state["loop_state"])
+        has_best = bool(state["has_best_model"])
+        rng_json = state["rng"]
+        lr_state_json = state["lr_state"]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise Damaged(f"malformed state.json ({exc!r})") from exc
+    if has_best != (BEST_MODEL in names):
+        raise Damaged("state.json and the manifest disagree about the best model")
+    rng_tensors = _load(path / RNG, "cpu")
+    training_state = TrainingState(
+        loop_state=loop_state,
+        model_state=_load(path / MODEL, map_location),
+        optimizer_state=_load(path / OPTIMIZER, map_location),
+        best_model_state=_load(path / BEST_MODEL, map_location) if has_best else None,
+    )
+    try:
+        rng = RngStates.from_stored(rng_tensors, rng_json)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise Damaged(f"malformed RNG states ({exc!r})") from exc
+    return Loaded(path=path, training_state=training_state, lr_state_json=lr_state_json, rng=rng)
+
+
+def _load(path: Path, map_location: Any) -> Any:
+    # The checksum matched: the file is what the writer wrote, so a failure here is no
+    # damage to skip past but a real problem (a bad map_location, an unknown type).
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as exc:
+        raise CheckpointError(
+            f"cannot load {path} ({exc}); check map_location", phase="resume"
+        ) from exc

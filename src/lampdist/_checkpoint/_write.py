@@ -1,0 +1,242 @@
+"""Writing one checkpoint atomically, then pruning old ones (runs on a worker thread).
+
+The commit protocol: write every file into a fresh ``.tmp-*`` directory beside the target,
+fsync each file, write the manifest last, fsync the directory, rename it into place, fsync
+the parent. Only then are superseded and surplus checkpoints removed (each renamed to a
+``.tmp-*`` name first, so a crash mid-removal leaves scratch, never a half checkpoint).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import secrets
+import shutil
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from .._errors import CheckpointError
+from ..loop._state import TrainingState
+from ._files import fsync_directory, write_file, writer_lock
+from ._format import (
+    BEST_MODEL,
+    FORMAT_VERSION,
+    MANIFEST,
+    MODEL,
+    OPTIMIZER,
+    RNG,
+    STATE,
+    TEMP_PREFIX,
+    CheckpointName,
+    FileRecord,
+    dump_json,
+    loop_state_to_json,
+    manifest_to_bytes,
+)
+from ._rng import RngStates
+from ._schedule_state import rebuild_schedule_state, schedule_state_to_json
+from ._torch_io import check_weights_only_loadable, save_tensors
+
+__all__ = ["NO_SCHEDULE", "committed_checkpoints", "write_checkpoint"]
+
+_log = logging.getLogger("lampdist.checkpoint")
+
+_HASH_THREADS = min(8, os.cpu_count() or 1)
+"""Threads hashing blocks while the writer thread writes them."""
+
+NO_SCHEDULE: Any = object()
+"""Marks "no schedule given" (``None`` could be a schedule's initial state)."""
+
+
+def committed_checkpoints(directory: Path) -> list[tuple[CheckpointName, Path]]:
+    """The committed checkpoints in ``directory``, newest first (scratch entries ignored)."""
+    found = []
+    for entry in os.scandir(directory):
+        name = CheckpointName.parse(entry.name)
+        if name is not None and entry.is_dir(follow_symlinks=False):
+            found.append((name, Path(entry.path)))
+    found.sort(reverse=True)
+    return found
+
+
+def _plain_state_dict(value: Mapping[str, Any]) -> Any:
+    return value if type(value) in (dict, OrderedDict) else dict(value)
+
+
+def write_checkpoint(
+    directory: Path,
+    training_state: TrainingState,
+    lr_state: Any,
+    rng: RngStates,
+    *,
+    keep: int,
+    schedule_init: Any,
+    check: Callable[[], None],
+) -> Path:
+    """Commit one checkpoint of ``training_state`` into ``directory``; its path.
+
+    ``check`` is called between steps until the commit and raises to abort (cancellation);
+    an abort or error leaves no committed checkpoint behind. Raises CheckpointError.
+    """
+    started = time.perf_counter()
+    epoch = training_state.loop_state.epoch
+    if epoch < 0:
+        raise CheckpointError(f"cannot checkpoint a negative epoch {epoch}", phase="checkpoint")
+    state_json = _state_json(training_state, lr_state, rng, schedule_init)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with writer_lock(directory):
+            _remove_scratch(directory)
+            name = _next_name(directory, epoch)
+            temp = directory / f"{TEMP_PREFIX}{name.name}-{secrets.token_hex(4)}"
+            temp.mkdir()
+            committed = False
+            try:
+                records = _write_files(temp, state_json, training_state, rng, check)
+                fsync_directory(temp)
+                check()  # the last point at which a cancellation aborts the write
+                target = directory / name.name
+                os.rename(temp, target)
+                committed = True
+            finally:
+                if not committed:
+                    shutil.rmtree(temp, ignore_errors=True)
+            fsync_directory(directory)
+            try:
+                _prune(directory, name, keep=keep)
+            except OSError as exc:
+                _log.warning("could not remove old checkpoints from %s: %s", directory, exc)
+    except OSError as exc:
+        raise CheckpointError(
+            f"could not write checkpoint of epoch {epoch} into {directory} ({exc}); "
+            "the checkpoints written before are intact",
+            phase="checkpoint",
+        ) from exc
+    size = sum(record.size for record in records)
+    _log.info(
+        "checkpoint %s written (%.1f MB in %.2f s)",
+        target,
+        size / 1e6,
+        time.perf_counter() - started,
+        extra={"epoch": epoch},
+    )
+    return target
+
+
+def _write_files(
+    temp: Path,
+    state_json: bytes,
+    training_state: TrainingState,
+    rng: RngStates,
+    check: Callable[[], None],
+) -> list[FileRecord]:
+    """Write every file but the manifest, then the manifest; the records of all of them."""
+    parts: list[tuple[str, str, Mapping[str, Any]]] = [
+        (MODEL, "model_state", training_state.model_state),
+        (OPTIMIZER, "optimizer_state", training_state.optimizer_state),
+    ]
+    if training_state.best_model_state is not None:
+        parts.append((BEST_MODEL, "best_model_state", training_state.best_model_state))
+    with ThreadPoolExecutor(_HASH_THREADS, thread_name_prefix="lampdist-checkpoint") as pool:
+        records = [
+            write_file(temp / STATE, lambda f: f.write(state_json), check=check, pool=pool),
+            write_file(
+                temp / RNG, functools.partial(save_tensors, rng.tensors()), check=check, pool=pool
+            ),
+        ]
+        for filename, label, state_dict in parts:
+            plain = _plain_state_dict(state_dict)
+            check_weights_only_loadable(plain, label)
+            save = functools.partial(save_tensors, plain)
+            records.append(write_file(temp / filename, save, check=check, pool=pool))
+        manifest = manifest_to_bytes(records)
+        write_file(temp / MANIFEST, lambda f: f.write(manifest), check=check, pool=pool)
+    return records
+
+
+def _state_json(
+    training_state: TrainingState, lr_state: Any, rng: RngStates, schedule_init: Any
+) -> bytes:
+    schedule_json = schedule_state_to_json(lr_state)
+    if schedule_init is not NO_SCHEDULE:
+        try:
+            rebuilt = rebuild_schedule_state(schedule_init, schedule_json)
+            fits = type(rebuilt) is type(lr_state)
+            fits = fits and schedule_state_to_json(rebuilt) == schedule_json
+        except CheckpointError:
+            fits = False
+        if not fits:
+            raise CheckpointError(
+                f"the learning-rate schedule state {lr_state!r} does not fit the schedule "
+                f"given to to_directory (its initial state is {schedule_init!r}), so "
+                "load_latest could not rebuild it: pass the schedule the training runs with",
+                phase="checkpoint",
+            )
+    return dump_json(
+        {
+            "format_version": FORMAT_VERSION,
+            "loop_state": loop_state_to_json(training_state.loop_state),
+            "lr_state": schedule_json,
+            "has_best_model": training_state.best_model_state is not None,
+            "rng": rng.to_json(),
+        }
+    )
+
+
+def _remove_scratch(directory: Path) -> None:
+    """Remove what crashed writers left behind (we hold the lock: nobody is writing)."""
+    for entry in os.scandir(directory):
+        if entry.name.startswith(TEMP_PREFIX):
+            _log.info("removing leftover %s from an interrupted checkpoint", entry.path)
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                os.unlink(entry.path)
+
+
+def _next_name(directory: Path, epoch: int) -> CheckpointName:
+    existing = committed_checkpoints(directory)
+    if not existing:
+        return CheckpointName(epoch=epoch)
+    newest = existing[0][0]
+    if newest.epoch > epoch:
+        raise CheckpointError(
+            f"{directory} already holds a checkpoint of epoch {newest.epoch}, newer than the "
+            f"epoch {epoch} being written: resume with load_latest, give each run its own "
+            "checkpoint directory, or remove the newer checkpoints",
+            phase="checkpoint",
+        )
+    if newest.epoch == epoch:
+        return attrs.evolve(newest, generation=newest.generation + 1)
+    return CheckpointName(epoch=epoch)
+
+
+def _prune(directory: Path, written: CheckpointName, *, keep: int) -> None:
+    """Remove checkpoints superseded by ``written`` (same epoch) and all but the newest keep."""
+    existing = committed_checkpoints(directory)
+    kept = 0
+    doomed = []
+    for name, path in existing:
+        if name != written and name.epoch == written.epoch:
+            doomed.append(path)
+        elif kept < keep:
+            kept += 1
+        else:
+            doomed.append(path)
+    if not doomed:
+        return
+    removing = []
+    for path in doomed:
+        scratch = directory / f"{TEMP_PREFIX}delete-{path.name}-{secrets.token_hex(4)}"
+        os.rename(path, scratch)
+        removing.append(scratch)
+    fsync_directory(directory)
+    for scratch in removing:
+        shutil.rmtree(scratch, ignore_errors=True)

@@ -1,0 +1,96 @@
+"""The running totals of a training pass, read back from the device without stalling it.
+
+On CUDA, reading a step's example count and loss right after the step would make the host
+wait for the device, so the next step could not be queued while this one runs. The tally
+instead copies each step's reduced ``meta`` into pinned host memory behind a CUDA event and
+reads it once the event has passed, a step or two later; only the pass's end waits for all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import anyio.to_thread
+import attrs
+import torch
+
+from .._errors import NonFiniteLoss
+
+__all__ = ["Tally"]
+
+
+@attrs.define(eq=False)
+class _Readback:
+    step: int
+    host: torch.Tensor
+    event: torch.cuda.Event | None
+
+    def ready(self) -> bool:
+        return self.event is None or bool(self.event.query())  # type: ignore[no-untyped-call]  # torch.cuda.Event is untyped
+
+
+@attrs.define(eq=False)
+class Tally:
+    """Examples, loss sum and skipped steps of the clique over one pass, on a stepping rank."""
+
+    rank: int
+    epoch: int
+    examples: int = 0
+    loss_sum: float = 0.0
+    skipped: int = 0
+    steps_read: int = 0
+    _pending: deque[_Readback] = attrs.field(factory=deque)
+
+    @property
+    def loss(self) -> float:
+        """The example-weighted mean loss so far (NaN before any example)."""
+        return self.loss_sum / self.examples if self.examples else math.nan
+
+    def record(self, examples: float, loss_sum: float, *, counted: bool) -> None:
+        """Count a step whose values the host already holds."""
+        self.steps_read += 1
+        if counted:
+            self.examples += int(examples)
+            self.loss_sum += loss_sum
+        elif examples > 0:
+            self.skipped += 1
+
+    def submit(self, step: int, meta: torch.Tensor) -> None:
+        """Queue the read-back of a step's reduced ``[examples, loss sum, ...]`` (it stepped)."""
+        if meta.device.type == "cuda":
+            host = torch.empty(meta.shape, dtype=meta.dtype, pin_memory=True)
+            host.copy_(meta, non_blocking=True)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch
+            event.record(torch.cuda.current_stream(meta.device))
+            self._pending.append(_Readback(step, host, event))
+        else:
+            self._pending.append(_Readback(step, meta.clone(), None))
+
+    def poll(self) -> None:
+        """Count every queued step whose values have reached the host.
+
+        Raises :class:`NonFiniteLoss` naming the first step whose loss was not finite.
+        """
+        while self._pending and self._pending[0].ready():
+            self._take(self._pending.popleft())
+
+    async def drain(self) -> None:
+        """Wait (off the event loop) for every queued read-back and count it."""
+        while self._pending:
+            readback = self._pending.popleft()
+            if readback.event is not None and not readback.ready():
+                await anyio.to_thread.run_sync(readback.event.synchronize)
+            self._take(readback)
+
+    def _take(self, readback: _Readback) -> None:
+        examples, loss_sum = readback.host[0].item(), readback.host[1].item()
+        if not math.isfinite(loss_sum):
+            raise NonFiniteLoss(
+                f"epoch {self.epoch}, step {readback.step}: the summed loss of the step is "
+                f"{loss_sum}; pass non_finite_loss='skip' to skip such steps (with "
+                "non_finite_loss='raise' the check may lag the step by one or two steps)",
+                rank=self.rank,
+                phase="train",
+            )
+        self.record(examples, loss_sum, counted=True)

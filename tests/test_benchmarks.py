@@ -1,0 +1,105 @@
+"""The throughput harness's CPU mode, run as CI runs it: real processes, Gloo, a few steps."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+THROUGHPUT = BENCHMARKS / "throughput.py"
+RUN_TIMEOUT = 120
+
+
+def run_harness(*args: str, json_path: Path | None = None) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, str(THROUGHPUT), "--mode", "cpu", "--steps", "5", "--warmup", "2"]
+    if json_path is not None:
+        command += ["--json", str(json_path)]
+    return subprocess.run(
+        [*command, *args], capture_output=True, text=True, timeout=RUN_TIMEOUT, check=False
+    )
+
+
+@pytest.fixture
+def throughput(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    return importlib.import_module("throughput")
+
+
+def test_cpu_mode_measures_every_configuration(tmp_path: Path) -> None:
+    result = run_harness(json_path=tmp_path / "result.json")
+    assert result.returncode == 0, result.stderr
+    report: dict[str, Any] = json.loads((tmp_path / "result.json").read_text())
+    configs = report["configs"]
+    assert list(configs) == ["single", "ddp", "lampdist"]
+    assert report["meta"]["nranks"] == 2
+    assert report["meta"]["parameters"] > 0
+    for name, entry in configs.items():
+        assert entry["samples_per_s"] > 0, name
+        assert len(entry["peak_memory_bytes"]) == entry["ranks"], name
+        assert all(peak > 0 for peak in entry["peak_memory_bytes"]), name
+        assert name in result.stdout
+    assert configs["single"]["ranks"] == 1
+    assert configs["ddp"]["ranks"] == configs["lampdist"]["ranks"] == 2
+    assert configs["lampdist"]["scaling_efficiency"] > 0
+    assert configs["lampdist"]["vs_ddp"] > 0
+    assert configs["single"]["scaling_efficiency"] is None
+    assert "samples/s" in result.stdout
+
+
+def test_one_rank_compares_lampdist_with_the_plain_loop(tmp_path: Path) -> None:
+    result = run_harness(
+        "--nranks", "1", "--configs", "single", "lampdist", json_path=tmp_path / "one.json"
+    )
+    assert result.returncode == 0, result.stderr
+    configs = json.loads((tmp_path / "one.json").read_text())["configs"]
+    assert configs["lampdist"]["ranks"] == 1
+    assert configs["lampdist"]["samples_per_s"] > 0
+    assert configs["lampdist"]["scaling_efficiency"] > 0
+
+
+def test_a_failing_configuration_fails_the_run_with_its_output() -> None:
+    result = run_harness("--nranks", "1", "--configs", "ddp-broken=no_such_option:1")
+    assert result.returncode == 1
+    assert "ddp-broken: rank 0 exited" in result.stderr
+    assert "no_such_option" in result.stderr
+
+
+def test_configs_parse_names_and_variants(throughput: ModuleType) -> None:
+    configs = throughput.parse_configs(
+        [
+            "single,ddp",
+            "lampdist-ar=step_on:every_rank,max_grad_norm:1.5,bucket_mb:25",
+            "ddp-x=",
+            "lampdist-host=rendezvous_host:127.0.0.1,step_on:root",
+        ]
+    )
+    names = [config.name for config in configs]
+    assert names == ["single", "ddp", "lampdist-ar", "ddp-x", "lampdist-host"]
+    variant = configs[2]
+    assert variant.kind == "lampdist"
+    assert variant.kwargs == {"step_on": "every_rank", "max_grad_norm": 1.5, "bucket_mb": 25}
+    assert variant.rank_kwargs(0) == variant.kwargs
+    # followers take max_grad_norm too (it acts wherever the optimizer steps)
+    assert variant.rank_kwargs(1) == variant.kwargs
+    assert configs[3].kind == "ddp"
+    assert configs[3].kwargs == {}
+    root_only = configs[4]
+    assert root_only.rank_kwargs(0) == {"rendezvous_host": "127.0.0.1", "step_on": "root"}
+    assert root_only.rank_kwargs(1) == {"step_on": "root"}
+    assert throughput.parse_value("true") is True
+    assert throughput.parse_value("none") is None
+
+
+@pytest.mark.parametrize(
+    "items", [["nope"], ["ddp=bucket_cap_mb:1"], ["x=novalue"], ["single", "single"], []]
+)
+def test_configs_reject_bad_items(throughput: ModuleType, items: list[str]) -> None:
+    with pytest.raises(ValueError, match=r"configuration|variant|distinct"):
+        throughput.parse_configs(items)
