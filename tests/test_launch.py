@@ -228,3 +228,9 @@ def test_launch_env_is_a_value() -> None:
     assert attrs.evolve(env, device=torch.device("cpu")) == env
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         env.rank = 1  # type: ignore[misc]
+
+
+def test_the_launch_module_documents_its_names() -> None:
+    assert lampdist.launch.__all__ == sorted(lampdist.launch.__all__)
+    for name in lampdist.launch.__all__:
+        assert getattr(lampdist.launch, name).__doc__, name

@@ -139,9 +139,10 @@ def from_env(environ: Mapping[str, str] = os.environ) -> LaunchEnv:
 
     torchrun's ``RANK``/``WORLD_SIZE`` are used when present, else SLURM's
     ``SLURM_PROCID``/``SLURM_NTASKS``. The device is ``cuda:LOCAL_RANK`` when CUDA is
-    available, else the CPU. The control channel listens on ``LAMPDIST_PORT``, or
-    ``MASTER_PORT + 1``. The secret comes from ``LAMPDIST_SECRET`` or the file named by
-    ``LAMPDIST_SECRET_FILE`` (one trailing newline stripped).
+    available (``cuda:0`` when the process sees a single GPU), else the CPU. The control
+    channel listens on ``LAMPDIST_PORT``, or ``MASTER_PORT + 1``. The secret comes from
+    ``LAMPDIST_SECRET`` or the file named by ``LAMPDIST_SECRET_FILE`` (one trailing newline
+    stripped).
 
     Raises :class:`~lampdist.ConfigError`, naming the variables, when this process was not
     started by a launcher, when variables are missing, not numbers, or contradict each other
@@ -195,9 +196,11 @@ def _device(local_rank: int, rank: int) -> torch.device:
     if not torch.cuda.is_available():
         return torch.device("cpu")
     count = torch.cuda.device_count()
+    if count == 1:  # one visible GPU per process (srun --gpus-per-task=1, CUDA_VISIBLE_DEVICES)
+        return torch.device("cuda", 0)
     if local_rank >= count:
         raise ConfigError(
-            f"local rank {local_rank} has no GPU: this machine has {count} CUDA devices; "
+            f"local rank {local_rank} has no GPU: this process sees {count} CUDA devices; "
             "start at most one rank per GPU on each machine",
             rank=rank,
             phase=_PHASE,
