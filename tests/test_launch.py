@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import anyio
 import attrs
 import pytest
 import torch
+import trustme
 
 import lampdist
 from lampdist.launch import LaunchEnv, first_slurm_host, from_env
@@ -184,6 +186,35 @@ async def test_train_runs_the_root_on_rank_0_and_a_follower_elsewhere() -> None:
     assert root.epoch == 2 and len(root.learning_curve) == 2
     for a, b in zip(modules[0].parameters(), modules[1].parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+async def test_train_over_tls() -> None:
+    ca = trustme.CA()
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server)
+    client = ssl.create_default_context()
+    ca.configure_trust(client)
+    port = free_port()
+    results: dict[int, lampdist.LoopState | None] = {}
+
+    async def rank(r: int) -> None:
+        results[r] = await lampdist.train(
+            launch=LaunchEnv(rank=r, nranks=2, port=port, secret="test"),
+            model=lampdist.SupervisedModel(torch.nn.Linear(3, 1), torch.nn.functional.mse_loss),
+            optimizer_factory=sgd,
+            train_batches=lambda: shard(r),
+            max_epochs=1,
+            ssl_context=server if r == 0 else client,
+            stop_on_signals=False,
+            join_timeout=20,
+        )
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as group:
+            group.start_soon(rank, 0)
+            group.start_soon(rank, 1)
+    root = results[0]
+    assert root is not None and root.epoch == 1 and results[1] is None
 
 
 async def test_train_with_one_rank_needs_no_network() -> None:
