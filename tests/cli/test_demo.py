@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -12,13 +13,16 @@ import sys
 import time
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
+from rich.console import Console
 
 from lampdist import ConfigError
-from lampdist.cli._demo import DemoOptions, choose_launch
+from lampdist.cli._demo import DemoOptions, choose_launch, run_demo
 from lampdist.cli._demo import _prepare as prepare
 from lampdist.cli._progress import PassCounter, read_metrics
+from lampdist.cli._summary import summary_lines
 from lampdist.epoch import PassEvent
 
 ROOT_DIR = Path(__file__).resolve().parents[2]
@@ -29,16 +33,9 @@ def environment(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
 
 
-def demo(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "lampdist.cli", "demo", *args],
-        cwd=cwd,
-        env=environment(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # the demo runs on asyncio (anyio.run's default)
 
 
 def start_demo(*args: str, cwd: Path) -> subprocess.Popen[str]:
@@ -52,15 +49,21 @@ def start_demo(*args: str, cwd: Path) -> subprocess.Popen[str]:
     )
 
 
-def test_demo_trains_writes_its_files_and_resumes(tmp_path: Path) -> None:
+async def test_demo_trains_writes_its_files_and_resumes(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    first = demo("--epochs", "2", "--out", str(out), cwd=tmp_path)
-    assert first.returncode == 0, first.stderr
-    accuracy = re.search(r"validation accuracy ([\d.]+)%", first.stdout)
-    assert accuracy is not None, first.stdout
+    first = await anyio.run_process(
+        [sys.executable, "-m", "lampdist.cli", "demo", "--epochs", "2", "--out", str(out)],
+        cwd=tmp_path,
+        env=environment(),
+        check=False,
+    )
+    stdout, stderr = first.stdout.decode(), first.stderr.decode()
+    assert first.returncode == 0, stderr
+    accuracy = re.search(r"validation accuracy ([\d.]+)%", stdout)
+    assert accuracy is not None, stdout
     assert float(accuracy.group(1)) > 50  # chance is 10%
-    assert "2 epochs (1-2) on 2 ranks (cpu)" in first.stdout
-    assert "epoch 2/2 valid" in first.stderr  # plain log lines: stdout is no terminal here
+    assert "2 epochs (1-2) on 2 ranks (cpu)" in stdout
+    assert "epoch 2/2 valid" in stderr  # plain log lines: stdout is no terminal here
     metrics = read_metrics(out / "metrics.jsonl")
     assert [(m["epoch"], m["kind"]) for m in metrics] == [
         (0, "train"),
@@ -75,9 +78,13 @@ def test_demo_trains_writes_its_files_and_resumes(tmp_path: Path) -> None:
     state = torch.load(out / "model.pt", weights_only=True)
     assert state["0.weight"].shape == (128, 64)
 
-    resumed = demo("--epochs", "3", "--resume", "--out", str(out), cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr
-    assert "1 epoch (3-3)" in resumed.stdout
+    # --resume, in this process (what the command runs after parsing its flags)
+    options = DemoOptions(epochs=3, resume=True, out=out)
+    resumed = await run_demo(options, Console(file=io.StringIO()), environ={})
+    assert resumed is not None
+    assert (resumed.first_epoch, resumed.state.epoch) == (2, 3)
+    assert len(resumed.state.learning_curve) == 3  # the history came back with the checkpoint
+    assert "1 epoch (3-3) on 2 ranks (cpu)" in summary_lines(resumed)[0]
     epochs = [m["epoch"] for m in read_metrics(out / "metrics.jsonl")]
     assert epochs == [0, 0, 1, 1, 2, 2]
 
