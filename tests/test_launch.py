@@ -254,6 +254,14 @@ async def test_without_a_signal_the_result_comes_back() -> None:
     assert await run_until_signal(work) == 42
 
 
+async def test_the_error_of_the_work_comes_back_as_it_is() -> None:
+    async def work() -> None:
+        raise lampdist.ConfigError("bad", rank=2)
+
+    with pytest.raises(lampdist.ConfigError, match="rank 2: bad"):
+        await run_until_signal(work)
+
+
 def test_launch_env_is_a_value() -> None:
     env = LaunchEnv(rank=0, nranks=2, port=5, secret="x")
     assert attrs.evolve(env, device=torch.device("cpu")) == env

@@ -84,10 +84,11 @@ async def run_until_signal(work: Callable[[], Awaitable[T]], *, rank: int | None
     received: list[int] = []
     results: list[T] = []
     try:
-        async with anyio.create_task_group() as group:
-            group.start_soon(_cancel_on_signal, group.cancel_scope, received)
-            results.append(await work())
-            group.cancel_scope.cancel()
+        with single_error():  # the error of ``work``, not a group around it
+            async with anyio.create_task_group() as group:
+                group.start_soon(_cancel_on_signal, group.cancel_scope, received)
+                results.append(await work())
+                group.cancel_scope.cancel()
     except Exception as exc:
         if received:
             raise _interrupted(received[0], rank) from exc
