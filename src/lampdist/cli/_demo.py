@@ -206,14 +206,21 @@ async def _run_root(
             accuracy, module, data.valid_inputs, data.valid_labels
         )
 
-    logger.info(
-        "training on %d ranks (%s), epochs %d..%d, files in %s",
-        nranks,
-        devices[0].type,
-        first_epoch + 1,
-        options.epochs,
-        out,
-    )
+    if first_epoch >= options.epochs:
+        logger.warning(
+            "the run in %s has %d epochs already: pass a larger --epochs to train on",
+            out,
+            first_epoch,
+        )
+    else:
+        logger.info(
+            "training on %d ranks (%s), epochs %d..%d, files in %s",
+            nranks,
+            devices[0].type,
+            first_epoch + 1,
+            options.epochs,
+            out,
+        )
     with open_reporter(console, epochs=options.epochs, total=counter.total) as reporter:
         on_event = on_pass_event(reporter, counter, metrics, validation_accuracy)
         settings: dict[str, Any] = {

@@ -13,10 +13,13 @@ def summary_lines(result: DemoResult) -> list[str]:
     """The summary as plain lines: accuracy, best epoch, time, and where the files are."""
     state = result.state
     trained = state.epoch - result.first_epoch
-    epochs = "1 epoch" if trained == 1 else f"{trained} epochs"
+    if trained == 0:
+        done = f"no epoch left to train (the run has {state.epoch}; raise --epochs to go on)"
+    else:
+        epochs = "1 epoch" if trained == 1 else f"{trained} epochs"
+        done = f"{epochs} ({result.first_epoch + 1}-{state.epoch})"
     lines = [
-        f"{epochs} ({result.first_epoch + 1}-{state.epoch}) on {result.nranks} ranks "
-        f"({result.device}) in {result.seconds:.1f} s",
+        f"{done} on {result.nranks} ranks ({result.device}) in {result.seconds:.1f} s",
         f"validation accuracy {result.accuracy:.1%}",
     ]
     if state.min_validation_epoch is not None and state.min_validation_loss is not None:
