@@ -64,8 +64,8 @@ def _parser() -> argparse.ArgumentParser:
         "demo",
         help="train a digits classifier data-parallel (scikit-learn's data, no download)",
         description=(
-            "Train a small classifier on scikit-learn's digits with several ranks: a progress "
-            "bar, checkpoints, a metrics file and a learning-curve PNG in --out, and a summary."
+            "Train a small classifier on scikit-learn's digits with several ranks: a progress\n"
+            "bar, checkpoints, a metrics file and a learning-curve PNG in --out, a summary."
         ),
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -74,12 +74,14 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--ranks", type=int, help="ranks in this process (default: 2; GPUs)")
     demo.add_argument("--epochs", type=int, default=10, help="epochs to train (default: 10)")
     demo.add_argument("--batch-size", type=int, default=32, help="per rank (default: 32)")
-    demo.add_argument("--lr", type=float, default=0.003, help="Adam's learning rate")
-    demo.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    demo.add_argument("--lr", type=float, default=0.003, help="Adam's (default: 0.003)")
+    demo.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="Gloo or NCCL (default: cpu)"
+    )
     demo.add_argument(
         "--out", type=Path, default=Path("lampdist-demo"), help="default: ./lampdist-demo"
     )
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=int, default=0, help="split, start, shuffling (default: 0)")
     demo.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
     ranks = demo.add_argument_group("ranks in separate processes, started by hand")
     ranks.add_argument("--role", choices=["root", "follower"])
