@@ -11,6 +11,7 @@ import lampdist
 
 PUBLIC_MODULES = [
     "lampdist",
+    "lampdist.checkpoint",
     "lampdist.clique",
     "lampdist.control",
     "lampdist.schedules",

@@ -4,6 +4,7 @@ A root rank drives the epochs and steps the optimizer; follower ranks follow com
 control channel; tensors move through a collective-communication clique.
 """
 
+from . import checkpoint as checkpoint
 from . import control as control
 from . import schedules as schedules
 from ._effects import BatchSource as BatchSource
@@ -75,6 +76,7 @@ __all__ = [
     "TrainingError",
     "TrainingState",
     "ValidationEpoch",
+    "checkpoint",
     "control",
     "drive_distributed_training",
     "epochs",

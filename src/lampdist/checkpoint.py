@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
 import anyio.from_thread
@@ -38,19 +38,16 @@ from ._checkpoint._write import NO_SCHEDULE, write_checkpoint
 from ._effects import CheckpointState
 from ._errors import ConfigError
 from .loop._state import TrainingState
+from .schedules import LearningRateSchedule
 
 __all__ = ["FORMAT_VERSION", "load_latest", "to_directory"]
 
 
-class _Schedule(Protocol):
-    """What checkpointing needs of a learning-rate schedule: its initial state."""
-
-    @property
-    def init(self) -> Any: ...
-
-
 def to_directory(
-    path: str | os.PathLike[str], *, keep: int = 3, schedule: _Schedule | None = None
+    path: str | os.PathLike[str],
+    *,
+    keep: int = 3,
+    schedule: LearningRateSchedule[Any] | None = None,
 ) -> CheckpointState:
     """A ``checkpoint_state`` effect that writes one atomic checkpoint into ``path`` per call.
 
@@ -105,7 +102,7 @@ def load_latest(
     path: str | os.PathLike[str],
     *,
     map_location: Any = None,
-    schedule: _Schedule | None = None,
+    schedule: LearningRateSchedule[Any] | None = None,
     restore_rng: bool = False,
 ) -> tuple[TrainingState, Any] | None:
     """The newest intact checkpoint in ``path`` as ``(training_state, lr_state)``, or None.
