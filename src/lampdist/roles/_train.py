@@ -14,7 +14,7 @@ import anyio
 import torch
 
 from .._effects import BatchSource, CheckpointState
-from .._errors import LampdistError
+from .._errors import Interrupted
 from ..control import FollowerChannel, RootChannel
 from ..epoch import OnPassEvent, StepOn, SupervisedModel
 from ..launch import LaunchEnv, from_env
@@ -32,31 +32,6 @@ T = TypeVar("T")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 """The signals that stop a run gracefully."""
-
-
-class Interrupted(LampdistError):
-    """A run stopped gracefully because the process received SIGTERM or SIGINT.
-
-    Raised by :func:`lampdist.train` (and by the demo) after the training was cancelled and
-    every resource released: the clique is closed, the followers were told, and the
-    checkpoints committed before the signal are intact. ``signum`` is the signal's number;
-    exit with ``128 + signum``, as a shell does, or resume from the last checkpoint.
-    """
-
-    def __init__(
-        self, message: str, *, signum: int, rank: int | None = None, phase: str | None = None
-    ) -> None:
-        self.signum = signum
-        super().__init__(message, rank=rank, phase=phase)
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuild_interrupted, (self.message, self.signum, self.rank, self.phase))
-
-
-def _rebuild_interrupted(
-    message: str, signum: int, rank: int | None, phase: str | None
-) -> Interrupted:
-    return Interrupted(message, signum=signum, rank=rank, phase=phase)
 
 
 async def _cancel_on_signal(scope: anyio.CancelScope, received: list[int]) -> None:
