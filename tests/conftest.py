@@ -1,6 +1,18 @@
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
+
+_BACKENDS = [
+    "asyncio",
+    pytest.param(
+        "trio",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("trio") is None, reason="trio is not installed"
+        ),
+    ),
+]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -20,7 +32,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-@pytest.fixture(params=["asyncio", "trio"])
+@pytest.fixture(params=_BACKENDS)
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     """Async tests run on asyncio and trio unless a test module narrows this fixture."""
     return str(request.param)

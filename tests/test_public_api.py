@@ -14,6 +14,7 @@ PUBLIC_MODULES = [
     "lampdist.checkpoint",
     "lampdist.clique",
     "lampdist.control",
+    "lampdist.launch",
     "lampdist.schedules",
 ]
 

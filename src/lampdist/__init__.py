@@ -6,6 +6,7 @@ control channel; tensors move through a collective-communication clique.
 
 from . import checkpoint as checkpoint
 from . import control as control
+from . import launch as launch
 from . import schedules as schedules
 from ._effects import BatchSource as BatchSource
 from ._effects import CheckpointState as CheckpointState
@@ -21,6 +22,7 @@ from ._errors import CliqueTimeout as CliqueTimeout
 from ._errors import CollectiveFailed as CollectiveFailed
 from ._errors import ConfigError as ConfigError
 from ._errors import ControlError as ControlError
+from ._errors import Interrupted as Interrupted
 from ._errors import JoinRejected as JoinRejected
 from ._errors import JoinTimeout as JoinTimeout
 from ._errors import LampdistError as LampdistError
@@ -42,6 +44,7 @@ from .loop import epochs as epochs
 from .roles import drive_distributed_training as drive_distributed_training
 from .roles import follow_distributed_training as follow_distributed_training
 from .roles import local_data_parallel_training_loop as local_data_parallel_training_loop
+from .roles import train as train
 
 __version__ = "0.1.0.dev0"
 
@@ -59,6 +62,7 @@ __all__ = [
     "ConfigError",
     "ControlError",
     "CurvePoint",
+    "Interrupted",
     "JoinRejected",
     "JoinTimeout",
     "LampdistError",
@@ -81,7 +85,9 @@ __all__ = [
     "drive_distributed_training",
     "epochs",
     "follow_distributed_training",
+    "launch",
     "local_data_parallel_training_loop",
     "open_clique",
     "schedules",
+    "train",
 ]

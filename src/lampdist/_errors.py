@@ -17,6 +17,7 @@ already catches a standard exception, the lampdist error derives from it too::
     ├── CliqueError                         the collective-communication group failed
     │   └── CollectiveFailed                a collective raised (a peer died or aborted)
     ├── RankFailed                          another rank failed; names that rank and its phase
+    ├── Interrupted                         SIGTERM or SIGINT stopped the run gracefully
     ├── TrainingError                       the training pass itself failed
     │   ├── NonFiniteLoss (ArithmeticError) a loss was NaN or infinite
     │   └── BadBatch (TypeError)            a batch source yielded something that is no batch
@@ -43,6 +44,7 @@ __all__ = [
     "CollectiveFailed",
     "ConfigError",
     "ControlError",
+    "Interrupted",
     "JoinRejected",
     "JoinTimeout",
     "LampdistError",
@@ -136,6 +138,31 @@ class CollectiveFailed(CliqueError):
 
 class RankFailed(LampdistError):
     """Another rank failed; ``rank`` and ``phase`` name that rank and what it was doing."""
+
+
+class Interrupted(LampdistError):
+    """A run stopped gracefully because the process received SIGTERM or SIGINT.
+
+    Raised by :func:`lampdist.train` (and by the demo) after the training was cancelled and
+    every resource released: the clique is closed, the followers were told, and the
+    checkpoints committed before the signal are intact. ``signum`` is the signal's number;
+    exit with ``128 + signum``, as a shell does, or resume from the last checkpoint.
+    """
+
+    def __init__(
+        self, message: str, *, signum: int, rank: int | None = None, phase: str | None = None
+    ) -> None:
+        self.signum = signum
+        super().__init__(message, rank=rank, phase=phase)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_interrupted, (self.message, self.signum, self.rank, self.phase))
+
+
+def _rebuild_interrupted(
+    message: str, signum: int, rank: int | None, phase: str | None
+) -> Interrupted:
+    return Interrupted(message, signum=signum, rank=rank, phase=phase)
 
 
 class TrainingError(LampdistError):

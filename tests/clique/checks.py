@@ -13,9 +13,12 @@ from lampdist.clique import Clique, PendingCollective
 from ._helpers import DTYPES, total, values
 
 
-def _same(actual: torch.Tensor, expected: torch.Tensor) -> None:
+async def _same(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    # Read back off the event loop: on CUDA the copy waits for the device, and the other
+    # in-process ranks need the loop to queue their part of the collectives it waits for.
+    host = await anyio.to_thread.run_sync(actual.cpu)
     assert actual.dtype == expected.dtype
-    assert torch.equal(actual.cpu(), expected.cpu()), (actual, expected)
+    assert torch.equal(host, expected.cpu()), (actual, expected)
 
 
 async def check_collectives(clique: Clique) -> None:
@@ -25,31 +28,31 @@ async def check_collectives(clique: Clique) -> None:
     tensors = [values(rank, 5 + i, dtype, device) for i, dtype in enumerate(DTYPES)]
     await clique.all_reduce(tensors)
     for i, (tensor, dtype) in enumerate(zip(tensors, DTYPES, strict=True)):
-        _same(tensor, total(n, 5 + i, dtype))
+        await _same(tensor, total(n, 5 + i, dtype))
 
     for root in {0, n - 1}:
         tensors = [values(rank, 4 + i, dtype, device) for i, dtype in enumerate(DTYPES)]
         await clique.broadcast(tensors, root=root)
         for i, (tensor, dtype) in enumerate(zip(tensors, DTYPES, strict=True)):
-            _same(tensor, values(root, 4 + i, dtype, "cpu"))
+            await _same(tensor, values(root, 4 + i, dtype, "cpu"))
 
         tensors = [values(rank, 3 + i, dtype, device) for i, dtype in enumerate(DTYPES)]
         await clique.reduce(tensors, root=root)
         if rank == root:  # the other ranks' tensors are scratch
             for i, (tensor, dtype) in enumerate(zip(tensors, DTYPES, strict=True)):
-                _same(tensor, total(n, 3 + i, dtype))
+                await _same(tensor, total(n, 3 + i, dtype))
 
     for dtype in (torch.float32, torch.int64):
         chunk = 6
         output = torch.full((chunk,), -1, dtype=dtype, device=device)
         data = values(rank, n * chunk, dtype, device)
         await clique.reduce_scatter(output, data)
-        _same(output, total(n, n * chunk, dtype)[rank * chunk : (rank + 1) * chunk])
-        _same(data, values(rank, n * chunk, dtype, "cpu"))  # the input is left alone
+        await _same(output, total(n, n * chunk, dtype)[rank * chunk : (rank + 1) * chunk])
+        await _same(data, values(rank, n * chunk, dtype, "cpu"))  # the input is left alone
 
         gathered = torch.full((n * chunk,), -1, dtype=dtype, device=device)
         await clique.all_gather(gathered, values(rank, chunk, dtype, device))
-        _same(gathered, torch.cat([values(peer, chunk, dtype, "cpu") for peer in range(n)]))
+        await _same(gathered, torch.cat([values(peer, chunk, dtype, "cpu") for peer in range(n)]))
 
     empty = torch.empty(0, device=device)
     await clique.all_reduce([empty, values(rank, 2, torch.float32, device)])
@@ -86,10 +89,10 @@ async def check_started_collectives(clique: Clique) -> None:
     assert all(each.done() for each in pending)
     await pending[1].wait()  # waiting again returns at once
 
-    _same(summed[0], total(n, 7, torch.float32))
-    _same(summed[1], total(n, 3, torch.int64))
-    _same(sent[0], values(n - 1, 4, torch.float64, "cpu"))
+    await _same(summed[0], total(n, 7, torch.float32))
+    await _same(summed[1], total(n, 3, torch.int64))
+    await _same(sent[0], values(n - 1, 4, torch.float64, "cpu"))
     if rank == 0:
-        _same(reduced[0], total(n, 5, torch.int32))
-    _same(scattered, total(n, 2 * n, torch.float32)[2 * rank : 2 * rank + 2])
-    _same(gathered, torch.cat([values(peer, 2, torch.float32, "cpu") for peer in range(n)]))
+        await _same(reduced[0], total(n, 5, torch.int32))
+    await _same(scattered, total(n, 2 * n, torch.float32)[2 * rank : 2 * rank + 2])
+    await _same(gathered, torch.cat([values(peer, 2, torch.float32, "cpu") for peer in range(n)]))

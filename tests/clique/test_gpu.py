@@ -46,6 +46,7 @@ async def test_nccl_collectives_one_rank_per_gpu_in_one_process() -> None:
 
 @pytest.mark.parametrize("anyio_backend", ["trio"])
 async def test_nccl_bridge_on_trio() -> None:
+    pytest.importorskip("trio")
     with anyio.fail_after(120):
         await run_ranks(2, check_started_collectives, devices=DEVICES)
 

@@ -172,11 +172,15 @@ class PendingCollective:
         clique's ``collective_timeout``, counted from the start). Cancelling the wait does not
         cancel the collective: the clique waits for it when it closes.
         """
-        try:
-            with anyio.fail_after(self._remaining()):
-                await self._ready.wait()
-        except TimeoutError:
-            raise self._time_out() from None
+        if self._ready.is_set():
+            await anyio.lowlevel.checkpoint()
+        else:
+            try:
+                with anyio.fail_after(self._remaining()):
+                    await self._ready.wait()
+            except TimeoutError:
+                if not self._ready.is_set():
+                    raise self._time_out() from None
         self._finish()
 
     def wait_blocking(self, timeout: float | None) -> None:
@@ -251,7 +255,7 @@ class PendingCollective:
             for work in works:
                 try:
                     device_futures.append(work.get_future_result())
-                except RuntimeError:  # not implemented by this backend or build
+                except (AttributeError, RuntimeError):  # not in this backend or build
                     device_futures = []
                     break
         with self._lock:

@@ -22,8 +22,9 @@ from torch._C._distributed_c10d import (  # torch.distributed does not re-export
 
 from .._clique_id import CliqueId
 from .._errors import ConfigError, MismatchError
+from ._backends import prefer_nccl_cleanup
 from ._bridge import PendingCollective
-from ._group import Group, prefer_nccl_cleanup
+from ._group import Group
 
 __all__ = ["Clique", "open_clique"]
 
@@ -304,7 +305,10 @@ def open_clique(
     collective (both in seconds, ``None`` for no limit). Blocking work (building the group,
     tearing it down) runs in worker threads taken from ``limiter``, one per rank at a time:
     a limiter shared by the ranks of one process needs at least as many tokens as there are
-    ranks, or setup deadlocks.
+    ranks, or setup deadlocks. Cancellation during setup takes effect within a fraction of a
+    second (the waits for the peers are short slices), and tells the peers, whose setup then
+    raises :class:`~lampdist.CollectiveFailed`; only torch's own group construction, which
+    starts once every rank is ready, cannot be interrupted.
 
     On exit the clique waits (up to ``collective_timeout``) for collectives that are still
     running and drops the process group. Leaving with an exception or by cancellation posts

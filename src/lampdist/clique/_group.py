@@ -1,22 +1,20 @@
-"""The process group behind a clique: setup, enqueue, failure, abort notices and teardown.
+"""The live state of one open clique: enqueue, failure, peers that die or abort, teardown.
 
 One :class:`Group` per open clique. It owns the torch process group (never the default
-group), one TCPStore client, a watcher thread that polls the store for abort notices from
-peers, and on NCCL an enqueue thread. Everything blocking runs in worker threads; everything
-it holds is dropped on close, so no group or work object outlives the clique.
+group), one TCPStore client, the liveness tether to rank 0 (see ``_tether``), a watcher
+thread that selects on the tether and polls the store for abort notices, and on NCCL an
+enqueue thread. Everything blocking runs in worker threads; everything it holds is dropped
+on close, so no group or work object outlives the clique.
 """
 
 from __future__ import annotations
 
 import gc
-import ipaddress
 import logging
-import os
 import queue
 import selectors
 import socket
 import threading
-import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -26,11 +24,21 @@ import anyio
 import anyio.to_thread
 import attrs
 import torch
-import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
+from torch._C._distributed_c10d import PrefixStore
 
 from .._clique_id import CliqueId
 from .._errors import CliqueError, CliqueTimeout, CollectiveFailed, LampdistError
+from ._backends import (
+    ABORT_KEY,
+    SETUP,
+    Deadline,
+    Setup,
+    make_gloo,
+    make_nccl,
+    span,
+    translate,
+)
+from ._backends import describe as _describe
 from ._bridge import Failure, PendingCollective
 from ._tether import GOODBYE, Tether
 
@@ -41,179 +49,11 @@ logger = logging.getLogger(__name__)
 # Enqueues the collective's works on the process group, appending each to the list.
 Issue = Callable[[Any, list[Any]], None]
 
-_SETUP = "clique setup"
 _TEARDOWN = "clique teardown"
-_NO_LIMIT = timedelta(days=365)  # what the process group gets for "None: no limit"
 _STORE_OP_TIMEOUT = timedelta(seconds=10)  # store operations after setup (abort notices)
 _WATCH_INTERVAL = 0.05  # how often the watcher polls the store for an abort notice
-_SETUP_POLL = 0.05  # the slices of the waits in setup
 _DRAIN_NO_LIMIT = 600.0  # how long close waits for pending work when collective_timeout is None
-_ABORT_KEY = "abort"
-_GLOO_THREADS = 2
-_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
-_env_lock = threading.Lock()
-
-
-def _span(seconds: float | None) -> timedelta:
-    return _NO_LIMIT if seconds is None else timedelta(seconds=seconds)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def translate(exc: BaseException, phase: str) -> Failure:
-    """A torch error as a lampdist failure: a timeout, or a failed collective."""
-    if isinstance(exc, LampdistError):
-        return type(exc), exc.message
-    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    lowered = text.lower()
-    kind: type[LampdistError] = CollectiveFailed
-    if "timed out" in lowered or "timeout" in lowered:
-        kind = CliqueTimeout
-    elif phase == _SETUP:
-        kind = CliqueError
-    return kind, f"{phase} failed: {text}"
-
-
-def prefer_nccl_cleanup() -> None:
-    """Make NCCL's watchdog abort the communicator on an error instead of killing the process.
-
-    torch's default (3, tear the process down) would turn a dead peer into SIGABRT; 2 aborts
-    the communicator and lets the clique raise. Only set when the user has not chosen.
-    """
-    with _env_lock:
-        if _NCCL_ERROR_HANDLING not in os.environ:
-            os.environ[_NCCL_ERROR_HANDLING] = "2"
-            logger.info(
-                "set %s=2 so that NCCL errors raise instead of aborting the process",
-                _NCCL_ERROR_HANDLING,
-            )
-
-
-@attrs.define(eq=False)
-class _Deadline:
-    seconds: float | None
-    rank: int
-    start: float = attrs.field(factory=time.monotonic)
-
-    def remaining(self) -> timedelta:
-        if self.seconds is None:
-            return _NO_LIMIT
-        left = self.start + self.seconds - time.monotonic()
-        if left <= 0:
-            raise CliqueTimeout(
-                f"the clique was not set up within setup_timeout={self.seconds} s; "
-                "check that every rank opens it with the same clique id",
-                rank=self.rank,
-                phase=_SETUP,
-            )
-        return timedelta(seconds=left)
-
-
-@attrs.define(eq=False)
-class _Setup:
-    """What every wait of the setup checks between its short slices: the deadline, the
-    caller's cancellation (``check_cancelled`` raises it in the worker thread) and, once the
-    keys are known, a peer's notice that it abandoned the setup. A rank that dies or is
-    cancelled in setup thus frees the others at once instead of at ``setup_timeout``."""
-
-    deadline: _Deadline
-    check_cancelled: Callable[[], None]
-    keys: Any = None
-
-    def remaining(self) -> timedelta:
-        self.check_cancelled()
-        if self.keys is not None and self.keys.check([_ABORT_KEY]):
-            peer, _, reason = self.keys.get(_ABORT_KEY).decode(errors="replace").partition("\n")
-            if peer != str(self.deadline.rank):
-                raise CollectiveFailed(
-                    f"rank {peer} left the clique during setup: {reason}",
-                    rank=self.deadline.rank,
-                    phase=_SETUP,
-                )
-        return self.deadline.remaining()
-
-    def wait_for(self, keys: Any, names: list[str]) -> None:
-        """Wait until ``names`` exist in ``keys``, in slices."""
-        while not keys.check(names):
-            self.remaining()
-            time.sleep(_SETUP_POLL)
-
-    def connect_store(self, host: str, port: int) -> Any:
-        """A client of the rendezvous store; while it refuses connections (its rank 0 is
-        gone, or not up yet), retry in slices rather than inside torch's uninterruptible
-        connect loop."""
-        while True:
-            left = self.remaining()
-            try:
-                socket.create_connection((host, port), timeout=left.total_seconds()).close()
-                break
-            except OSError as exc:
-                logger.debug("rank %d: rendezvous store not reachable: %s", self.deadline.rank, exc)
-                time.sleep(_SETUP_POLL)
-        return TCPStore(host, port, None, False, timeout=self.remaining(), wait_for_workers=False)
-
-    def abandon(self, exc: BaseException) -> None:
-        """Tell the peers that this rank abandoned the setup, unless one of them did first."""
-        try:
-            if self.keys is not None and not self.keys.check([_ABORT_KEY]):
-                self.keys.set(_ABORT_KEY, f"{self.deadline.rank}\n{_describe(exc)}")
-        except Exception as error:  # the store is gone: the peers learn it from the store
-            logger.debug("rank %d: could not post the abort notice: %s", self.deadline.rank, error)
-
-
-def _make_gloo(
-    *,
-    store: Any,
-    host: str,
-    rank: int,
-    nranks: int,
-    name: str,
-    deadline: _Deadline,
-    op_timeout: timedelta,
-) -> Any:
-    gloo = ProcessGroupGloo
-    options = gloo._Options()  # type: ignore[attr-defined]  # the stubs call it Options
-    if _is_loopback(host):
-        device = gloo.create_device(hostname="127.0.0.1", lazy_init=False)
-    else:
-        device = gloo.create_default_device(lazy_init=False)
-    options._devices = [device]
-    options._threads = _GLOO_THREADS
-    options._timeout = deadline.remaining()  # the constructor's wait for all ranks
-    options.group_name = name
-    group = gloo(store, rank, nranks, options)  # blocks until every rank has connected
-    group.set_timeout(op_timeout)
-    return group
-
-
-def _make_nccl(
-    *,
-    store: Any,
-    rank: int,
-    nranks: int,
-    name: str,
-    device: torch.device,
-    op_timeout: timedelta,
-) -> Any:
-    """NCCL's own communicator setup, unbounded: call it once every rank is ready."""
-    nccl = getattr(dist, "ProcessGroupNCCL", None)
-    if nccl is None:
-        raise CliqueError("this torch build has no NCCL", rank=rank, phase=_SETUP)
-    options = nccl.Options()
-    options._timeout = op_timeout
-    options.is_high_priority_stream = False
-    options.group_name = name
-    group = nccl(store, rank, nranks, options)
-    with torch.cuda.device(device):
-        group.eager_connect_single_device(device)  # blocks until every rank has joined
-    return group
+_ABORT_KEY = ABORT_KEY
 
 
 @attrs.define(eq=False)
@@ -256,16 +96,16 @@ class Group:
     ) -> Group:
         """Build the process group (blocking: run it in a worker thread).
 
-        Every wait until all ranks are known to be alive is a loop of short slices that
-        calls ``check_cancelled`` (``anyio.from_thread.check_cancelled``) and looks for a
-        peer's abort notice. Raises :class:`CliqueTimeout` when the peers do not all arrive
-        within ``setup_timeout``, :class:`CollectiveFailed` when a peer abandoned the setup,
-        and :class:`CliqueError` on any other setup failure.
+        Every wait until all ranks are known to be ready is a loop of short slices that calls
+        ``check_cancelled`` (``anyio.from_thread.check_cancelled``) and looks for a peer's
+        abort notice. Raises :class:`CliqueTimeout` when the peers do not all arrive within
+        ``setup_timeout``, :class:`CollectiveFailed` when a peer abandoned the setup, and
+        :class:`CliqueError` on any other setup failure.
         """
         backend = "nccl" if device.type == "cuda" else "gloo"
-        deadline = _Deadline(setup_timeout, rank)
-        setup = _Setup(deadline, check_cancelled)
-        op_timeout = _span(collective_timeout)
+        deadline = Deadline(setup_timeout, rank)
+        setup = Setup(deadline, check_cancelled)
+        op_timeout = span(collective_timeout)
         store: Any = None
         keys: Any = None
         pg: Any = None
@@ -293,7 +133,7 @@ class Group:
             keys.set(f"ready/{rank}", "1")
             setup.wait_for(keys, [f"ready/{peer}" for peer in range(clique_id.nranks)])
             if backend == "gloo":
-                pg = _make_gloo(
+                pg = make_gloo(
                     store=pg_store,
                     host=clique_id.host,
                     rank=rank,
@@ -303,7 +143,7 @@ class Group:
                     op_timeout=op_timeout,
                 )
             else:
-                pg = _make_nccl(
+                pg = make_nccl(
                     store=pg_store,
                     rank=rank,
                     nranks=clique_id.nranks,
@@ -334,8 +174,8 @@ class Group:
             gc.collect()
             if isinstance(exc, LampdistError) or not isinstance(exc, Exception):
                 raise
-            kind, message = translate(exc, _SETUP)
-            raise kind(message, rank=rank, phase=_SETUP) from exc
+            kind, message = translate(exc, SETUP)
+            raise kind(message, rank=rank, phase=SETUP) from exc
         group._start_threads(threaded or backend == "nccl")
         logger.debug("rank %d: %s clique %s open", rank, backend, name)
         return group
@@ -362,6 +202,8 @@ class Group:
         pending = PendingCollective(
             name=name, rank=self.rank, owner=self, timeout=self.collective_timeout
         )
+        # The caller's stream: the collective must see the work queued on it before this call.
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         with self._lock:
             if self._closing:
                 raise CliqueError(
@@ -370,15 +212,13 @@ class Group:
             failure = self._failure
             if failure is None:
                 self._pending.add(pending)
+                if self._queue is not None:  # under the lock: never behind the stop sentinel
+                    self._queue.put((pending, issue, stream, wait_for_device))
         if failure is not None:
             kind, message = failure
             raise kind(message, rank=self.rank, phase=name)
         if self._queue is None:
             self._enqueue(pending, issue, None, wait_for_device)
-        else:
-            # The caller's stream: the collective must see the work queued before this call.
-            stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-            self._queue.put((pending, issue, stream, wait_for_device))
         return pending
 
     def _run_enqueuer(self) -> None:
@@ -402,7 +242,7 @@ class Group:
             pg = self._pg
             try:
                 if pg is None:
-                    failure = (CollectiveFailed, "the clique was torn down")
+                    failure = self._failure or (CollectiveFailed, "the clique was torn down")
                 elif stream is not None:
                     with torch.cuda.stream(stream):
                         issue(pg, works)
@@ -548,8 +388,9 @@ class Group:
             del pg
 
     def _post_notice(self, reason: str) -> None:
+        """Post an abort notice for the other ranks; the first one posted stays (the cause)."""
         try:
-            self._keys.set(_ABORT_KEY, f"{self.rank}\n{reason}")
+            self._keys.compare_set(_ABORT_KEY, "", f"{self.rank}\n{reason}")
         except Exception as exc:
             logger.debug("rank %d: could not post the abort notice: %s", self.rank, exc)
 
@@ -624,7 +465,8 @@ class Group:
         if self._wake_writer is not None:
             self._wake_writer.send(b"x")
         if self._queue is not None:
-            self._queue.put(None)
+            with self._lock:
+                self._queue.put(None)
         for thread in self._threads:
             thread.join()
         self._threads.clear()
@@ -648,10 +490,3 @@ class Group:
             # Every reference above is dropped by reference counting; after a failure, also
             # collect the cycles that tracebacks form, in case one of them reaches a work.
             gc.collect()
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, anyio.get_cancelled_exc_class()):
-        return "cancelled"
-    text = (str(exc).strip().splitlines() or [""])[0]
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -3,6 +3,7 @@
 from ._batches import BatchReader as BatchReader
 from ._batches import LoadedBatch as LoadedBatch
 from ._batches import open_batches as open_batches
+from ._device import host_to_device as host_to_device
 from ._flat import FlatModel as FlatModel
 from ._model import SupervisedModel as SupervisedModel
 from ._model import count_examples as count_examples
@@ -29,5 +30,6 @@ __all__ = [
     "SupervisedModel",
     "TrainingOptions",
     "count_examples",
+    "host_to_device",
     "open_batches",
 ]

@@ -26,6 +26,7 @@ from .._effects import BatchSource
 from .._errors import LampdistError, TrainingError
 from ..clique import Clique
 from ._batches import BatchReader, LoadedBatch, open_batches
+from ._device import host_to_device
 from ._flat import FlatModel
 from ._model import SupervisedModel
 from ._options import OnPassEvent, PassEvent, PassResult, TrainingOptions
@@ -97,7 +98,7 @@ class RankRunner:
                 return data.to(device)
 
             payload = await anyio.to_thread.run_sync(serialise)
-            length[0] = payload.numel()
+            length = host_to_device([payload.numel()], torch.int64, device)
         await self.clique.broadcast([length])
         if not self.is_root:
             (size,) = await self._to_host(length)
@@ -177,7 +178,7 @@ class RankRunner:
         if self.alone:
             lengths = [local]
         else:
-            mine = torch.tensor([local], dtype=torch.int64, device=self.device)
+            mine = host_to_device([local], torch.int64, self.device)
             gathered = torch.zeros(self.clique.nranks, dtype=torch.int64, device=self.device)
             await self.clique.all_gather(gathered, mine)
             lengths = [int(n) for n in await self._to_host(gathered)]
@@ -251,8 +252,7 @@ class RankRunner:
                 loss_sum += await self._compute(self._evaluate, batch, "valid", epoch)
                 examples += batch.examples
             batches = reader.batches_read
-        meta = torch.zeros(2, dtype=torch.float64, device=self.device)
-        meta[0] = examples
+        meta = host_to_device([examples, 0.0], torch.float64, self.device)
         meta[1] = loss_sum
         if not self.alone:
             await self.clique.reduce([meta], root=0)
@@ -317,10 +317,8 @@ class RankRunner:
             loss_sum += await self._compute(self._forward_backward, batch, "train", epoch)
             examples += batch.examples
         more = await reader.has_next()
-        meta = torch.zeros(3, dtype=torch.float64, device=self.device)
-        meta[_EXAMPLES] = examples
-        meta[_LOSS] = loss_sum
-        meta[_MORE] = 1.0 if more else 0.0
+        meta = host_to_device([examples, 0.0, 1.0 if more else 0.0], torch.float64, self.device)
+        meta[_LOSS] = loss_sum  # device to device: no wait
         return meta, examples
 
     def _forward_backward(self, batch: LoadedBatch) -> torch.Tensor:
@@ -346,8 +344,8 @@ class RankRunner:
         )
 
     async def _send_parameters(self, more: bool) -> None:
-        control = torch.tensor(
-            [1.0 if more else 0.0, self.loss_scale.scale], dtype=torch.float64, device=self.device
+        control = host_to_device(
+            [1.0 if more else 0.0, self.loss_scale.scale], torch.float64, self.device
         )
         await self.clique.broadcast(
             [*self.flat.parameter_buffers, *self.flat.module_buffers, control], root=0

@@ -21,7 +21,7 @@ from .._errors import (
     RankFailed,
 )
 from ..clique import Clique
-from ..epoch import FlatModel, Stepper, TrainingOptions
+from ..epoch import FlatModel, Stepper, TrainingOptions, host_to_device
 
 __all__ = [
     "CULPRIT_TIMEOUT",
@@ -96,6 +96,7 @@ class Phase:
     epoch: int = 0
     pass_index: int = 0
     reported: bool = False
+    cause: LampdistError | None = None  # a peer's failure that cancelled this rank
 
 
 def describe(error: BaseException) -> str:
@@ -128,10 +129,8 @@ async def agree(
     Raises :class:`MismatchError` on every rank, naming the ranks that differ and in what.
     """
     settings = f"{options.describe()}, validation_batches given: {validates}"
-    mine = torch.tensor(
-        [_digest64(flat.fingerprint), _digest64(settings.encode())],
-        dtype=torch.int64,
-        device=clique.device,
+    mine = host_to_device(
+        [_digest64(flat.fingerprint), _digest64(settings.encode())], torch.int64, clique.device
     )
     gathered = torch.zeros(2 * clique.nranks, dtype=torch.int64, device=clique.device)
     await clique.all_gather(gathered, mine)

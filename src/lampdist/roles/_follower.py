@@ -95,7 +95,8 @@ async def follow_distributed_training(
         max_grad_norm=max_grad_norm,
         non_finite_loss=non_finite_loss,
     )
-    flat = FlatModel.create(model.module, torch_device)
+    # Off the event loop: the control channel must keep answering meanwhile.
+    flat = await anyio.to_thread.run_sync(FlatModel.create, model.module, torch_device)
     stepper = None
     if step_on == "every_rank":
         if optimizer_factory is None:
@@ -105,7 +106,9 @@ async def follow_distributed_training(
                 rank=rank,
                 phase="configure",
             )
-        stepper = create_stepper(rank, optimizer_factory, flat, options)
+        stepper = await anyio.to_thread.run_sync(
+            create_stepper, rank, optimizer_factory, flat, options
+        )
     phase = Phase("join")
     send, receive = anyio.create_memory_object_stream[Command](math.inf)
     with single_error():

@@ -137,14 +137,15 @@ async def drive_distributed_training(
         validation_loss_exponential_smoothing_factor,
         init_state.loop_state if init_state is not None else LoopState(),
     )
-    flat = FlatModel.create(model.module, torch_device)
-    stepper = create_stepper(0, optimizer_factory, flat, options)
+    # Off the event loop: moving the model and the first use of torch.optim (which imports
+    # torch._dynamo) take seconds, and the control channel must keep answering meanwhile.
+    flat = await anyio.to_thread.run_sync(FlatModel.create, model.module, torch_device)
+    stepper = await anyio.to_thread.run_sync(create_stepper, 0, optimizer_factory, flat, options)
     phase = Phase("join")
     stopping = _Stopping(stop, stop_timeout)
-    follower_failure: list[LampdistError] = []
     with single_error():
         async with anyio.create_task_group() as group:
-            group.start_soon(_watch, control, phase, follower_failure)
+            group.start_soon(_watch, control, phase)
             if stop is not None:
                 group.start_soon(stopping.enforce, phase)
             try:
@@ -181,29 +182,39 @@ async def drive_distributed_training(
                 culprit = None
                 if isinstance(leaf, CliqueError | CliqueTimeout):
                     culprit = await find_culprit(control.watch, phase)
-                with anyio.CancelScope(shield=True):
-                    await _abort_followers(control, phase, culprit or exc)
+                if not phase.reported:
+                    with anyio.CancelScope(shield=True):
+                        await _abort_followers(control, phase, culprit or exc)
                 if culprit is not None:
                     raise culprit from leaf
                 raise
             except BaseException as exc:
-                # Cancelled: by the watch when a follower failed (tell the others which), or
-                # from outside.
-                reason = follower_failure[0] if follower_failure else exc
-                with anyio.CancelScope(shield=True):
-                    await _abort_followers(control, phase, reason)
+                if not phase.reported:
+                    with anyio.CancelScope(shield=True):
+                        await _abort_followers(control, phase, _why(exc, phase, stopping))
                 raise
             group.cancel_scope.cancel()
     return state
 
 
-async def _watch(control: RootChannel, phase: Phase, failure: list[LampdistError]) -> None:
+async def _watch(control: RootChannel, phase: Phase) -> None:
     """Raise when a follower fails, remembering why (it cancels the run)."""
     try:
         await watch_peers(control.watch, phase)
     except LampdistError as exc:
-        failure.append(exc)
+        phase.cause = exc
         raise
+
+
+def _why(error: BaseException, phase: Phase, stopping: _Stopping) -> BaseException:
+    """What to tell the followers: a cancellation is the stop timeout or a follower's
+    failure (the watch cancels the run) when it is one of those."""
+    if isinstance(error, anyio.get_cancelled_exc_class()):
+        if stopping.abandoned is not None:
+            return stopping.timeout_error()
+        if phase.cause is not None:
+            return phase.cause
+    return error
 
 
 @attrs.define(eq=False)
@@ -243,15 +254,18 @@ class _Stopping:
         )
         self.scope.cancel()
 
+    def timeout_error(self) -> LampdistTimeout:
+        return LampdistTimeout(
+            f"stop was requested, but phase {self.abandoned} did not end within "
+            f"stop_timeout={self.timeout} s: abandoned it; resume from the last checkpoint",
+            rank=0,
+            phase="stop",
+        )
+
     def check_abandoned(self) -> None:
         """Raise the stop timeout if :meth:`enforce` abandoned the run."""
         if self.abandoned is not None:
-            raise LampdistTimeout(
-                f"stop was requested, but phase {self.abandoned} did not end within "
-                f"stop_timeout={self.timeout} s: abandoned it; resume from the last checkpoint",
-                rank=0,
-                phase="stop",
-            )
+            raise self.timeout_error()
 
 
 @attrs.frozen
@@ -325,10 +339,16 @@ async def _run(
     best_model_state: dict[str, torch.Tensor] | None = None
     loop_state = None
     if init_state is not None:
-        module.load_state_dict(init_state.model_state)
-        optimizer.load_state_dict(dict(init_state.optimizer_state))
-        if init_state.best_model_state is not None:
-            best_model_state = _snapshot(init_state.best_model_state, device)
+        resume = init_state
+
+        def restore() -> dict[str, torch.Tensor] | None:
+            module.load_state_dict(resume.model_state)
+            optimizer.load_state_dict(dict(resume.optimizer_state))
+            if resume.best_model_state is None:
+                return None
+            return _snapshot(resume.best_model_state, device)
+
+        best_model_state = await anyio.to_thread.run_sync(restore)
         loop_state = init_state.loop_state
     first_epoch = loop_state.epoch if loop_state is not None else 0
 
@@ -353,91 +373,100 @@ async def _run(
                 stepper=stepper,
                 on_event=on_event,
             )
-            phase.name = "agreement"
-            await agree(clique, flat, options, validates=validation_batches is not None)
-            await runner.sync_parameters()
-            if options.step_on == "every_rank":
-                await runner.sync_optimizer_state()
-            pass_index = 0
-            epoch = first_epoch - 1
+            try:
+                phase.name = "agreement"
+                await agree(clique, flat, options, validates=validation_batches is not None)
+                await runner.sync_parameters()
+                if options.step_on == "every_rank":
+                    await runner.sync_optimizer_state()
+                pass_index = 0
+                epoch = first_epoch - 1
 
-            async def train_epoch(lr_factor: float) -> float:
-                nonlocal pass_index, epoch
-                epoch += 1
-                phase.name, phase.epoch, phase.pass_index = "train", epoch, pass_index
-                await control.broadcast(
-                    Command(
-                        kind=CommandKind.TRAIN,
-                        epoch=epoch,
-                        pass_index=pass_index,
-                        lr_factor=lr_factor,
+                async def train_epoch(lr_factor: float) -> float:
+                    nonlocal pass_index, epoch
+                    epoch += 1
+                    phase.name, phase.epoch, phase.pass_index = "train", epoch, pass_index
+                    await control.broadcast(
+                        Command(
+                            kind=CommandKind.TRAIN,
+                            epoch=epoch,
+                            pass_index=pass_index,
+                            lr_factor=lr_factor,
+                        )
                     )
-                )
-                result = await runner.train_pass(
-                    train_batches, epoch=epoch, pass_index=pass_index, lr_factor=lr_factor
-                )
-                pass_index += 1
-                return result.loss
+                    result = await runner.train_pass(
+                        train_batches, epoch=epoch, pass_index=pass_index, lr_factor=lr_factor
+                    )
+                    pass_index += 1
+                    return result.loss
 
-            async def validation_epoch() -> float:
-                nonlocal pass_index
-                assert validation_batches is not None
-                phase.name, phase.pass_index = "valid", pass_index
+                async def validation_epoch() -> float:
+                    nonlocal pass_index
+                    assert validation_batches is not None
+                    phase.name, phase.pass_index = "valid", pass_index
+                    await control.broadcast(
+                        Command(kind=CommandKind.VALID, epoch=epoch, pass_index=pass_index)
+                    )
+                    result = await runner.validation_pass(
+                        validation_batches, epoch=epoch, pass_index=pass_index
+                    )
+                    pass_index += 1
+                    return result.loss
+
+                async def save_best() -> None:
+                    nonlocal best_model_state
+                    best_model_state = _snapshot(module.state_dict(), device)
+
+                async def checkpoint(state: LoopState, lr_state: Any) -> None:
+                    assert checkpoint_state is not None
+                    phase.name = "checkpoint"
+                    training_state = TrainingState(
+                        loop_state=state,
+                        model_state=module.state_dict(),
+                        optimizer_state=optimizer.state_dict(),
+                        best_model_state=best_model_state,
+                    )
+                    try:
+                        await checkpoint_state(training_state, lr_state)
+                    except LampdistError:
+                        raise
+                    except Exception as exc:
+                        raise CheckpointError(
+                            f"epoch {state.epoch - 1}: checkpoint_state raised "
+                            f"{type(exc).__name__}: {exc}",
+                            rank=0,
+                            phase="checkpoint",
+                        ) from exc
+
+                final = await epochs(
+                    max_epochs=max_epochs,
+                    train_epoch=train_epoch,
+                    validation_epoch=validation_epoch if validation_batches is not None else None,
+                    save_min_validation_loss_model=save_best,
+                    checkpoint_state=checkpoint if checkpoint_state is not None else None,
+                    validation_frequency=validation_frequency,
+                    return_min_validation_loss_model=return_min_validation_loss_model,
+                    learning_rate_schedule=_UntilStopped(schedule, stopping),
+                    init_state=loop_state,
+                    learning_rate_schedule_init_state=learning_rate_schedule_init_state,
+                    validation_loss_exponential_smoothing_factor=smoothing,
+                )
+                phase.name = "stop"
+                stopping.reached.set()
+                if best_model_state is not None:
+                    module.load_state_dict(best_model_state)
                 await control.broadcast(
-                    Command(kind=CommandKind.VALID, epoch=epoch, pass_index=pass_index)
+                    Command(kind=CommandKind.STOP, epoch=final.epoch, pass_index=pass_index)
                 )
-                result = await runner.validation_pass(
-                    validation_batches, epoch=epoch, pass_index=pass_index
-                )
-                pass_index += 1
-                return result.loss
-
-            async def save_best() -> None:
-                nonlocal best_model_state
-                best_model_state = _snapshot(module.state_dict(), device)
-
-            async def checkpoint(state: LoopState, lr_state: Any) -> None:
-                assert checkpoint_state is not None
-                phase.name = "checkpoint"
-                training_state = TrainingState(
-                    loop_state=state,
-                    model_state=module.state_dict(),
-                    optimizer_state=optimizer.state_dict(),
-                    best_model_state=best_model_state,
-                )
-                try:
-                    await checkpoint_state(training_state, lr_state)
-                except LampdistError:
-                    raise
-                except Exception as exc:
-                    raise CheckpointError(
-                        f"epoch {state.epoch - 1}: checkpoint_state raised "
-                        f"{type(exc).__name__}: {exc}",
-                        rank=0,
-                        phase="checkpoint",
-                    ) from exc
-
-            final = await epochs(
-                max_epochs=max_epochs,
-                train_epoch=train_epoch,
-                validation_epoch=validation_epoch if validation_batches is not None else None,
-                save_min_validation_loss_model=save_best,
-                checkpoint_state=checkpoint if checkpoint_state is not None else None,
-                validation_frequency=validation_frequency,
-                return_min_validation_loss_model=return_min_validation_loss_model,
-                learning_rate_schedule=_UntilStopped(schedule, stopping),
-                init_state=loop_state,
-                learning_rate_schedule_init_state=learning_rate_schedule_init_state,
-                validation_loss_exponential_smoothing_factor=smoothing,
-            )
-            phase.name = "stop"
-            stopping.reached.set()
-            if best_model_state is not None:
-                module.load_state_dict(best_model_state)
-            await control.broadcast(
-                Command(kind=CommandKind.STOP, epoch=final.epoch, pass_index=pass_index)
-            )
-            await runner.sync_parameters()
+                await runner.sync_parameters()
+            except BaseException as exc:
+                # Tell the followers before the clique closes, so that they learn the
+                # reason rather than see the clique break.
+                if not isinstance(most_telling(exc), CliqueError | CliqueTimeout):
+                    with anyio.CancelScope(shield=True):
+                        await _abort_followers(control, phase, _why(exc, phase, stopping))
+                    phase.reported = True
+                raise
     return final
 
 

@@ -1,0 +1,64 @@
+"""One script for every rank, started by torchrun (or srun):
+
+    export LAMPDIST_SECRET=$(openssl rand -hex 16)
+    torchrun --nproc-per-node 2 examples/torchrun_script.py [--epochs 5]
+
+``lampdist.train`` reads the rank and the root's address from torchrun's variables, opens
+the control channel (on MASTER_PORT + 1), and runs the root on rank 0 and a follower on the
+others. Every rank prints its final weights' checksum: they are the same everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterable
+
+import anyio
+import torch
+
+import lampdist
+import lampdist.launch
+
+
+def make_shard(
+    rank: int, nranks: int, examples: int = 256, seed: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's share (every nranks-th example) of a noisy linear problem, in batches."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(examples, 8, generator=generator)
+    weights = torch.arange(1.0, 9.0).reshape(8, 1) / 8
+    targets = inputs @ weights + 0.01 * torch.randn(examples, 1, generator=generator)
+    inputs, targets = inputs[rank::nranks], targets[rank::nranks]
+    return [(inputs[i : i + 16], targets[i : i + 16]) for i in range(0, len(targets), 16)]
+
+
+def sgd(parameters: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(parameters, lr=0.05, momentum=0.9)
+
+
+async def main(epochs: int) -> None:
+    env = lampdist.launch.from_env()
+    torch.manual_seed(env.rank)  # any start: the root's weights reach every rank first
+    module = torch.nn.Linear(8, 1)
+    train = make_shard(env.rank, env.nranks)
+    valid = make_shard(env.rank, env.nranks, examples=64, seed=1)
+    state = await lampdist.train(
+        launch=env,
+        model=lampdist.SupervisedModel(module, torch.nn.functional.mse_loss),
+        optimizer_factory=sgd,
+        train_batches=lambda: train,
+        validation_batches=lambda: valid,
+        max_epochs=epochs,
+    )
+    checksum = sum(float(p.detach().double().sum()) for p in module.parameters())
+    result: dict[str, object] = {"rank": env.rank, "checksum": checksum}
+    if state is not None:  # the root
+        result["validation_losses"] = [p.validation_loss for p in state.learning_curve]
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int, default=5)
+    anyio.run(main, parser.parse_args().epochs)

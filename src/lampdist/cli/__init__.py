@@ -1,0 +1,147 @@
+"""The ``lampdist`` command line: ``lampdist demo`` trains a small classifier end to end.
+
+This is the only place in lampdist that configures logging and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import anyio
+
+from .._errors import ConfigError, LampdistError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+__all__ = ["main"]
+
+logger = logging.getLogger(__name__)
+
+EXAMPLES = """\
+examples:
+  lampdist demo                                  2 ranks in this process, on the CPU
+  lampdist demo --device cuda                    one rank per GPU
+  lampdist demo --resume                         continue the run in --out
+  torchrun --nproc-per-node 2 -m lampdist.cli demo         one process per rank
+  lampdist demo --role root --nranks 2 --port 29400        ranks started by hand
+  lampdist demo --role follower --rank 1 --nranks 2 --port 29400
+  (several processes need LAMPDIST_SECRET, the same in each)
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``lampdist`` command with ``argv`` (default: the process's arguments) and
+    return its exit status: 0 on success, 2 for bad flags or settings, 1 for a failed run,
+    ``128 + signum`` after a graceful stop on SIGTERM or SIGINT."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        from rich.console import Console
+    except ImportError:
+        parser.error('the demo needs its extra: pip install "lampdist[demo]"')
+    console = Console()
+    _configure_logging(console, verbose=args.verbose)
+    return _demo(args, console)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lampdist", description="Data-parallel PyTorch training driven from async Python."
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    demo = commands.add_parser(
+        "demo",
+        help="train a digits classifier data-parallel (scikit-learn's data, no download)",
+        description=(
+            "Train a small classifier on scikit-learn's digits with several ranks: a progress\n"
+            "bar, checkpoints, a metrics file and a learning-curve PNG in --out, a summary."
+        ),
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_argument("-v", "--verbose", action="store_true", help="log lampdist's INFO lines")
+    demo.add_argument("--ranks", type=int, help="ranks in this process (default: 2; GPUs)")
+    demo.add_argument("--epochs", type=int, default=10, help="epochs to train (default: 10)")
+    demo.add_argument("--batch-size", type=int, default=32, help="per rank (default: 32)")
+    demo.add_argument("--lr", type=float, default=0.003, help="Adam's (default: 0.003)")
+    demo.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="Gloo or NCCL (default: cpu)"
+    )
+    demo.add_argument(
+        "--out", type=Path, default=Path("lampdist-demo"), help="default: ./lampdist-demo"
+    )
+    demo.add_argument("--seed", type=int, default=0, help="split, start, shuffling (default: 0)")
+    demo.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
+    ranks = demo.add_argument_group("ranks in separate processes, started by hand")
+    ranks.add_argument("--role", choices=["root", "follower"])
+    ranks.add_argument("--rank", type=int, help="this process's rank (the root is 0)")
+    ranks.add_argument("--nranks", type=int, help="ranks in the run")
+    ranks.add_argument("--host", default="127.0.0.1", help="the root's address")
+    ranks.add_argument("--port", type=int, help="the root's control port")
+    return parser
+
+
+def _configure_logging(console: Console, *, verbose: bool) -> None:
+    from rich.logging import RichHandler
+
+    handler: logging.Handler
+    if console.is_terminal:
+        handler = RichHandler(console=console, show_path=False, log_time_format="[%X]")
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+    logging.getLogger("lampdist").setLevel(logging.INFO if verbose else logging.WARNING)
+    logging.getLogger(__name__).setLevel(logging.INFO)
+
+
+def _demo(args: argparse.Namespace, console: Console) -> int:
+    from ..roles import Interrupted
+    from ._demo import DemoOptions, run_demo
+    from ._summary import print_summary
+
+    options = DemoOptions(
+        ranks=args.ranks,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        device=args.device,
+        out=args.out,
+        seed=args.seed,
+        resume=args.resume,
+        role=args.role,
+        rank=args.rank,
+        nranks=args.nranks,
+        host=args.host,
+        port=args.port,
+    )
+    try:
+        result = anyio.run(run_demo, options, console, os.environ)
+    except Interrupted as exc:
+        name = signal.Signals(exc.signum).name
+        logger.warning(
+            "stopped by %s; continue with: lampdist demo --resume --out %s", name, options.out
+        )
+        return 128 + exc.signum
+    except ConfigError as exc:
+        logger.error("%s", exc)  # noqa: TRY400  # the message is the whole story
+        return 2
+    except LampdistError as exc:
+        logger.error("the run failed: %s", exc)  # noqa: TRY400
+        return 1
+    if result is not None:
+        print_summary(console, result)
+    return 0

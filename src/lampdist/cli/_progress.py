@@ -1,0 +1,217 @@
+"""Progress of a run on the root: a rich progress bar on a terminal, log lines elsewhere, and a
+metrics file of one JSON line per pass."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Protocol
+
+import anyio
+import anyio.to_thread
+import attrs
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from ..epoch import PassEvent
+
+__all__ = ["MetricsFile", "PassCounter", "Reporter", "open_reporter", "read_metrics"]
+
+logger = logging.getLogger(__name__)
+
+
+class Reporter(Protocol):
+    """Shows a run's progress; ``update`` is called after every step and pass."""
+
+    def update(self, event: PassEvent, counter: PassCounter, accuracy: float | None) -> None:
+        """Show ``event``; ``accuracy`` is the validation accuracy after a validation pass."""
+
+
+@attrs.define(eq=False)
+class PassCounter:
+    """Counts the root's batches over the whole run, for the bar and the ETA."""
+
+    first_epoch: int
+    epochs: int
+    batches_per_epoch: int
+    done: int = 0
+    started: float = attrs.field(factory=time.perf_counter)
+    _current: tuple[int, int] = attrs.field(default=(-1, 0), init=False)  # (pass, batches)
+
+    @property
+    def total(self) -> int:
+        """Batches of the epochs this run trains (the resumed ones excluded)."""
+        return max(self.epochs - self.first_epoch, 0) * self.batches_per_epoch
+
+    def advance(self, event: PassEvent) -> None:
+        """Count the batches ``event`` adds to its pass."""
+        pass_index, counted = self._current
+        if pass_index != event.pass_index:
+            counted = 0
+        if self.done == 0:  # the clock starts with the first pass, after the set-up
+            self.started = time.perf_counter() - event.seconds
+        self.done += event.batches - counted
+        self._current = (event.pass_index, event.batches)
+
+    def eta(self) -> float | None:
+        """Seconds left at the mean pace so far, or ``None`` before the first batch."""
+        if self.done == 0:
+            return None
+        elapsed = time.perf_counter() - self.started
+        return elapsed / self.done * max(self.total - self.done, 0)
+
+
+def _loss(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.4f}"
+
+
+@attrs.define(eq=False)
+class RichReporter:
+    """A rich progress bar: epoch, pass, batch i/n, loss, examples/s, ETA."""
+
+    progress: Progress
+    task: TaskID
+    epochs: int
+
+    def update(self, event: PassEvent, counter: PassCounter, accuracy: float | None) -> None:
+        total = event.total_batches if event.total_batches is not None else "?"
+        fields: dict[str, Any] = {
+            "epoch": f"epoch {event.epoch + 1}/{self.epochs}",
+            "kind": event.kind,
+            "batch": f"batch {event.batches}/{total}",
+            "loss": f"loss {_loss(event.loss)}",
+            "rate": f"{event.examples_per_second:,.0f} ex/s",
+        }
+        if accuracy is not None:
+            fields["loss"] += f" acc {accuracy:.1%}"
+        self.progress.update(self.task, completed=counter.done, **fields)
+
+
+@attrs.define(eq=False)
+class LogReporter:
+    """One INFO log line per pass, for logs and pipes."""
+
+    epochs: int
+
+    def update(self, event: PassEvent, counter: PassCounter, accuracy: float | None) -> None:
+        if not event.done:
+            return
+        eta = counter.eta()
+        logger.info(
+            "epoch %d/%d %s: %d batches, loss %s%s, %.0f examples/s, %.2f s, ETA %s",
+            event.epoch + 1,
+            self.epochs,
+            event.kind,
+            event.batches,
+            _loss(event.loss),
+            f", accuracy {accuracy:.1%}" if accuracy is not None else "",
+            event.examples_per_second,
+            event.seconds,
+            "-" if eta is None else f"{eta:.1f} s",
+        )
+
+
+@contextmanager
+def open_reporter(console: Console, *, epochs: int, total: int) -> Iterator[Reporter]:
+    """A :class:`RichReporter` when ``console`` is a terminal, else a :class:`LogReporter`."""
+    if not console.is_terminal:
+        yield LogReporter(epochs=epochs)
+        return
+    progress = Progress(
+        TextColumn("{task.fields[epoch]} {task.fields[kind]:<5}"),
+        BarColumn(),
+        TextColumn("{task.fields[batch]}"),
+        TextColumn("{task.fields[loss]}"),
+        TextColumn("{task.fields[rate]}"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+    )
+    with progress:
+        task = progress.add_task(
+            "train",
+            total=total,
+            epoch="",
+            kind="",
+            batch="",
+            loss="",
+            rate="",
+        )
+        yield RichReporter(progress=progress, task=task, epochs=epochs)
+
+
+@attrs.define(eq=False)
+class MetricsFile:
+    """Appends one JSON line per finished pass to ``path`` (see :meth:`record`)."""
+
+    path: Path
+
+    def restart(self, first_epoch: int) -> None:
+        """Keep only the lines of epochs before ``first_epoch`` (a resumed run re-runs the
+        rest); an empty file for a new run."""
+        kept = [m for m in read_metrics(self.path) if m["epoch"] < first_epoch]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("".join(json.dumps(m) + "\n" for m in kept))
+
+    async def record(self, event: PassEvent, accuracy: float | None) -> None:
+        """Append the finished pass ``event`` (and the validation accuracy, if any)."""
+        line = {
+            "epoch": event.epoch,
+            "kind": event.kind,
+            "pass_index": event.pass_index,
+            "loss": event.loss,
+            "examples": event.examples,
+            "batches": event.batches,
+            "seconds": round(event.seconds, 6),
+            "examples_per_second": round(event.examples_per_second, 1),
+        }
+        if accuracy is not None:
+            line["accuracy"] = accuracy
+        text = json.dumps(line) + "\n"
+
+        def append() -> None:
+            with self.path.open("a") as file:
+                file.write(text)
+
+        await anyio.to_thread.run_sync(append)
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics file, oldest first; none when it does not exist."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def on_pass_event(
+    reporter: Reporter,
+    counter: PassCounter,
+    metrics: MetricsFile,
+    validation_accuracy: Callable[[], Awaitable[float]],
+) -> Callable[[PassEvent], Awaitable[None]]:
+    """The ``on_event`` effect of the demo's root: count, measure accuracy after a
+    validation pass, write the metrics line, show progress."""
+
+    async def on_event(event: PassEvent) -> None:
+        counter.advance(event)
+        accuracy = None
+        if event.kind == "valid" and event.done:
+            accuracy = await validation_accuracy()
+        if event.done:
+            await metrics.record(event, accuracy)
+        reporter.update(event, counter, accuracy)
+
+    return on_event

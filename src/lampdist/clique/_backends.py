@@ -1,0 +1,220 @@
+"""Building the torch process group of a clique: Gloo or NCCL, deadlines, error mapping."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import anyio
+import attrs
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroupGloo, TCPStore
+
+from .._errors import CliqueError, CliqueTimeout, CollectiveFailed, LampdistError
+from ._bridge import Failure
+
+__all__ = [
+    "ABORT_KEY",
+    "Deadline",
+    "Setup",
+    "describe",
+    "make_gloo",
+    "make_nccl",
+    "prefer_nccl_cleanup",
+    "span",
+    "translate",
+]
+
+logger = logging.getLogger(__name__)
+
+SETUP = "clique setup"
+ABORT_KEY = "abort"  # where a rank that leaves abnormally posts "rank\nreason"
+_SETUP_POLL = 0.05  # seconds: the slices of the setup waits
+NO_LIMIT = timedelta(days=365)  # what the process group gets for "None: no limit"
+_GLOO_THREADS = 2
+_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+_env_lock = threading.Lock()
+
+
+def span(seconds: float | None) -> timedelta:
+    """Seconds as a timedelta for torch; ``None`` (no limit) as a year."""
+    return NO_LIMIT if seconds is None else timedelta(seconds=seconds)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def translate(exc: BaseException, phase: str) -> Failure:
+    """A torch error as a lampdist failure: a timeout, or a failed collective."""
+    if isinstance(exc, LampdistError):
+        return type(exc), exc.message
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    lowered = text.lower()
+    kind: type[LampdistError] = CollectiveFailed
+    if "timed out" in lowered or "timeout" in lowered:
+        kind = CliqueTimeout
+    elif phase == SETUP:
+        kind = CliqueError
+    return kind, f"{phase} failed: {text}"
+
+
+def prefer_nccl_cleanup() -> None:
+    """Make NCCL's watchdog abort the communicator on an error instead of killing the process.
+
+    torch's default (3, tear the process down) would turn a dead peer into SIGABRT; 2 aborts
+    the communicator and lets the clique raise. Only set when the user has not chosen.
+    """
+    with _env_lock:
+        if _NCCL_ERROR_HANDLING not in os.environ:
+            os.environ[_NCCL_ERROR_HANDLING] = "2"
+            logger.info(
+                "set %s=2 so that NCCL errors raise instead of aborting the process",
+                _NCCL_ERROR_HANDLING,
+            )
+
+
+@attrs.define(eq=False)
+class Deadline:
+    """The setup budget of one rank: ``remaining()`` is the time left, or raises once spent."""
+
+    seconds: float | None
+    rank: int
+    start: float = attrs.field(factory=time.monotonic)
+
+    def remaining(self) -> timedelta:
+        if self.seconds is None:
+            return NO_LIMIT
+        left = self.start + self.seconds - time.monotonic()
+        if left <= 0:
+            raise CliqueTimeout(
+                f"the clique was not set up within setup_timeout={self.seconds} s; "
+                "check that every rank opens it with the same clique id",
+                rank=self.rank,
+                phase=SETUP,
+            )
+        return timedelta(seconds=left)
+
+
+@attrs.define(eq=False)
+class Setup:
+    """What every wait of the setup checks between its short slices: the deadline, the
+    caller's cancellation (``check_cancelled`` raises it in the worker thread) and, once the
+    keys are known, a peer's notice that it abandoned the setup. A rank that dies or is
+    cancelled in setup thus frees the others at once instead of at ``setup_timeout``."""
+
+    deadline: Deadline
+    check_cancelled: Callable[[], None]
+    keys: Any = None
+
+    def remaining(self) -> timedelta:
+        """The setup time left; raises the cancellation, a peer's abort, or the timeout."""
+        self.check_cancelled()
+        if self.keys is not None and self.keys.check([ABORT_KEY]):
+            notice = self.keys.get(ABORT_KEY).decode(errors="replace")
+            peer, _, reason = notice.partition("\n")
+            if peer != str(self.deadline.rank):
+                raise CollectiveFailed(
+                    f"rank {peer} left the clique during setup: {reason}",
+                    rank=self.deadline.rank,
+                    phase=SETUP,
+                )
+        return self.deadline.remaining()
+
+    def wait_for(self, keys: Any, names: list[str]) -> None:
+        """Wait until ``names`` exist in ``keys``, in slices."""
+        while not keys.check(names):
+            self.remaining()
+            time.sleep(_SETUP_POLL)
+
+    def connect_store(self, host: str, port: int) -> Any:
+        """A client of the rendezvous store. While the store refuses connections (its rank 0
+        is gone), retry in slices rather than inside torch's uninterruptible connect loop."""
+        while True:
+            left = self.remaining()
+            try:
+                socket.create_connection((host, port), timeout=left.total_seconds()).close()
+                break
+            except OSError as exc:
+                logger.debug("rank %d: store not reachable: %s", self.deadline.rank, exc)
+                time.sleep(_SETUP_POLL)
+        return TCPStore(host, port, None, False, timeout=self.remaining(), wait_for_workers=False)
+
+    def abandon(self, exc: BaseException) -> None:
+        """Tell the peers that this rank abandoned the setup, unless one of them did first."""
+        try:
+            if self.keys is not None:  # the first notice stays: it names the cause
+                self.keys.compare_set(ABORT_KEY, "", f"{self.deadline.rank}\n{describe(exc)}")
+        except Exception as error:  # the store is gone: the peers notice that themselves
+            logger.debug("rank %d: could not post the abort notice: %s", self.deadline.rank, error)
+
+
+def describe(exc: BaseException) -> str:
+    """``"Type: first line"`` of ``exc``, or ``"cancelled"``, for abort notices."""
+    if isinstance(exc, anyio.get_cancelled_exc_class()):
+        return "cancelled"
+    text = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def make_gloo(
+    *,
+    store: Any,
+    host: str,
+    rank: int,
+    nranks: int,
+    name: str,
+    deadline: Deadline,
+    op_timeout: timedelta,
+) -> Any:
+    """A Gloo group on the loopback device for a loopback rendezvous, else the default one."""
+    gloo = ProcessGroupGloo
+    options = gloo._Options()  # type: ignore[attr-defined]  # the stubs call it Options
+    if _is_loopback(host):
+        device = gloo.create_device(hostname="127.0.0.1", lazy_init=False)
+    else:
+        device = gloo.create_default_device(lazy_init=False)
+    options._devices = [device]
+    options._threads = _GLOO_THREADS
+    options._timeout = deadline.remaining()  # the constructor's wait for all ranks
+    options.group_name = name
+    group = gloo(store, rank, nranks, options)  # blocks until every rank has connected
+    group.set_timeout(op_timeout)
+    return group
+
+
+def make_nccl(
+    *,
+    store: Any,
+    rank: int,
+    nranks: int,
+    name: str,
+    device: torch.device,
+    op_timeout: timedelta,
+) -> Any:
+    """An NCCL group whose communicator is built now, not at the first collective. NCCL's own
+    setup is unbounded: call it once every rank is known to be ready."""
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
+    if nccl is None:
+        raise CliqueError("this torch build has no NCCL", rank=rank, phase=SETUP)
+    options = nccl.Options()
+    options._timeout = op_timeout
+    options.is_high_priority_stream = False
+    options.group_name = name
+    group = nccl(store, rank, nranks, options)
+    with torch.cuda.device(device):
+        group.eager_connect_single_device(device)  # blocks until every rank has joined
+    return group

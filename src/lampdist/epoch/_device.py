@@ -1,0 +1,26 @@
+"""Host values onto a device without waiting for it.
+
+Writing a Python number into a CUDA tensor (``t[0] = n``, ``torch.tensor(..., device=cuda)``)
+copies from pageable memory, which waits for all work queued on the stream. On the event loop
+that stalls every rank of the process, and when another in-process rank still has to queue
+its part of a collective the stream is waiting for, it deadlocks. These helpers copy from
+pinned memory instead, which returns at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["host_to_device"]
+
+
+def host_to_device(
+    values: Sequence[float], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A 1-d tensor of ``values`` on ``device``, copied without blocking the host."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    pinned = torch.tensor(values, dtype=dtype, pin_memory=True)
+    return pinned.to(device, non_blocking=True)

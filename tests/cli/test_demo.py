@@ -1,0 +1,190 @@
+"""``lampdist demo`` end to end, as a user runs it: subprocesses, real files, real signals."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+from rich.console import Console
+
+from lampdist import ConfigError
+from lampdist.cli._demo import DemoOptions, choose_launch, run_demo
+from lampdist.cli._demo import _prepare as prepare
+from lampdist.cli._progress import PassCounter, read_metrics
+from lampdist.cli._summary import summary_lines
+from lampdist.epoch import PassEvent
+
+ROOT_DIR = Path(__file__).resolve().parents[2]
+
+
+def environment(**extra: str) -> dict[str, str]:
+    path = os.pathsep.join([str(ROOT_DIR / "src"), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # the demo runs on asyncio (anyio.run's default)
+
+
+def start_demo(*args: str, cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "lampdist.cli", "demo", *args],
+        cwd=cwd,
+        env=environment(LAMPDIST_SECRET="demo-test"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+async def test_demo_trains_writes_its_files_and_resumes(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    first = await anyio.run_process(
+        [sys.executable, "-m", "lampdist.cli", "demo", "--epochs", "2", "--out", str(out)],
+        cwd=tmp_path,
+        env=environment(),
+        check=False,
+    )
+    stdout, stderr = first.stdout.decode(), first.stderr.decode()
+    assert first.returncode == 0, stderr
+    accuracy = re.search(r"validation accuracy ([\d.]+)%", stdout)
+    assert accuracy is not None, stdout
+    assert float(accuracy.group(1)) > 50  # chance is 10%
+    assert "2 epochs (1-2) on 2 ranks (cpu)" in stdout
+    assert "epoch 2/2 valid" in stderr  # plain log lines: stdout is no terminal here
+    metrics = read_metrics(out / "metrics.jsonl")
+    assert [(m["epoch"], m["kind"]) for m in metrics] == [
+        (0, "train"),
+        (0, "valid"),
+        (1, "train"),
+        (1, "valid"),
+    ]
+    assert all(0 <= m["accuracy"] <= 1 for m in metrics if m["kind"] == "valid")
+    assert metrics[1]["examples"] == 359  # the whole validation split, over both ranks
+    assert (out / "learning_curve.png").read_bytes().startswith(b"\x89PNG")
+    assert (out / "checkpoints" / "epoch-000002").is_dir()
+    state = torch.load(out / "model.pt", weights_only=True)
+    assert state["0.weight"].shape == (128, 64)
+
+    # --resume, in this process (what the command runs after parsing its flags)
+    options = DemoOptions(epochs=3, resume=True, out=out)
+    resumed = await run_demo(options, Console(file=io.StringIO()), environ={})
+    assert resumed is not None
+    assert (resumed.first_epoch, resumed.state.epoch) == (2, 3)
+    assert len(resumed.state.learning_curve) == 3  # the history came back with the checkpoint
+    assert "1 epoch (3-3) on 2 ranks (cpu)" in summary_lines(resumed)[0]
+    epochs = [m["epoch"] for m in read_metrics(out / "metrics.jsonl")]
+    assert epochs == [0, 0, 1, 1, 2, 2]
+
+
+async def test_a_new_run_refuses_to_overwrite_one(tmp_path: Path) -> None:
+    (tmp_path / "checkpoints" / "epoch-000001").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="already holds a run: pass --resume"):
+        await prepare(tmp_path, resume=False)
+    assert await prepare(tmp_path / "new", resume=True) is None  # nothing to resume: start anew
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_ranks_in_separate_processes_and_a_graceful_stop_on_sigterm(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    flags = ["--nranks", "2", "--port", str(free_port()), "--epochs", "10000", "--out", str(out)]
+    root = start_demo("--role", "root", *flags, cwd=tmp_path)
+    follower = start_demo("--role", "follower", "--rank", "1", *flags, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 90
+        while len(read_metrics(out / "metrics.jsonl")) < 3:  # one epoch and its checkpoint done
+            assert root.poll() is None and follower.poll() is None, "a rank ended early"
+            assert time.monotonic() < deadline, "the ranks made no progress"
+            time.sleep(0.1)
+        root.send_signal(signal.SIGTERM)
+        _, root_err = root.communicate(timeout=30)
+        _, follower_err = follower.communicate(timeout=30)
+    finally:
+        for process in (root, follower):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert root.returncode == 128 + signal.SIGTERM, root_err
+    assert "stopped by SIGTERM; continue with: lampdist demo --resume" in root_err
+    # the follower stops too, with an error that names the root
+    assert follower.returncode == 1, follower_err
+    assert "the run failed" in follower_err and "rank 0" in follower_err
+    assert any((out / "checkpoints").glob("epoch-*"))  # what was committed stays
+
+
+def test_choose_launch_from_role_flags() -> None:
+    options = DemoOptions(role="follower", rank=1, nranks=3, host="10.0.0.5", port=4000)
+    launch = choose_launch(options, {"LAMPDIST_SECRET": "s", "RANK": "7"})
+    assert launch is not None
+    assert (launch.rank, launch.nranks, launch.host, launch.port) == (1, 3, "10.0.0.5", 4000)
+    assert launch.device == torch.device("cpu")
+
+
+def test_choose_launch_under_torchrun_and_here() -> None:
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}
+    launch = choose_launch(DemoOptions(), {**torchrun, "LAMPDIST_SECRET": "s"})
+    assert launch is not None and (launch.rank, launch.port) == (0, 29501)
+    assert choose_launch(DemoOptions(), {"PATH": "/bin"}) is None
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (DemoOptions(role="root", rank=1, nranks=2, port=1), "the root is rank 0"),
+        (DemoOptions(role="follower", rank=1, nranks=2), "--role needs --nranks and --port"),
+        (DemoOptions(role="follower", rank=1, nranks=2, port=1), "LAMPDIST_SECRET"),
+    ],
+)
+def test_choose_launch_refuses_bad_flags(options: DemoOptions, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        choose_launch(options, {})
+
+
+def event(pass_index: int, batches: int, seconds: float) -> PassEvent:
+    return PassEvent(
+        epoch=0,
+        kind="train",
+        pass_index=pass_index,
+        step=batches,
+        batches=batches,
+        total_batches=10,
+        examples=batches * 8,
+        loss=1.0,
+        seconds=seconds,
+        done=False,
+    )
+
+
+def test_pass_counter_counts_batches_across_passes() -> None:
+    counter = PassCounter(first_epoch=1, epochs=3, batches_per_epoch=12)
+    assert counter.total == 24 and counter.eta() is None
+    counter.advance(event(0, 4, 0.5))
+    counter.advance(event(0, 10, 1.0))
+    counter.advance(event(1, 2, 0.1))
+    assert counter.done == 12
+    eta = counter.eta()
+    assert eta is not None and eta > 0
+
+
+def test_metrics_lines_are_json(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps({"epoch": 0}) + "\n\n" + json.dumps({"epoch": 1}) + "\n")
+    assert read_metrics(path) == [{"epoch": 0}, {"epoch": 1}]
+    assert read_metrics(tmp_path / "missing.jsonl") == []

@@ -1,0 +1,114 @@
+"""The examples run as documented: in-process for the anyio script and the service, under
+torchrun (as a subprocess, two CPU ranks) for the torchrun script."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+ROOT_DIR = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT_DIR / "examples"
+
+
+def load(name: str) -> ModuleType:
+    """Import ``examples/<name>.py`` (the examples are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"examples_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+async def test_anyio_script_trains_and_the_loss_falls() -> None:
+    example = load("anyio_script")
+    with anyio.fail_after(60):
+        state = await example.main(epochs=3)
+    losses = [point.validation_loss for point in state.learning_curve]
+    assert len(losses) == 3
+    assert losses[-1] < losses[0] / 2
+
+
+def test_torchrun_script_under_torchrun(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "LAMPDIST_SECRET": "example-secret",
+        "PYTHONPATH": os.pathsep.join([str(ROOT_DIR / "src"), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", str(EXAMPLES / "torchrun_script.py"), "--epochs", "3"]
+    done = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = {r["rank"]: r for r in map(json.loads, _json_lines(done.stdout))}
+    assert sorted(results) == [0, 1], done.stdout
+    assert results[0]["checksum"] == results[1]["checksum"]  # every rank ends with the weights
+    losses = results[0]["validation_losses"]
+    assert len(losses) == 3 and losses[-1] < losses[0] / 2
+    assert "validation_losses" not in results[1]  # followers get None from lampdist.train
+
+
+def _json_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture
+def service() -> ModuleType:
+    pytest.importorskip("starlette")
+    return load("job_service")
+
+
+async def _client_for(service: ModuleType) -> tuple[Any, httpx.AsyncClient]:
+    app = service.app
+    transport = httpx.ASGITransport(app=app)
+    return app, httpx.AsyncClient(transport=transport, base_url="http://service")
+
+
+async def test_job_service_streams_a_job_to_its_end(service: ModuleType) -> None:
+    app, client = await _client_for(service)
+    with anyio.fail_after(60):
+        async with app.router.lifespan_context(app), client:
+            started = await client.post("/jobs", json={"epochs": 2})
+            assert started.status_code == 201
+            job = started.json()["id"]
+            events = await client.get(f"/jobs/{job}/events")  # ends with the job
+            lines = [json.loads(line) for line in events.text.splitlines()]
+            assert [(e["epoch"], e["kind"]) for e in lines[:-1]] == [
+                (0, "train"),
+                (0, "valid"),
+                (1, "train"),
+                (1, "valid"),
+            ]
+            assert lines[-1] == {"status": "done"}
+            assert (await client.get(f"/jobs/{job}")).json()["status"] == "done"
+            assert (await client.get("/jobs/99")).status_code == 404
+            assert (await client.post("/jobs", json={"epochs": 0})).status_code == 422
+
+
+async def test_job_service_cancels_a_job_and_runs_the_next(service: ModuleType) -> None:
+    app, client = await _client_for(service)
+    with anyio.fail_after(60):
+        async with app.router.lifespan_context(app), client:
+            job = (await client.post("/jobs", json={"epochs": 100_000})).json()["id"]
+            while (await client.get(f"/jobs/{job}")).json()["last"] is None:  # noqa: ASYNC110
+                await anyio.sleep(0.05)  # a client polls the service as it would over HTTP
+            cancelled = await client.delete(f"/jobs/{job}")  # answers once every rank stopped
+            assert cancelled.json()["status"] == "cancelled"
+            events = (await client.get(f"/jobs/{job}/events")).text.splitlines()
+            assert json.loads(events[-1]) == {"status": "cancelled"}
+            assert len(events) < 100_000
+            # the cancelled job released its ranks and process group: the next one runs
+            second = (await client.post("/jobs", json={"epochs": 1})).json()["id"]
+            await client.get(f"/jobs/{second}/events")
+            assert (await client.get(f"/jobs/{second}")).json()["status"] == "done"

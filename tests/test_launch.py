@@ -1,0 +1,275 @@
+"""lampdist.launch reads torchrun's and SLURM's variables; lampdist.train runs the right role."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import ssl
+from collections.abc import Iterable
+from pathlib import Path
+
+import anyio
+import attrs
+import pytest
+import torch
+import trustme
+
+import lampdist
+from lampdist.launch import LaunchEnv, first_slurm_host, from_env
+from lampdist.roles import Interrupted, run_until_signal
+
+TORCHRUN = {
+    "RANK": "1",
+    "WORLD_SIZE": "4",
+    "LOCAL_RANK": "1",
+    "MASTER_ADDR": "node-a",
+    "MASTER_PORT": "29500",
+    "LAMPDIST_SECRET": "s3cret",
+}
+SLURM = {
+    "SLURM_PROCID": "9",
+    "SLURM_NTASKS": "16",
+    "SLURM_LOCALID": "1",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "MASTER_PORT": "29500",
+    "LAMPDIST_SECRET": "s3cret",
+}
+
+
+def test_torchrun_variables() -> None:
+    env = from_env(TORCHRUN)
+    assert (env.rank, env.nranks, env.local_rank) == (1, 4, 1)
+    assert (env.host, env.port, env.secret) == ("node-a", 29501, "s3cret")
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert env.device.type == expected
+    assert not env.is_root
+
+
+def test_slurm_variables_take_the_first_node() -> None:
+    env = from_env(SLURM)
+    assert (env.rank, env.nranks, env.local_rank) == (9, 16, 1)
+    assert (env.host, env.port) == ("gpu07", 29501)
+    assert from_env({**SLURM, "MASTER_ADDR": "10.1.2.3"}).host == "10.1.2.3"
+
+
+def test_torchrun_wins_over_slurm() -> None:
+    assert from_env({**SLURM, **TORCHRUN}).rank == 1
+
+
+def test_lampdist_port_overrides_master_port() -> None:
+    assert from_env({**TORCHRUN, "LAMPDIST_PORT": "40000"}).port == 40000
+
+
+def test_secret_from_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "secret"
+    path.write_bytes(b"from-file\n")
+    environ = {k: v for k, v in TORCHRUN.items() if k != "LAMPDIST_SECRET"}
+    env = from_env({**environ, "LAMPDIST_SECRET_FILE": str(path)})
+    assert env.secret == b"from-file"
+    assert "from-file" not in repr(env) and "s3cret" not in repr(from_env(TORCHRUN))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"RANK": None}, "RANK is not set"),
+        ({"MASTER_ADDR": None}, "MASTER_ADDR is not set"),
+        ({"MASTER_PORT": None}, "MASTER_PORT"),
+        ({"WORLD_SIZE": "two"}, "WORLD_SIZE must be an integer"),
+        ({"RANK": "4"}, "rank 4 is not in 0..3"),
+        ({"LOCAL_RANK": "2"}, "local rank 2 must be in 0..1"),
+        ({"LAMPDIST_SECRET": None}, "set LAMPDIST_SECRET"),
+        ({"LAMPDIST_SECRET": ""}, "LAMPDIST_SECRET is set but empty"),
+        ({"LAMPDIST_SECRET_FILE": "/nonexistent/secret"}, "both LAMPDIST_SECRET and"),
+        ({"LAMPDIST_PORT": "70000"}, "not in 1..65535"),
+    ],
+)
+def test_missing_or_inconsistent_variables(change: dict[str, str | None], message: str) -> None:
+    environ = dict(TORCHRUN)
+    for name, value in change.items():
+        if value is None:
+            environ.pop(name)
+        else:
+            environ[name] = value
+    with pytest.raises(lampdist.ConfigError, match=message):
+        from_env(environ)
+
+
+def test_unreadable_secret_file() -> None:
+    environ = {k: v for k, v in TORCHRUN.items() if k != "LAMPDIST_SECRET"}
+    with pytest.raises(lampdist.ConfigError, match="cannot read LAMPDIST_SECRET_FILE"):
+        from_env({**environ, "LAMPDIST_SECRET_FILE": "/nonexistent/secret"})
+
+
+def test_no_launcher() -> None:
+    with pytest.raises(lampdist.ConfigError, match="not started by torchrun or srun"):
+        from_env({"PATH": "/bin"})
+
+
+def test_slurm_needs_a_port() -> None:
+    environ = {k: v for k, v in SLURM.items() if k != "MASTER_PORT"}
+    with pytest.raises(lampdist.ConfigError, match="set MASTER_PORT"):
+        from_env(environ)
+
+
+def test_one_rank_needs_no_secret() -> None:
+    env = from_env({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+    assert env.secret is None and env.is_root
+
+
+def test_a_follower_needs_the_port() -> None:
+    with pytest.raises(lampdist.ConfigError, match="needs the root's control port"):
+        LaunchEnv(rank=1, nranks=2, secret="s")
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "first"),
+    [
+        ("node1", "node1"),
+        ("node1,node2", "node1"),
+        ("gpu[07-08,12],cpu3", "gpu07"),
+        ("gpu[3,5-6]", "gpu3"),
+        ("rack[1-2]-node[001-004]", "rack1-node001"),
+        ("n[10-11]-ib,m1", "n10-ib"),
+    ],
+)
+def test_first_slurm_host(nodelist: str, first: str) -> None:
+    assert first_slurm_host(nodelist) == first
+
+
+@pytest.mark.parametrize("nodelist", ["", "gpu[07-08", "gpu]1["])
+def test_malformed_slurm_node_list(nodelist: str) -> None:
+    with pytest.raises(lampdist.ConfigError, match="cannot read the SLURM node list"):
+        first_slurm_host(nodelist)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def shard(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(rank)
+    inputs = torch.randn(24, 3, generator=generator)
+    return [(inputs[i : i + 8], inputs[i : i + 8].sum(1, keepdim=True)) for i in (0, 8, 16)]
+
+
+def sgd(parameters: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(parameters, lr=0.1)
+
+
+async def test_train_runs_the_root_on_rank_0_and_a_follower_elsewhere() -> None:
+    port = free_port()
+    modules = [torch.nn.Linear(3, 1) for _ in range(2)]
+    results: dict[int, lampdist.LoopState | None] = {}
+
+    async def rank(r: int) -> None:
+        results[r] = await lampdist.train(
+            launch=LaunchEnv(rank=r, nranks=2, port=port, secret="test"),
+            model=lampdist.SupervisedModel(modules[r], torch.nn.functional.mse_loss),
+            optimizer_factory=sgd,
+            train_batches=lambda: shard(r),
+            validation_batches=lambda: shard(10 + r),
+            max_epochs=2,
+            stop_on_signals=False,
+            join_timeout=20,
+        )
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as group:
+            group.start_soon(rank, 1)
+            group.start_soon(rank, 0)
+    root = results[0]
+    assert root is not None and results[1] is None
+    assert root.epoch == 2 and len(root.learning_curve) == 2
+    for a, b in zip(modules[0].parameters(), modules[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+async def test_train_over_tls() -> None:
+    ca = trustme.CA()
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server)
+    client = ssl.create_default_context()
+    ca.configure_trust(client)
+    port = free_port()
+    results: dict[int, lampdist.LoopState | None] = {}
+
+    async def rank(r: int) -> None:
+        results[r] = await lampdist.train(
+            launch=LaunchEnv(rank=r, nranks=2, port=port, secret="test"),
+            model=lampdist.SupervisedModel(torch.nn.Linear(3, 1), torch.nn.functional.mse_loss),
+            optimizer_factory=sgd,
+            train_batches=lambda: shard(r),
+            max_epochs=1,
+            ssl_context=server if r == 0 else client,
+            stop_on_signals=False,
+            join_timeout=20,
+        )
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as group:
+            group.start_soon(rank, 0)
+            group.start_soon(rank, 1)
+    root = results[0]
+    assert root is not None and root.epoch == 1 and results[1] is None
+
+
+async def test_train_with_one_rank_needs_no_network() -> None:
+    module = torch.nn.Linear(3, 1)
+    with anyio.fail_after(20):
+        state = await lampdist.train(
+            launch=LaunchEnv(rank=0, nranks=1),
+            model=lampdist.SupervisedModel(module, torch.nn.functional.mse_loss),
+            optimizer_factory=sgd,
+            train_batches=lambda: shard(0),
+            max_epochs=1,
+        )
+    assert state is not None and state.epoch == 1
+
+
+async def test_a_signal_cancels_the_work_and_raises_interrupted() -> None:
+    cleaned_up = anyio.Event()
+
+    async def work() -> None:
+        try:
+            await anyio.wait_all_tasks_blocked()  # the signal receiver is installed now
+            os.kill(os.getpid(), signal.SIGINT)
+            await anyio.sleep_forever()
+        finally:
+            cleaned_up.set()
+
+    with anyio.fail_after(10), pytest.raises(Interrupted, match="stopped by SIGINT") as caught:
+        await run_until_signal(work, rank=3)
+    assert cleaned_up.is_set()
+    assert (caught.value.signum, caught.value.rank) == (signal.SIGINT, 3)
+
+
+async def test_without_a_signal_the_result_comes_back() -> None:
+    async def work() -> int:
+        return 42
+
+    assert await run_until_signal(work) == 42
+
+
+async def test_the_error_of_the_work_comes_back_as_it_is() -> None:
+    async def work() -> None:
+        raise lampdist.ConfigError("bad", rank=2)
+
+    with pytest.raises(lampdist.ConfigError, match="rank 2: bad"):
+        await run_until_signal(work)
+
+
+def test_launch_env_is_a_value() -> None:
+    env = LaunchEnv(rank=0, nranks=2, port=5, secret="x")
+    assert attrs.evolve(env, device=torch.device("cpu")) == env
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        env.rank = 1  # type: ignore[misc]
+
+
+def test_the_launch_module_documents_its_names() -> None:
+    assert lampdist.launch.__all__ == sorted(lampdist.launch.__all__)
+    for name in lampdist.launch.__all__:
+        assert getattr(lampdist.launch, name).__doc__, name
