@@ -12,7 +12,6 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import anyio
 import attrs
 import torch
 import torch.distributed as dist
@@ -163,9 +162,10 @@ class Setup:
 
 
 def describe(exc: BaseException) -> str:
-    """``"Type: first line"`` of ``exc``, or ``"cancelled"``, for abort notices."""
-    if isinstance(exc, anyio.get_cancelled_exc_class()):
-        return "cancelled"
+    """``"Type: first line"`` of ``exc``, or ``"cancelled"``, for abort notices. Works in any
+    thread (the backend's cancellation class is known only on the event loop thread)."""
+    if not isinstance(exc, Exception | KeyboardInterrupt | SystemExit | GeneratorExit):
+        return "cancelled"  # asyncio's CancelledError, trio's Cancelled
     text = (str(exc).strip().splitlines() or [""])[0]
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
