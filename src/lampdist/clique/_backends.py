@@ -5,24 +5,38 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import attrs
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ProcessGroupGloo
+from torch._C._distributed_c10d import ProcessGroupGloo, TCPStore
 
 from .._errors import CliqueError, CliqueTimeout, CollectiveFailed, LampdistError
 from ._bridge import Failure
 
-__all__ = ["Deadline", "make_gloo", "make_nccl", "prefer_nccl_cleanup", "span", "translate"]
+__all__ = [
+    "ABORT_KEY",
+    "Deadline",
+    "Setup",
+    "describe",
+    "make_gloo",
+    "make_nccl",
+    "prefer_nccl_cleanup",
+    "span",
+    "translate",
+]
 
 logger = logging.getLogger(__name__)
 
 SETUP = "clique setup"
+ABORT_KEY = "abort"  # where a rank that leaves abnormally posts "rank\nreason"
+_SETUP_POLL = 0.05  # seconds: the slices of the setup waits
 NO_LIMIT = timedelta(days=365)  # what the process group gets for "None: no limit"
 _GLOO_THREADS = 2
 _NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
@@ -94,6 +108,68 @@ class Deadline:
         return timedelta(seconds=left)
 
 
+@attrs.define(eq=False)
+class Setup:
+    """What every wait of the setup checks between its short slices: the deadline, the
+    caller's cancellation (``check_cancelled`` raises it in the worker thread) and, once the
+    keys are known, a peer's notice that it abandoned the setup. A rank that dies or is
+    cancelled in setup thus frees the others at once instead of at ``setup_timeout``."""
+
+    deadline: Deadline
+    check_cancelled: Callable[[], None]
+    keys: Any = None
+
+    def remaining(self) -> timedelta:
+        """The setup time left; raises the cancellation, a peer's abort, or the timeout."""
+        self.check_cancelled()
+        if self.keys is not None and self.keys.check([ABORT_KEY]):
+            notice = self.keys.get(ABORT_KEY).decode(errors="replace")
+            peer, _, reason = notice.partition("\n")
+            if peer != str(self.deadline.rank):
+                raise CollectiveFailed(
+                    f"rank {peer} left the clique during setup: {reason}",
+                    rank=self.deadline.rank,
+                    phase=SETUP,
+                )
+        return self.deadline.remaining()
+
+    def wait_for(self, keys: Any, names: list[str]) -> None:
+        """Wait until ``names`` exist in ``keys``, in slices."""
+        while not keys.check(names):
+            self.remaining()
+            time.sleep(_SETUP_POLL)
+
+    def connect_store(self, host: str, port: int) -> Any:
+        """A client of the rendezvous store. While the store refuses connections (its rank 0
+        is gone), retry in slices rather than inside torch's uninterruptible connect loop."""
+        while True:
+            left = self.remaining()
+            try:
+                socket.create_connection((host, port), timeout=left.total_seconds()).close()
+                break
+            except OSError as exc:
+                logger.debug("rank %d: store not reachable: %s", self.deadline.rank, exc)
+                time.sleep(_SETUP_POLL)
+        return TCPStore(host, port, None, False, timeout=self.remaining(), wait_for_workers=False)
+
+    def abandon(self, exc: BaseException) -> None:
+        """Tell the peers that this rank abandoned the setup, unless one of them did first."""
+        try:
+            if self.keys is not None:  # the first notice stays: it names the cause
+                self.keys.compare_set(ABORT_KEY, "", f"{self.deadline.rank}\n{describe(exc)}")
+        except Exception as error:  # the store is gone: the peers notice that themselves
+            logger.debug("rank %d: could not post the abort notice: %s", self.deadline.rank, error)
+
+
+def describe(exc: BaseException) -> str:
+    """``"Type: first line"`` of ``exc``, or ``"cancelled"``, for abort notices. Works in any
+    thread (the backend's cancellation class is known only on the event loop thread)."""
+    if not isinstance(exc, Exception | KeyboardInterrupt | SystemExit | GeneratorExit):
+        return "cancelled"  # asyncio's CancelledError, trio's Cancelled
+    text = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def make_gloo(
     *,
     store: Any,
@@ -123,21 +199,17 @@ def make_gloo(
 def make_nccl(
     *,
     store: Any,
-    keys: Any,
     rank: int,
     nranks: int,
     name: str,
     device: torch.device,
-    deadline: Deadline,
     op_timeout: timedelta,
 ) -> Any:
-    """An NCCL group whose communicator is built now, not at the first collective."""
+    """An NCCL group whose communicator is built now, not at the first collective. NCCL's own
+    setup is unbounded: call it once every rank is known to be ready."""
     nccl = getattr(dist, "ProcessGroupNCCL", None)
     if nccl is None:
         raise CliqueError("this torch build has no NCCL", rank=rank, phase=SETUP)
-    # Every rank alive before NCCL's own, unbounded, communicator setup starts.
-    keys.set(f"ready/{rank}", "1")
-    keys.wait([f"ready/{peer}" for peer in range(nranks)], deadline.remaining())
     options = nccl.Options()
     options._timeout = op_timeout
     options.is_high_priority_stream = False

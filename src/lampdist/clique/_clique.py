@@ -10,6 +10,7 @@ from datetime import timedelta
 from typing import Any, cast
 
 import anyio
+import anyio.from_thread
 import anyio.to_thread
 import attrs
 import torch
@@ -304,8 +305,10 @@ def open_clique(
     collective (both in seconds, ``None`` for no limit). Blocking work (building the group,
     tearing it down) runs in worker threads taken from ``limiter``, one per rank at a time:
     a limiter shared by the ranks of one process needs at least as many tokens as there are
-    ranks, or setup deadlocks. Cancellation during setup takes effect once the group is built
-    or its setup has failed (those threads cannot be interrupted).
+    ranks, or setup deadlocks. Cancellation during setup takes effect within a fraction of a
+    second (the waits for the peers are short slices), and tells the peers, whose setup then
+    raises :class:`~lampdist.CollectiveFailed`; only torch's own group construction, which
+    starts once every rank is ready, cannot be interrupted.
 
     On exit the clique waits (up to ``collective_timeout``) for collectives that are still
     running and drops the process group. Leaving with an exception or by cancellation posts
@@ -372,6 +375,7 @@ async def _open(
         setup_timeout=setup_timeout,
         collective_timeout=collective_timeout,
         threaded=threaded,
+        check_cancelled=anyio.from_thread.check_cancelled,
     )
     group = await anyio.to_thread.run_sync(connect, limiter=limiter)
     clique = Clique(rank=rank, nranks=nranks, device=device, backend=group.backend, group=group)

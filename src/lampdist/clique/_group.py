@@ -24,18 +24,21 @@ import anyio
 import anyio.to_thread
 import attrs
 import torch
-from torch._C._distributed_c10d import PrefixStore, TCPStore
+from torch._C._distributed_c10d import PrefixStore
 
 from .._clique_id import CliqueId
 from .._errors import CliqueError, CliqueTimeout, CollectiveFailed, LampdistError
 from ._backends import (
+    ABORT_KEY,
     SETUP,
     Deadline,
+    Setup,
     make_gloo,
     make_nccl,
     span,
     translate,
 )
+from ._backends import describe as _describe
 from ._bridge import Failure, PendingCollective
 from ._tether import GOODBYE, Tether
 
@@ -50,7 +53,7 @@ _TEARDOWN = "clique teardown"
 _STORE_OP_TIMEOUT = timedelta(seconds=10)  # store operations after setup (abort notices)
 _WATCH_INTERVAL = 0.05  # how often the watcher polls the store for an abort notice
 _DRAIN_NO_LIMIT = 600.0  # how long close waits for pending work when collective_timeout is None
-_ABORT_KEY = "abort"
+_ABORT_KEY = ABORT_KEY
 
 
 @attrs.define(eq=False)
@@ -89,14 +92,19 @@ class Group:
         setup_timeout: float | None,
         collective_timeout: float | None,
         threaded: bool,
+        check_cancelled: Callable[[], None] = lambda: None,
     ) -> Group:
         """Build the process group (blocking: run it in a worker thread).
 
-        Raises :class:`CliqueTimeout` when the peers do not all arrive within
-        ``setup_timeout`` and :class:`CliqueError` on any other setup failure.
+        Every wait until all ranks are known to be ready is a loop of short slices that calls
+        ``check_cancelled`` (``anyio.from_thread.check_cancelled``) and looks for a peer's
+        abort notice. Raises :class:`CliqueTimeout` when the peers do not all arrive within
+        ``setup_timeout``, :class:`CollectiveFailed` when a peer abandoned the setup, and
+        :class:`CliqueError` on any other setup failure.
         """
         backend = "nccl" if device.type == "cuda" else "gloo"
         deadline = Deadline(setup_timeout, rank)
+        setup = Setup(deadline, check_cancelled)
         op_timeout = span(collective_timeout)
         store: Any = None
         keys: Any = None
@@ -105,17 +113,11 @@ class Group:
         pg_store: Any = None
         tether: Tether | None = None
         try:
-            store = TCPStore(
-                clique_id.host,
-                clique_id.port,
-                None,
-                False,
-                timeout=deadline.remaining(),
-                wait_for_workers=False,
-            )
+            store = setup.connect_store(clique_id.host, clique_id.port)
             base = PrefixStore(clique_id.prefix, store)
             generation = base.add(f"generation/{rank}", 1)  # several openings of one id
             keys = PrefixStore(f"open/{generation}", base)
+            setup.keys = keys
             pg_store = PrefixStore("pg", keys)
             name = f"lampdist-{clique_id.prefix[:8]}-{generation}"
             tether = Tether.connect(
@@ -124,8 +126,12 @@ class Group:
                 nranks=clique_id.nranks,
                 host=clique_id.host,
                 port=clique_id.port,
-                remaining=deadline.remaining,
+                remaining=setup.remaining,
             )
+            # Every rank alive and tied to rank 0 before the process group's own setup,
+            # which cannot be interrupted, starts.
+            keys.set(f"ready/{rank}", "1")
+            setup.wait_for(keys, [f"ready/{peer}" for peer in range(clique_id.nranks)])
             if backend == "gloo":
                 pg = make_gloo(
                     store=pg_store,
@@ -139,12 +145,10 @@ class Group:
             else:
                 pg = make_nccl(
                     store=pg_store,
-                    keys=keys,
                     rank=rank,
                     nranks=clique_id.nranks,
                     name=name,
                     device=device,
-                    deadline=deadline,
                     op_timeout=op_timeout,
                 )
             store.set_timeout(_STORE_OP_TIMEOUT)
@@ -160,6 +164,8 @@ class Group:
                 tether=tether,
             )
         except BaseException as exc:
+            setup.abandon(exc)
+            setup.keys = None
             # Drop every partial object here, before the error travels with our frame.
             if tether is not None:
                 tether.close(goodbye=False)
@@ -484,10 +490,3 @@ class Group:
             # Every reference above is dropped by reference counting; after a failure, also
             # collect the cycles that tracebacks form, in case one of them reaches a work.
             gc.collect()
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, anyio.get_cancelled_exc_class()):
-        return "cancelled"
-    text = (str(exc).strip().splitlines() or [""])[0]
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -16,6 +16,7 @@ import logging
 import secrets
 import socket
 import struct
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 GOODBYE = b"B"
 _KEY = "tether"
+_POLL = 0.05  # seconds: the slices of the setup waits, between which remaining() is called
 _HELLO = struct.Struct("!I32s")  # rank, token
 
 
@@ -71,12 +73,15 @@ class Tether:
         remaining: Any,
     ) -> Tether:
         """Tie this rank to rank 0 (blocking; ``remaining()`` gives the setup time left as a
-        :class:`~datetime.timedelta` and raises once it is spent)."""
+        :class:`~datetime.timedelta` and raises once it is spent, or the setup was cancelled
+        or abandoned by a peer: the waits here are short slices that call it)."""
         if nranks == 1:
             return cls(sockets={})
         if rank == 0:
             return cls._serve(keys=keys, nranks=nranks, host=host, port=port, remaining=remaining)
-        keys.wait([_KEY], remaining())
+        while not keys.check([_KEY]):  # in short waits: remaining() also notices cancellation
+            remaining()
+            time.sleep(_POLL)
         info = json.loads(keys.get(_KEY))
         sock = socket.create_connection(
             (info["host"], info["port"]), timeout=remaining().total_seconds()
@@ -104,8 +109,11 @@ class Tether:
             )
             try:
                 while len(sockets) < nranks - 1:
-                    listener.settimeout(_seconds(remaining()))
-                    sock, _ = listener.accept()
+                    listener.settimeout(min(_seconds(remaining()), _POLL))
+                    try:
+                        sock, _ = listener.accept()
+                    except TimeoutError:
+                        continue
                     try:
                         sock.settimeout(_seconds(remaining()))
                         peer, offered = _HELLO.unpack(_recv_exactly(sock, _HELLO.size))

@@ -24,6 +24,7 @@ from ..clique import Clique
 from ..epoch import FlatModel, Stepper, TrainingOptions, host_to_device
 
 __all__ = [
+    "CULPRIT_TIMEOUT",
     "DERIVED",
     "OptimizerFactory",
     "Phase",
@@ -35,6 +36,7 @@ __all__ = [
     "most_telling",
     "resolve_device",
     "single_error",
+    "watch_peers",
 ]
 
 CULPRIT_TIMEOUT = 2.0
@@ -94,11 +96,14 @@ class Phase:
     epoch: int = 0
     pass_index: int = 0
     reported: bool = False
+    cause: LampdistError | None = None  # a peer's failure that cancelled this rank
 
 
 def describe(error: BaseException) -> str:
     """``"Type: message"`` of the most telling error in ``error`` (see :func:`single_error`)."""
     leaf = most_telling(error)
+    if isinstance(leaf, anyio.get_cancelled_exc_class()):
+        return "cancelled"  # the backend's message names internals, not a reason
     return f"{type(leaf).__name__}: {leaf}"
 
 
@@ -157,12 +162,23 @@ def _digest64(data: bytes) -> int:
     return int.from_bytes(hashlib.sha256(data).digest()[:7], "big")
 
 
-async def find_culprit(watch: Callable[[], Awaitable[NoReturn]]) -> LampdistError | None:
+async def watch_peers(watch: Callable[[], Awaitable[NoReturn]], phase: Phase) -> NoReturn:
+    """``watch()`` of a control channel; a peer that vanished is reported in this rank's
+    phase, which says more than the channel's (the kind of the last command)."""
+    try:
+        await watch()
+    except PeerDisconnected as exc:
+        raise PeerDisconnected(exc.message, rank=exc.rank, phase=phase.name) from None
+
+
+async def find_culprit(
+    watch: Callable[[], Awaitable[NoReturn]], phase: Phase
+) -> LampdistError | None:
     """After a collective failed: the control channel's account of which peer failed, if it
     gives one within :data:`CULPRIT_TIMEOUT` seconds."""
     with anyio.move_on_after(CULPRIT_TIMEOUT):
         try:
-            await watch()
+            await watch_peers(watch, phase)
         except (RankFailed, PeerDisconnected) as exc:
             return exc
     return None

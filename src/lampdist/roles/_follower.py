@@ -12,10 +12,11 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from .._effects import BatchSource
 from .._errors import (
+    CliqueError,
     CliqueTimeout,
-    CollectiveFailed,
     ConfigError,
     LampdistError,
+    MismatchError,
     PeerDisconnected,
     RankFailed,
 )
@@ -23,6 +24,7 @@ from ..clique import open_clique
 from ..control import Command, CommandKind, FollowerChannel
 from ..epoch import FlatModel, RankRunner, StepOn, Stepper, SupervisedModel, TrainingOptions
 from ._common import (
+    CULPRIT_TIMEOUT,
     DERIVED,
     OptimizerFactory,
     Phase,
@@ -34,6 +36,7 @@ from ._common import (
     most_telling,
     resolve_device,
     single_error,
+    watch_peers,
 )
 
 __all__ = ["follow_distributed_training"]
@@ -41,6 +44,10 @@ __all__ = ["follow_distributed_training"]
 logger = logging.getLogger(__name__)
 
 REPORT_TIMEOUT = 1.0
+
+ROOT_REASON_TIMEOUT = 2 * CULPRIT_TIMEOUT + 1.0
+"""How long a follower whose collective failed waits for the root's reason; the root itself
+first waits up to CULPRIT_TIMEOUT for the control channel to name a culprit."""
 
 
 async def follow_distributed_training(
@@ -106,7 +113,7 @@ async def follow_distributed_training(
     send, receive = anyio.create_memory_object_stream[Command](math.inf)
     with single_error():
         async with anyio.create_task_group() as group, receive:
-            group.start_soon(_watch, control)
+            group.start_soon(watch_peers, control.watch, phase)
             try:
                 await _run(
                     rank=rank,
@@ -128,19 +135,17 @@ async def follow_distributed_training(
                 )
             except Exception as exc:
                 leaf = most_telling(exc)
-                if isinstance(leaf, CollectiveFailed | CliqueTimeout):
-                    culprit = _root_abort(receive) or await find_culprit(control.watch)
+                if isinstance(leaf, CliqueError | CliqueTimeout):
+                    culprit = await _find_culprit(receive, control, phase)
                     if culprit is not None:
                         raise culprit from leaf
-                if not phase.reported and not isinstance(leaf, RankFailed | PeerDisconnected):
+                if not phase.reported and _root_must_hear(leaf):
+                    # Only an original error: a failed or timed-out collective here is the
+                    # consequence of a failure elsewhere, and the root must not blame us.
                     with anyio.CancelScope(shield=True):
                         await _report(control, phase.name, exc)
                 raise
             group.cancel_scope.cancel()
-
-
-async def _watch(control: FollowerChannel) -> None:
-    await control.watch()
 
 
 async def _report(control: FollowerChannel, phase: str, error: BaseException) -> None:
@@ -152,15 +157,35 @@ async def _report(control: FollowerChannel, phase: str, error: BaseException) ->
             logger.debug("could not report the failure to the root: %s", exc)
 
 
-def _root_abort(commands: MemoryObjectReceiveStream[Command]) -> RankFailed | None:
-    """The root's own reason for stopping, if its abort command is already here."""
-    while True:
-        try:
-            command = commands.receive_nowait()
-        except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-            return None
-        if command.kind is CommandKind.STOP and command.error is not None:
-            return RankFailed(command.error, rank=0, phase="stop")
+async def _find_culprit(
+    commands: MemoryObjectReceiveStream[Command], control: FollowerChannel, phase: Phase
+) -> LampdistError | None:
+    """After a collective failed: the root's own reason for stopping (its STOP with an error,
+    which follows the failure by a moment), or the channel's word that the root vanished,
+    whichever comes first within :data:`ROOT_REASON_TIMEOUT` seconds."""
+    found: LampdistError | None = None
+
+    async def from_root(scope: anyio.CancelScope) -> None:
+        nonlocal found
+        async for command in commands:
+            if command.kind is CommandKind.STOP and command.error is not None:
+                found = RankFailed(command.error, rank=0, phase="stop")
+                scope.cancel()
+                return
+
+    async def from_channel(scope: anyio.CancelScope) -> None:
+        nonlocal found
+        error = await find_culprit(control.watch, phase)
+        if found is None:
+            found = error
+        if error is not None:
+            scope.cancel()
+
+    with anyio.move_on_after(ROOT_REASON_TIMEOUT):
+        async with anyio.create_task_group() as group:
+            group.start_soon(from_root, group.cancel_scope)
+            group.start_soon(from_channel, group.cancel_scope)
+    return found
 
 
 async def _run(
@@ -200,11 +225,19 @@ async def _run(
         except Exception as exc:
             # Report before the clique closes, so the root learns the cause before the
             # collectives on other ranks fail.
-            if not isinstance(most_telling(exc), DERIVED):
+            if _root_must_hear(most_telling(exc)):
                 with anyio.CancelScope(shield=True):
                     await _report(control, phase.name, exc)
-                phase.reported = True
+            phase.reported = True
             raise
+
+
+def _root_must_hear(error: BaseException) -> bool:
+    """Whether the root learns of ``error`` only from this rank: not for the consequence of a
+    failure elsewhere, nor for a disagreement, which the agreement check raises on every rank
+    (the root's own MismatchError is the clearer error there)."""
+    agreed = isinstance(error, MismatchError) and error.phase == "agreement"
+    return not agreed and not isinstance(error, DERIVED)
 
 
 async def _follow_commands(

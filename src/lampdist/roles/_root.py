@@ -7,14 +7,17 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 import anyio
+import attrs
 import torch
 
 from .._effects import BatchSource, CheckpointState
 from .._errors import (
     CheckpointError,
+    CliqueError,
     CliqueTimeout,
-    CollectiveFailed,
+    ConfigError,
     LampdistError,
+    LampdistTimeout,
 )
 from ..clique import open_clique, serve_rendezvous
 from ..control import Command, CommandKind, RootChannel
@@ -40,6 +43,7 @@ from ._common import (
     most_telling,
     resolve_device,
     single_error,
+    watch_peers,
 )
 
 __all__ = ["drive_distributed_training"]
@@ -77,6 +81,8 @@ async def drive_distributed_training(
     join_timeout: float | None = 300.0,
     setup_timeout: float | None = 300.0,
     collective_timeout: float | None = 600.0,
+    stop: anyio.Event | None = None,
+    stop_timeout: float | None = 30.0,
 ) -> LoopState:
     """Drive a data-parallel training run as the root (rank 0) and return the final loop state.
 
@@ -93,6 +99,16 @@ async def drive_distributed_training(
     ``lampdist.checkpoint.load_latest`` returned. ``on_event`` receives a
     :class:`~lampdist.PassEvent` after every step and pass.
 
+    ``stop`` ends the run early and gracefully (set it from a signal handler, say): once it
+    is set, the root starts no new epoch; the epoch in progress finishes, validates and is
+    checkpointed as usual, then the followers get STOP and the root returns the loop state,
+    whose ``epoch`` is the next epoch to run (resume from the checkpoint to continue). When
+    that epoch (or the join and clique setup before the first one) has not ended within
+    ``stop_timeout`` seconds of the request (``None``: no limit), the root abandons it: it
+    raises :class:`~lampdist.LampdistTimeout` with ``phase='stop'``, the followers raise
+    :class:`~lampdist.RankFailed` naming it, and the last committed checkpoint is the one
+    to resume from. Keep ``stop_timeout`` below the grace period of your scheduler.
+
     Raises :class:`~lampdist.ConfigError` for bad arguments, :class:`~lampdist.MismatchError`
     when ranks disagree, :class:`~lampdist.RankFailed` or :class:`~lampdist.PeerDisconnected`
     naming a follower that failed, :class:`~lampdist.JoinTimeout`, and the errors of the
@@ -100,6 +116,12 @@ async def drive_distributed_training(
     Several unrelated failures at once come as an ``ExceptionGroup``.
     """
     check_rank(0, nranks)
+    if stop_timeout is not None and not stop_timeout >= 0:
+        raise ConfigError(
+            f"stop_timeout must be >= 0 seconds or None, got {stop_timeout!r}",
+            rank=0,
+            phase="configure",
+        )
     torch_device = resolve_device(device)
     options = TrainingOptions(
         accumulate_gradient_over_n_batches=accumulate_gradient_over_n_batches,
@@ -120,40 +142,46 @@ async def drive_distributed_training(
     flat = await anyio.to_thread.run_sync(FlatModel.create, model.module, torch_device)
     stepper = await anyio.to_thread.run_sync(create_stepper, 0, optimizer_factory, flat, options)
     phase = Phase("join")
+    stopping = _Stopping(stop, stop_timeout)
     with single_error():
         async with anyio.create_task_group() as group:
-            group.start_soon(_watch, control)
+            group.start_soon(_watch, control, phase)
+            if stop is not None:
+                group.start_soon(stopping.enforce, phase)
             try:
-                state = await _run(
-                    nranks=nranks,
-                    device=torch_device,
-                    control=control,
-                    model=model,
-                    flat=flat,
-                    stepper=stepper,
-                    options=options,
-                    schedule=schedule,
-                    train_batches=train_batches,
-                    validation_batches=validation_batches,
-                    max_epochs=max_epochs,
-                    checkpoint_state=checkpoint_state,
-                    validation_frequency=validation_frequency,
-                    return_min_validation_loss_model=return_min_validation_loss_model,
-                    init_state=init_state,
-                    learning_rate_schedule_init_state=learning_rate_schedule_init_state,
-                    smoothing=validation_loss_exponential_smoothing_factor,
-                    on_event=on_event,
-                    rendezvous_host=rendezvous_host,
-                    join_timeout=join_timeout,
-                    setup_timeout=setup_timeout,
-                    collective_timeout=collective_timeout,
-                    phase=phase,
-                )
+                with stopping.scope:
+                    state = await _run(
+                        nranks=nranks,
+                        device=torch_device,
+                        control=control,
+                        model=model,
+                        flat=flat,
+                        stepper=stepper,
+                        options=options,
+                        schedule=schedule,
+                        train_batches=train_batches,
+                        validation_batches=validation_batches,
+                        max_epochs=max_epochs,
+                        checkpoint_state=checkpoint_state,
+                        validation_frequency=validation_frequency,
+                        return_min_validation_loss_model=return_min_validation_loss_model,
+                        init_state=init_state,
+                        learning_rate_schedule_init_state=learning_rate_schedule_init_state,
+                        smoothing=validation_loss_exponential_smoothing_factor,
+                        on_event=on_event,
+                        rendezvous_host=rendezvous_host,
+                        join_timeout=join_timeout,
+                        setup_timeout=setup_timeout,
+                        collective_timeout=collective_timeout,
+                        phase=phase,
+                        stopping=stopping,
+                    )
+                stopping.check_abandoned()
             except Exception as exc:
                 leaf = most_telling(exc)
                 culprit = None
-                if isinstance(leaf, CollectiveFailed | CliqueTimeout):
-                    culprit = await find_culprit(control.watch)
+                if isinstance(leaf, CliqueError | CliqueTimeout):
+                    culprit = await find_culprit(control.watch, phase)
                 if not phase.reported:
                     with anyio.CancelScope(shield=True):
                         await _abort_followers(control, phase, culprit or exc)
@@ -163,14 +191,103 @@ async def drive_distributed_training(
             except BaseException as exc:
                 if not phase.reported:
                     with anyio.CancelScope(shield=True):
-                        await _abort_followers(control, phase, exc)
+                        await _abort_followers(control, phase, _why(exc, phase, stopping))
                 raise
             group.cancel_scope.cancel()
     return state
 
 
-async def _watch(control: RootChannel) -> None:
-    await control.watch()
+async def _watch(control: RootChannel, phase: Phase) -> None:
+    """Raise when a follower fails, remembering why (it cancels the run)."""
+    try:
+        await watch_peers(control.watch, phase)
+    except LampdistError as exc:
+        phase.cause = exc
+        raise
+
+
+def _why(error: BaseException, phase: Phase, stopping: _Stopping) -> BaseException:
+    """What to tell the followers: a cancellation is the stop timeout or a follower's
+    failure (the watch cancels the run) when it is one of those."""
+    if isinstance(error, anyio.get_cancelled_exc_class()):
+        if stopping.abandoned is not None:
+            return stopping.timeout_error()
+        if phase.cause is not None:
+            return phase.cause
+    return error
+
+
+@attrs.define(eq=False)
+class _Stopping:
+    """A graceful stop: no new epoch once ``stop`` is set, and a deadline for the current one."""
+
+    stop: anyio.Event | None
+    timeout: float | None
+    scope: anyio.CancelScope = attrs.field(factory=anyio.CancelScope)
+    reached: anyio.Event = attrs.field(factory=anyio.Event)
+    abandoned: str | None = None
+
+    def requested(self) -> bool:
+        return self.stop is not None and self.stop.is_set()
+
+    async def enforce(self, phase: Phase) -> None:
+        """Once stop is set, give the run ``timeout`` seconds to reach the end of an epoch."""
+        assert self.stop is not None
+        await self.stop.wait()
+        logger.info(
+            "stop requested in phase %r of epoch %d: no new epoch starts; the current one "
+            "has %s s to finish",
+            phase.name,
+            phase.epoch,
+            self.timeout,
+            extra={"rank": 0, "epoch": phase.epoch},
+        )
+        with anyio.move_on_after(self.timeout):
+            await self.reached.wait()
+            return
+        self.abandoned = f"{phase.name!r} of epoch {phase.epoch}"
+        logger.warning(
+            "stop_timeout=%s s passed in phase %s: abandoning it",
+            self.timeout,
+            self.abandoned,
+            extra={"rank": 0, "epoch": phase.epoch},
+        )
+        self.scope.cancel()
+
+    def timeout_error(self) -> LampdistTimeout:
+        return LampdistTimeout(
+            f"stop was requested, but phase {self.abandoned} did not end within "
+            f"stop_timeout={self.timeout} s: abandoned it; resume from the last checkpoint",
+            rank=0,
+            phase="stop",
+        )
+
+    def check_abandoned(self) -> None:
+        """Raise the stop timeout if :meth:`enforce` abandoned the run."""
+        if self.abandoned is not None:
+            raise self.timeout_error()
+
+
+@attrs.frozen
+class _UntilStopped:
+    """``schedule``, but a factor of 0 (the epoch driver's "stop") once a stop is requested."""
+
+    schedule: LearningRateSchedule[Any]
+    stopping: _Stopping
+
+    @property
+    def init(self) -> Any:
+        return self.schedule.init
+
+    def learning_rate_factor(
+        self, state: Any, epoch: int, last_validation_loss: float | None
+    ) -> tuple[Any, float]:
+        if self.stopping.requested():
+            logger.info(
+                "stopping on request before epoch %d", epoch, extra={"rank": 0, "epoch": epoch}
+            )
+            return state, 0.0
+        return self.schedule.learning_rate_factor(state, epoch, last_validation_loss)
 
 
 async def _abort_followers(control: RootChannel, phase: Phase, error: BaseException) -> None:
@@ -215,6 +332,7 @@ async def _run(
     setup_timeout: float | None,
     collective_timeout: float | None,
     phase: Phase,
+    stopping: _Stopping,
 ) -> LoopState:
     module = model.module
     optimizer = stepper.optimizer
@@ -328,12 +446,13 @@ async def _run(
                     checkpoint_state=checkpoint if checkpoint_state is not None else None,
                     validation_frequency=validation_frequency,
                     return_min_validation_loss_model=return_min_validation_loss_model,
-                    learning_rate_schedule=schedule,
+                    learning_rate_schedule=_UntilStopped(schedule, stopping),
                     init_state=loop_state,
                     learning_rate_schedule_init_state=learning_rate_schedule_init_state,
                     validation_loss_exponential_smoothing_factor=smoothing,
                 )
                 phase.name = "stop"
+                stopping.reached.set()
                 if best_model_state is not None:
                     module.load_state_dict(best_model_state)
                 await control.broadcast(
@@ -343,9 +462,9 @@ async def _run(
             except BaseException as exc:
                 # Tell the followers before the clique closes, so that they learn the
                 # reason rather than see the clique break.
-                if not isinstance(most_telling(exc), CollectiveFailed | CliqueTimeout):
+                if not isinstance(most_telling(exc), CliqueError | CliqueTimeout):
                     with anyio.CancelScope(shield=True):
-                        await _abort_followers(control, phase, exc)
+                        await _abort_followers(control, phase, _why(exc, phase, stopping))
                     phase.reported = True
                 raise
     return final
