@@ -27,6 +27,10 @@ from . import _training
 from . import rank as rank_script
 
 DEADLINE = 10.0
+COLLECTIVE_TIMEOUT = 4.0
+"""In one process a rank leaving the clique after a failure can wait up to the collective
+timeout for a Gloo collective stuck on a peer whose sockets are not closed yet (about one run
+in ten of the root-cancel test; docs/reliability.md, Limits): keep it below DEADLINE."""
 
 
 @pytest.fixture
@@ -77,7 +81,7 @@ async def run_ranks(
     hook: Hook | None = None,
     stop: anyio.Event | None = None,
     stop_timeout: float | None = 30.0,
-    collective_timeout: float = 30.0,
+    collective_timeout: float = COLLECTIVE_TIMEOUT,
     on_event: lampdist.epoch.OnPassEvent | None = None,
     checkpoint_wrapper: Callable[[lampdist.CheckpointState], lampdist.CheckpointState]
     | None = None,
@@ -154,7 +158,7 @@ def leaf(error: BaseException) -> BaseException:
     return error
 
 
-def expect(run: Run, rank: int, kind: type[BaseException], pattern: str) -> None:
+def expect(run: Run, rank: int, kind: Any, pattern: str) -> None:
     error = leaf(run.errors[rank])
     assert isinstance(error, kind), repr(error)
     assert pattern in str(error), str(error)
@@ -211,8 +215,10 @@ async def test_a_follower_stalling_in_a_step_times_the_root_out(tmp_path: Path) 
 
     run = Run(3, tmp_path)
     await run_ranks(run, hook=hook, collective_timeout=1.0)
-    expect(run, 0, lampdist.CliqueTimeout, "rank 0, phase 'reduce'")
-    expect(run, 1, lampdist.RankFailed, "CliqueTimeout: rank 0, phase 'reduce'")
+    # The root's collective times out, or rank 1's (the same deadline) first, which the
+    # root then hears of: either way a timeout, not rank 2 by name (it is alive).
+    expect(run, 0, lampdist.CliqueError | lampdist.CliqueTimeout, "collective_timeout=1.0 s")
+    expect(run, 1, lampdist.RankFailed, "collective_timeout=1.0 s")
     await resumes_exactly(run, 1)
 
 

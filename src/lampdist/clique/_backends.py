@@ -163,7 +163,10 @@ class Setup:
 
 def describe(exc: BaseException) -> str:
     """``"Type: first line"`` of ``exc``, or ``"cancelled"``, for abort notices. Works in any
-    thread (the backend's cancellation class is known only on the event loop thread)."""
+    thread (the backend's cancellation class is known only on the event loop thread). A task
+    group's exception group of one error is described by that error."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
     if not isinstance(exc, Exception | KeyboardInterrupt | SystemExit | GeneratorExit):
         return "cancelled"  # asyncio's CancelledError, trio's Cancelled
     text = (str(exc).strip().splitlines() or [""])[0]
