@@ -31,6 +31,8 @@ from torch import nn
 from _models import Batch, Workload, build_workload
 
 SECRET_ENV = "LAMPDIST_BENCH_SECRET"
+PROFILE_ENV = "LAMPDIST_BENCH_PROFILE"  # a directory: trace PROFILE_STEPS steps after warm-up
+PROFILE_STEPS = 3
 SETUP_TIMEOUT = timedelta(seconds=120)
 
 Kind = Literal["single", "independent", "ddp", "lampdist"]
@@ -83,6 +85,37 @@ def peak_memory(device: torch.device) -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
+@attrs.define(eq=False)
+class StepProfiler:
+    """With ``$LAMPDIST_BENCH_PROFILE`` set to a directory, traces the steps from the end of
+    the warm-up on rank 0 and writes ``<config>-rank0.json`` (a Chrome trace) and ``.txt``
+    (the operators by device time) there; otherwise does nothing. ``at_step(n)`` is called after
+    step n (counted from 1)."""
+
+    spec: RunSpec
+    _profile: Any = None
+
+    def at_step(self, step: int) -> None:
+        directory = os.environ.get(PROFILE_ENV)
+        if not directory or self.spec.rank != 0:
+            return
+        if step == self.spec.warmup and self._profile is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profile = torch.profiler.profile(activities=activities)
+            self._profile.start()
+        elif step == self.spec.warmup + PROFILE_STEPS and self._profile is not None:
+            profile, self._profile = self._profile, None
+            profile.stop()
+            stem = Path(directory) / f"{self.spec.config}-rank{self.spec.rank}"
+            stem.parent.mkdir(parents=True, exist_ok=True)
+            profile.export_chrome_trace(str(stem) + ".json")
+            sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            table = profile.key_averages().table(sort_by=sort, row_limit=25)
+            Path(str(stem) + ".txt").write_text(table)
+
+
 def create_optimizer(params: Any, device: torch.device) -> torch.optim.Optimizer:
     """AdamW: fused on CUDA, foreach on CPU."""
     if device.type == "cuda":
@@ -117,14 +150,17 @@ def timed_loop(
     before_timing: Callable[[], None] | None = None,
 ) -> float:
     """Run the warm-up steps, then time the timed steps; returns their seconds."""
+    profiler = StepProfiler(spec)
     for index in range(spec.warmup):
         step(workload.batch(index))
     synchronize(device)
     if before_timing is not None:
         before_timing()
     started = time.perf_counter()
+    profiler.at_step(spec.warmup)
     for index in range(spec.warmup, spec.warmup + spec.steps):
         step(workload.batch(index))
+        profiler.at_step(index + 1)
     synchronize(device)
     return time.perf_counter() - started
 
@@ -241,7 +277,14 @@ async def run_lampdist(spec: RunSpec, workload: Workload, device: torch.device) 
     # (perf_counter, step, examples) at the end of the last warm-up step and of the pass
     marks: list[tuple[float, int, int]] = []
 
+    profiler = StepProfiler(spec)
+    profiled: set[int] = set()
+
     async def on_event(event: lampdist.PassEvent) -> None:
+        # event.step counts the steps whose loss was read back, which may lag by a few
+        if event.kind == "train" and event.step not in profiled:
+            profiled.add(event.step)
+            profiler.at_step(event.step)
         if event.kind == "train" and (event.step == spec.warmup or event.done):
             # Blocks the event loop on purpose: the mark must follow the device's work.
             synchronize(device)

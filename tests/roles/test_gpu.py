@@ -43,8 +43,9 @@ def on(device: str, batches: Sequence[Batch]) -> list[Batch]:
 @needs_two_gpus
 @pytest.mark.parametrize("step_on", ["root", "every_rank"])
 @pytest.mark.parametrize("accumulate", [1, 3])
+@pytest.mark.parametrize("bucket_cap_mb", [25.0, 1e-9, None], ids=["bucket", "tiny", "none"])
 async def test_two_gpus_match_the_single_gpu_reference(
-    step_on: lampdist.epoch.StepOn, accumulate: int
+    step_on: lampdist.epoch.StepOn, accumulate: int, bucket_cap_mb: float | None
 ) -> None:
     sizes = [[5, 7, 3, 9, 2, 8], [6, 6, 0, 4]]
     train = make_shards(sizes, seed=1)
@@ -72,6 +73,7 @@ async def test_two_gpus_match_the_single_gpu_reference(
         max_epochs=3,
         accumulate_gradient_over_n_batches=accumulate,
         step_on=step_on,
+        bucket_cap_mb=bucket_cap_mb,
     )
     for module in modules:
         for (name, got), want in zip(

@@ -49,16 +49,25 @@ CASES = {
 }
 
 
+ONE_PARAMETER_PER_BUCKET = 1e-9  # megabytes: every parameter gets a bucket of its own
+
+
 @pytest.mark.parametrize(
-    ("optimizer_factory", "step_on", "sized"),
+    ("optimizer_factory", "step_on", "sized", "bucket_cap_mb"),
     [
-        (sgd, "root", True),
-        (adamw, "root", True),
-        (adamw, "every_rank", True),
-        (sgd, "root", False),
-        (adamw, "every_rank", False),
+        (sgd, "root", True, 25.0),
+        (adamw, "root", True, ONE_PARAMETER_PER_BUCKET),
+        (adamw, "every_rank", True, ONE_PARAMETER_PER_BUCKET),
+        (sgd, "root", False, None),
+        (adamw, "every_rank", False, 25.0),
     ],
-    ids=["sgd", "adamw", "adamw-every-rank", "sgd-unsized", "adamw-every-rank-unsized"],
+    ids=[
+        "sgd",
+        "adamw-buckets",
+        "adamw-every-rank-buckets",
+        "sgd-unsized-unbucketed",
+        "adamw-every-rank-unsized",
+    ],
 )
 @pytest.mark.parametrize("case", sorted(CASES))
 async def test_matches_single_process_reference(
@@ -66,6 +75,7 @@ async def test_matches_single_process_reference(
     optimizer_factory: OptimizerFactory,
     step_on: lampdist.epoch.StepOn,
     sized: bool,
+    bucket_cap_mb: float | None,
 ) -> None:
     sizes, accumulate = CASES[case]
     nranks = len(sizes)
@@ -97,6 +107,7 @@ async def test_matches_single_process_reference(
             max_epochs=2,
             accumulate_gradient_over_n_batches=accumulate,
             step_on=step_on,
+            bucket_cap_mb=bucket_cap_mb,
         )
     for module in modules:
         for (name, got), want in zip(

@@ -79,6 +79,8 @@ class Group:
     _wake_reader: socket.socket | None = attrs.field(default=None, init=False, repr=False)
     _wake_writer: socket.socket | None = attrs.field(default=None, init=False, repr=False)
     _goodbye: bool = attrs.field(default=False, init=False, repr=False)
+    _abort_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
+    _aborted: bool = attrs.field(default=False, init=False, repr=False)
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -202,8 +204,12 @@ class Group:
         pending = PendingCollective(
             name=name, rank=self.rank, owner=self, timeout=self.collective_timeout
         )
-        # The caller's stream: the collective must see the work queued on it before this call.
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        # The collective must see the work queued on the caller's stream before this call, and
+        # no later work: mark that point now, since the enqueue thread issues a little later.
+        ready = None
+        if self.device.type == "cuda" and self._queue is not None:
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch: unannotated
+            ready.record(torch.cuda.current_stream(self.device))
         with self._lock:
             if self._closing:
                 raise CliqueError(
@@ -213,7 +219,7 @@ class Group:
             if failure is None:
                 self._pending.add(pending)
                 if self._queue is not None:  # under the lock: never behind the stop sentinel
-                    self._queue.put((pending, issue, stream, wait_for_device))
+                    self._queue.put((pending, issue, ready, wait_for_device))
         if failure is not None:
             kind, message = failure
             raise kind(message, rank=self.rank, phase=name)
@@ -224,14 +230,21 @@ class Group:
     def _run_enqueuer(self) -> None:
         # NCCL: one thread per rank enqueues, so several ranks of one process never share a
         # thread (NCCL calls may block until the peers' calls arrive).
+        stream = None
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            # Issues wait on the callers' marks here, so NCCL orders after exactly those.
+            stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]  # torch: unannotated
         items = self._queue
         if items is None:  # set before this thread starts
             return
         while (item := items.get()) is not None:
-            self._enqueue(*item)
+            pending, issue, ready, wait_for_device = item
             del item
+            if ready is not None and stream is not None:
+                stream.wait_event(ready)
+            self._enqueue(pending, issue, stream if ready is not None else None, wait_for_device)
+            del pending, issue, ready
 
     def _enqueue(
         self, pending: PendingCollective, issue: Issue, stream: Any, wait_for_device: bool
@@ -374,18 +387,23 @@ class Group:
         """Abort the NCCL communicator: its kernels stop and the enqueue thread unblocks.
 
         Deliberately without the group lock: an enqueue blocked inside NCCL holds it, and
-        only the abort can set it free.
+        only the abort can set it free. Once only: the watcher (a peer died) and the teardown
+        may both ask, from different threads.
         """
         if self.backend != "nccl":
             return
-        pg = self._pg
-        try:
-            if pg is not None:
-                pg.abort()
-        except Exception:
-            logger.exception("rank %d: aborting the NCCL communicator failed", self.rank)
-        finally:
-            del pg
+        with self._abort_lock:
+            if self._aborted:
+                return
+            self._aborted = True
+            pg = self._pg
+            try:
+                if pg is not None:
+                    pg.abort()
+            except Exception:
+                logger.exception("rank %d: aborting the NCCL communicator failed", self.rank)
+            finally:
+                del pg
 
     def _post_notice(self, reason: str) -> None:
         """Post an abort notice for the other ranks; the first one posted stays (the cause)."""

@@ -26,6 +26,8 @@ class FlatModel:
     gradient_views: list[torch.Tensor]
     module_buffers: list[torch.Tensor]
     fingerprint: bytes
+    slots: list[tuple[int, int, int]] = attrs.field(factory=list)
+    """Per parameter: (index of its flat buffer, offset, element count)."""
 
     @classmethod
     def create(cls, module: torch.nn.Module, device: torch.device) -> FlatModel:
@@ -39,7 +41,8 @@ class FlatModel:
         parameter_buffers: list[torch.Tensor] = []
         gradient_buffers: list[torch.Tensor] = []
         gradient_views: list[torch.Tensor] = []
-        for dtype, group in by_dtype.items():
+        slots: list[tuple[int, int, int]] = []
+        for buffer_index, (dtype, group) in enumerate(by_dtype.items()):
             total = sum(p.numel() for p in group)
             flat = torch.empty(total, dtype=dtype, device=device)
             grads = torch.zeros(total, dtype=dtype, device=device)
@@ -50,6 +53,7 @@ class FlatModel:
                 parameter.data = flat[offset : offset + n].view_as(parameter)
                 parameter.grad = grads[offset : offset + n].view_as(parameter)
                 gradient_views.append(parameter.grad)
+                slots.append((buffer_index, offset, n))
                 offset += n
                 parameters.append(parameter)
             parameter_buffers.append(flat)
@@ -63,6 +67,7 @@ class FlatModel:
             gradient_views=gradient_views,
             module_buffers=module_buffers,
             fingerprint=_fingerprint(module),
+            slots=slots,
         )
 
     def zero_gradients(self) -> None:
@@ -72,14 +77,19 @@ class FlatModel:
 
     def ensure_gradient_views(self) -> None:
         """Re-attach any gradient that autograd or user code replaced, keeping its values."""
-        for parameter, view in zip(self.parameters, self.gradient_views, strict=True):
-            grad = parameter.grad
-            if grad is not view:
-                if grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(grad)
-                parameter.grad = view
+        for index in range(len(self.parameters)):
+            self.ensure_gradient_view(index)
+
+    def ensure_gradient_view(self, index: int) -> None:
+        """Re-attach parameter ``index``'s gradient if it was replaced, keeping its values."""
+        parameter, view = self.parameters[index], self.gradient_views[index]
+        grad = parameter.grad
+        if grad is not view:
+            if grad is None:
+                view.zero_()
+            else:
+                view.copy_(grad)
+            parameter.grad = view
 
 
 def _fingerprint(module: torch.nn.Module) -> bytes:

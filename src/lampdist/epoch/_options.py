@@ -22,9 +22,12 @@ class TrainingOptions:
     ``step_on="root"`` (lamp's design) keeps the optimizer on the root: gradients are reduced
     to it and the parameters broadcast back. ``step_on="every_rank"`` all-reduces the
     gradients and every rank steps its own optimizer (followers need ``optimizer_factory``
-    too); one collective a step instead of two, the same updates. ``step_on``,
-    ``accumulate_gradient_over_n_batches`` and ``autocast_dtype`` must agree on every rank
-    (checked at join); ``max_grad_norm`` and ``non_finite_loss`` act where the optimizer steps.
+    too); one collective a step instead of two, the same updates. ``bucket_cap_mb`` cuts the
+    gradients into buckets of about that many megabytes whose exchange starts while backward
+    still runs (``None``: one exchange per flat buffer after backward). ``step_on``,
+    ``accumulate_gradient_over_n_batches``, ``autocast_dtype`` and ``bucket_cap_mb`` must agree
+    on every rank (checked at join); ``max_grad_norm`` and ``non_finite_loss`` act where the
+    optimizer steps.
     """
 
     accumulate_gradient_over_n_batches: int = 1
@@ -32,6 +35,7 @@ class TrainingOptions:
     autocast_dtype: torch.dtype | None = None
     non_finite_loss: Literal["raise", "skip"] = "raise"
     step_on: StepOn = "root"
+    bucket_cap_mb: float | None = 25.0
 
     def __attrs_post_init__(self) -> None:
         accumulate = self.accumulate_gradient_over_n_batches
@@ -56,6 +60,15 @@ class TrainingOptions:
                 f"non_finite_loss must be 'raise' or 'skip', got {self.non_finite_loss!r}",
                 phase="configure",
             )
+        cap = self.bucket_cap_mb
+        if cap is not None and (
+            isinstance(cap, bool) or not isinstance(cap, int | float) or not cap > 0
+        ):
+            raise ConfigError(
+                f"bucket_cap_mb must be > 0 megabytes or None, got {cap!r}: pass None to "
+                "exchange the gradients after backward",
+                phase="configure",
+            )
         if self.step_on not in ("root", "every_rank"):
             raise ConfigError(
                 f"step_on must be 'root' or 'every_rank', got {self.step_on!r}", phase="configure"
@@ -65,7 +78,8 @@ class TrainingOptions:
         """The settings every rank must share, for the agreement check at join."""
         return (
             f"accumulate_gradient_over_n_batches={self.accumulate_gradient_over_n_batches}, "
-            f"autocast_dtype={self.autocast_dtype}, step_on={self.step_on}"
+            f"autocast_dtype={self.autocast_dtype}, step_on={self.step_on}, "
+            f"bucket_cap_mb={self.bucket_cap_mb}"
         )
 
 

@@ -2,12 +2,13 @@
 
 A training step, on every rank: forward and backward over up to ``accumulate`` batches with
 each batch's mean loss weighted by its example count, so the flat gradient buffers hold sums.
-Then, with ``step_on="root"``: one reduce of the gradients and a small float64 ``meta`` tensor
-(examples, loss sum, whether this rank has more batches) to the root, which divides by the
-clique's example count, steps and broadcasts the parameters, the module's buffers and a
-``more`` flag. With ``step_on="every_rank"``: one all-reduce of the same tensors and every
-rank steps. The pass ends when no rank has batches left. Either way the update equals one
-process stepping on the concatenation of every rank's batches of the step.
+With ``step_on="root"`` the gradients are reduced to the root, bucket by bucket while the
+last backward still runs (see ``_buckets``), then a small float64 ``meta`` tensor (examples,
+loss sum, whether this rank has more batches); the root divides by the clique's example
+count, steps and broadcasts the parameters, the module's buffers and a ``more`` flag. With
+``step_on="every_rank"`` the same tensors are all-reduced and every rank steps. The pass ends
+when no rank has batches left. Either way the update equals one process stepping on the
+concatenation of every rank's batches of the step.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from __future__ import annotations
 import io
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import anyio
 import anyio.to_thread
@@ -24,8 +26,9 @@ import torch
 
 from .._effects import BatchSource
 from .._errors import LampdistError, TrainingError
-from ..clique import Clique
+from ..clique import Clique, PendingCollective
 from ._batches import BatchReader, LoadedBatch, open_batches
+from ._buckets import GradientBuckets
 from ._device import host_to_device
 from ._flat import FlatModel
 from ._model import SupervisedModel
@@ -52,6 +55,8 @@ class RankRunner:
     on_event: OnPassEvent | None = None
     loss_scale: LossScale = attrs.field()
     _compute_limiter: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))
+    _buckets: GradientBuckets | None = attrs.field(default=None, init=False)
+    _sent: PendingCollective | None = attrs.field(default=None, init=False)
 
     @loss_scale.default
     def _default_loss_scale(self) -> LossScale:
@@ -129,34 +134,38 @@ class RankRunner:
         async with open_batches(
             source, model=self.model, device=self.device, rank=self.rank, phase="train"
         ) as reader:
-            planned = await self._planned_steps(reader)
-            step = 0
-            more = True
-            while more:
-                meta, local_examples = await self._accumulate(reader, epoch)
-                more = await self._synchronise(meta, local_examples, epoch, step, tally, planned)
-                step += 1
-                if planned is not None:
-                    more = step < planned
-                if self.stepper is not None:
-                    tally.poll()
-                    if not more:
-                        await tally.drain()
-                if self.on_event is not None and self.is_root:
-                    await self.on_event(
-                        PassEvent(
-                            epoch=epoch,
-                            kind="train",
-                            pass_index=pass_index,
-                            step=tally.steps_read,
-                            batches=reader.batches_read,
-                            total_batches=reader.total,
-                            examples=tally.examples,
-                            loss=tally.loss,
-                            seconds=time.perf_counter() - started,
-                            done=not more,
-                        )
+            with self._attach_buckets():
+                planned = await self._planned_steps(reader)
+                step = 0
+                more = True
+                while more:
+                    meta, local_examples = await self._accumulate(reader, epoch)
+                    more = await self._synchronise(
+                        meta, local_examples, epoch, step, tally, planned
                     )
+                    step += 1
+                    if planned is not None:
+                        more = step < planned
+                    if self.stepper is not None:
+                        tally.poll()
+                        if not more:
+                            await tally.drain()
+                    if self.on_event is not None and self.is_root:
+                        await self.on_event(
+                            PassEvent(
+                                epoch=epoch,
+                                kind="train",
+                                pass_index=pass_index,
+                                step=tally.steps_read,
+                                batches=reader.batches_read,
+                                total_batches=reader.total,
+                                examples=tally.examples,
+                                loss=tally.loss,
+                                seconds=time.perf_counter() - started,
+                                done=not more,
+                            )
+                        )
+            await self._settle_sent()
         if self.stepper is None:
             return PassResult(loss=math.nan, examples=0, steps=step)
         if tally.examples == 0 and tally.skipped == 0:
@@ -169,6 +178,29 @@ class RankRunner:
         return PassResult(
             loss=tally.loss, examples=tally.examples, steps=step, skipped_steps=tally.skipped
         )
+
+    def _attach_buckets(self) -> AbstractContextManager[object]:
+        """The gradient buckets' hooks for one pass (none when alone or not bucketing)."""
+        cap = self.options.bucket_cap_mb
+        if self.alone or cap is None:
+            return nullcontext()
+        if self._buckets is None:
+            self._buckets = GradientBuckets.create(
+                self.rank, self.flat, self._start_gradient_exchange, bucket_cap_mb=cap
+            )
+        return self._buckets.attached()
+
+    def _start_gradient_exchange(self, tensors: Sequence[torch.Tensor]) -> PendingCollective:
+        """Start the sum of ``tensors`` over the clique: to every rank or to the root."""
+        if self.options.step_on == "every_rank":
+            return self.clique.start_all_reduce(tensors)
+        return self.clique.start_reduce(tensors, root=0)
+
+    async def _settle_sent(self) -> None:
+        """Wait for the root's last parameter broadcast (its errors, if any, surface here)."""
+        sent, self._sent = self._sent, None
+        if sent is not None:
+            await sent
 
     async def _planned_steps(self, reader: BatchReader) -> int | None:
         """The pass's step count when every rank's source has a length, else ``None`` (then
@@ -203,13 +235,16 @@ class RankRunner:
         cannot know the clique had some); otherwise it steps on the device and the tally reads
         the values back later.
         """
-        gradients = self.flat.gradient_buffers
         every_rank = self.options.step_on == "every_rank"
         if not self.alone:
-            if every_rank:
-                await self.clique.all_reduce([*gradients, meta])
+            if self._buckets is not None:
+                exchanges = self._buckets.start_remaining()
+                exchanges.append(self._start_gradient_exchange([meta]))
             else:
-                await self.clique.reduce([*gradients, meta], root=0)
+                exchanges = [self._start_gradient_exchange([*self.flat.gradient_buffers, meta])]
+            await self._settle_sent()
+            for exchange in exchanges:
+                await exchange
         if self.stepper is None:
             self.flat.zero_gradients()  # the reduce left partial sums in them
             return await self._receive_parameters(read=planned is None)
@@ -305,15 +340,22 @@ class RankRunner:
 
     async def _accumulate(self, reader: BatchReader, epoch: int) -> tuple[torch.Tensor, int]:
         """Forward and backward over up to ``accumulate`` batches; returns the step's meta
-        (examples, loss sum, whether this rank has more batches) and its example count."""
+        (examples, loss sum, whether this rank has more batches) and its example count.
+
+        The backward of the step's last batch starts the gradient buckets as it goes."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         examples = 0
-        for _ in range(self.options.accumulate_gradient_over_n_batches):
+        accumulate = self.options.accumulate_gradient_over_n_batches
+        for index in range(accumulate):
             batch = await reader.next()
             if batch is None:
                 break
             if batch.examples == 0:
                 continue
+            if self._buckets is not None and (
+                index == accumulate - 1 or not await reader.has_next()
+            ):
+                self._buckets.arm()
             loss_sum += await self._compute(self._forward_backward, batch, "train", epoch)
             examples += batch.examples
         more = await reader.has_next()
@@ -344,12 +386,19 @@ class RankRunner:
         )
 
     async def _send_parameters(self, more: bool) -> None:
+        """Broadcast the stepped parameters. The root's next forward only reads them, so it
+        need not wait, unless the broadcast carries module buffers (which a forward in train
+        mode may update in place); the next step's exchange waits for it at the latest."""
         control = host_to_device(
             [1.0 if more else 0.0, self.loss_scale.scale], torch.float64, self.device
         )
-        await self.clique.broadcast(
+        sent = self.clique.start_broadcast(
             [*self.flat.parameter_buffers, *self.flat.module_buffers, control], root=0
         )
+        if self.flat.module_buffers:
+            await sent
+        else:
+            self._sent = sent
 
     async def _receive_parameters(self, *, read: bool) -> bool:
         """Receive the root's parameters; read its control values (a host sync on CUDA)

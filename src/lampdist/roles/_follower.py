@@ -62,6 +62,7 @@ async def follow_distributed_training(
     accumulate_gradient_over_n_batches: int = 1,
     autocast_dtype: torch.dtype | None = None,
     step_on: StepOn = "root",
+    bucket_cap_mb: float | None = 25.0,
     optimizer_factory: OptimizerFactory | None = None,
     max_grad_norm: float | None = None,
     non_finite_loss: Literal["raise", "skip"] = "raise",
@@ -77,7 +78,8 @@ async def follow_distributed_training(
     example-weighted gradients to the root and receives the root's parameters. On STOP it
     receives the final (or best) weights into ``model.module`` and returns.
 
-    ``accumulate_gradient_over_n_batches`` and ``autocast_dtype`` must equal the root's.
+    ``accumulate_gradient_over_n_batches``, ``autocast_dtype``, ``step_on`` and
+    ``bucket_cap_mb`` must equal the root's.
     Raises :class:`~lampdist.MismatchError` when this rank disagrees with the root,
     :class:`~lampdist.RankFailed` when the root (rank 0) aborts the run, naming its error,
     :class:`~lampdist.PeerDisconnected` when the root vanishes, and the errors of this
@@ -92,6 +94,7 @@ async def follow_distributed_training(
         accumulate_gradient_over_n_batches=accumulate_gradient_over_n_batches,
         autocast_dtype=autocast_dtype,
         step_on=step_on,
+        bucket_cap_mb=bucket_cap_mb,
         max_grad_norm=max_grad_norm,
         non_finite_loss=non_finite_loss,
     )

@@ -76,6 +76,7 @@ async def drive_distributed_training(
     autocast_dtype: torch.dtype | None = None,
     non_finite_loss: Literal["raise", "skip"] = "raise",
     step_on: StepOn = "root",
+    bucket_cap_mb: float | None = 25.0,
     on_event: OnPassEvent | None = None,
     rendezvous_host: str = "127.0.0.1",
     join_timeout: float | None = 300.0,
@@ -91,7 +92,9 @@ async def drive_distributed_training(
     same model layout and settings, and runs the epoch loop (see :func:`lampdist.epochs` for
     the schedule, validation, smoothing and best-model rules). It holds the optimizer: each
     step reduces the example-weighted gradients of all ranks to the root, steps, and
-    broadcasts the parameters back. ``checkpoint_state`` is awaited after every epoch with the
+    broadcasts the parameters back. The gradients travel in buckets of about
+    ``bucket_cap_mb`` megabytes, each sent as soon as backward has produced it (``None``:
+    all at once after backward). ``checkpoint_state`` is awaited after every epoch with the
     live state dicts (copy them if you keep them past the call). At the end every rank holds
     the best model (if ``return_min_validation_loss_model`` made one) or the final one.
 
@@ -129,6 +132,7 @@ async def drive_distributed_training(
         autocast_dtype=autocast_dtype,
         non_finite_loss=non_finite_loss,
         step_on=step_on,
+        bucket_cap_mb=bucket_cap_mb,
     )
     schedule = learning_rate_schedule if learning_rate_schedule is not None else noop()
     check_epochs_arguments(

@@ -103,6 +103,7 @@ async def train(
     autocast_dtype: torch.dtype | None = None,
     non_finite_loss: Literal["raise", "skip"] = "raise",
     step_on: StepOn = "root",
+    bucket_cap_mb: float | None = 25.0,
     on_event: OnPassEvent | None = None,
     ssl_context: ssl.SSLContext | None = None,
     stop_on_signals: bool = True,
@@ -120,7 +121,8 @@ async def train(
     ``launch.device``. The arguments are the union of theirs: the loop's settings
     (``max_epochs``, the schedule, ``checkpoint_state``, ``init_state``, ``on_event``, ...)
     act on the root only, and followers ignore them; give every rank the same model and the
-    same ``accumulate_gradient_over_n_batches``, ``autocast_dtype`` and ``step_on``.
+    same ``accumulate_gradient_over_n_batches``, ``autocast_dtype``, ``step_on`` and
+    ``bucket_cap_mb``.
 
     Returns the final :class:`~lampdist.LoopState` on the root and ``None`` on the
     followers; every rank's ``model.module`` then holds the same weights (the best model
@@ -159,6 +161,7 @@ async def train(
             autocast_dtype=autocast_dtype,
             non_finite_loss=non_finite_loss,
             step_on=step_on,
+            bucket_cap_mb=bucket_cap_mb,
             on_event=on_event,
             rendezvous_host=env.host,
             join_timeout=join_timeout,
@@ -178,6 +181,7 @@ async def train(
             accumulate_gradient_over_n_batches=accumulate_gradient_over_n_batches,
             autocast_dtype=autocast_dtype,
             step_on=step_on,
+            bucket_cap_mb=bucket_cap_mb,
             optimizer_factory=optimizer_factory,
             max_grad_norm=max_grad_norm,
             non_finite_loss=non_finite_loss,
