@@ -87,10 +87,10 @@ def peak_memory(device: torch.device) -> int:
 
 @attrs.define(eq=False)
 class StepProfiler:
-    """With ``$LAMPDIST_BENCH_PROFILE`` set to a directory, traces the steps from the end of
-    the warm-up on rank 0 and writes ``<config>-rank0.json`` (a Chrome trace) and ``.txt``
-    (the operators by device time) there; otherwise does nothing. ``at_step(n)`` is called after
-    step n (counted from 1)."""
+    """With ``$LAMPDIST_BENCH_PROFILE`` set to a directory, traces the last ``PROFILE_STEPS``
+    warm-up steps on rank 0 (outside the timed steps) and writes ``<config>-rank0.json`` (a
+    Chrome trace) and ``.txt`` (the operators by device time) there; otherwise does nothing.
+    ``at_step(n)`` is called after step n (counted from 1; 0 before the first)."""
 
     spec: RunSpec
     _profile: Any = None
@@ -99,13 +99,14 @@ class StepProfiler:
         directory = os.environ.get(PROFILE_ENV)
         if not directory or self.spec.rank != 0:
             return
-        if step == self.spec.warmup and self._profile is None:
+        first = max(0, self.spec.warmup - PROFILE_STEPS)
+        if step == first and self._profile is None:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._profile = torch.profiler.profile(activities=activities)
             self._profile.start()
-        elif step == self.spec.warmup + PROFILE_STEPS and self._profile is not None:
+        elif step == self.spec.warmup and self._profile is not None:
             profile, self._profile = self._profile, None
             profile.stop()
             stem = Path(directory) / f"{self.spec.config}-rank{self.spec.rank}"
@@ -151,16 +152,16 @@ def timed_loop(
 ) -> float:
     """Run the warm-up steps, then time the timed steps; returns their seconds."""
     profiler = StepProfiler(spec)
+    profiler.at_step(0)
     for index in range(spec.warmup):
         step(workload.batch(index))
+        profiler.at_step(index + 1)
     synchronize(device)
     if before_timing is not None:
         before_timing()
     started = time.perf_counter()
-    profiler.at_step(spec.warmup)
     for index in range(spec.warmup, spec.warmup + spec.steps):
         step(workload.batch(index))
-        profiler.at_step(index + 1)
     synchronize(device)
     return time.perf_counter() - started
 

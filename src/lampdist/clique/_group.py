@@ -204,12 +204,8 @@ class Group:
         pending = PendingCollective(
             name=name, rank=self.rank, owner=self, timeout=self.collective_timeout
         )
-        # The collective must see the work queued on the caller's stream before this call, and
-        # no later work: mark that point now, since the enqueue thread issues a little later.
-        ready = None
-        if self.device.type == "cuda" and self._queue is not None:
-            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch: unannotated
-            ready.record(torch.cuda.current_stream(self.device))
+        # The caller's stream: the collective must see the work queued on it before this call.
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         with self._lock:
             if self._closing:
                 raise CliqueError(
@@ -219,7 +215,7 @@ class Group:
             if failure is None:
                 self._pending.add(pending)
                 if self._queue is not None:  # under the lock: never behind the stop sentinel
-                    self._queue.put((pending, issue, ready, wait_for_device))
+                    self._queue.put((pending, issue, stream, wait_for_device))
         if failure is not None:
             kind, message = failure
             raise kind(message, rank=self.rank, phase=name)
@@ -230,21 +226,14 @@ class Group:
     def _run_enqueuer(self) -> None:
         # NCCL: one thread per rank enqueues, so several ranks of one process never share a
         # thread (NCCL calls may block until the peers' calls arrive).
-        stream = None
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-            # Issues wait on the callers' marks here, so NCCL orders after exactly those.
-            stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]  # torch: unannotated
         items = self._queue
         if items is None:  # set before this thread starts
             return
         while (item := items.get()) is not None:
-            pending, issue, ready, wait_for_device = item
+            self._enqueue(*item)
             del item
-            if ready is not None and stream is not None:
-                stream.wait_event(ready)
-            self._enqueue(pending, issue, stream if ready is not None else None, wait_for_device)
-            del pending, issue, ready
 
     def _enqueue(
         self, pending: PendingCollective, issue: Issue, stream: Any, wait_for_device: bool
