@@ -157,7 +157,7 @@ def parse_manifest(data: bytes, *, where: str) -> Manifest:
         version = envelope["format_version"]
         files = envelope["files"]
         checksum = envelope["checksum"]
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
         raise Damaged(f"unreadable manifest ({exc!r})") from exc
     if not isinstance(version, int) or not isinstance(files, dict):
         raise Damaged("malformed manifest")

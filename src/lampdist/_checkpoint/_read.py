@@ -110,9 +110,13 @@ def _read_files(path: Path, *, map_location: Any) -> Loaded:
     records = {record.name: record for record in manifest.files}
     if STATE not in records:
         raise Damaged("the manifest lists no state.json")
-    stems = {stem: _file_of(manifest, stem) for stem in (RNG, MODEL, OPTIMIZER, BEST_MODEL)}
-    if None in (stems[RNG], stems[MODEL], stems[OPTIMIZER]):
-        raise Damaged(f"the manifest lists {sorted(records)}, not every required file")
+    stems = {}
+    for stem in (RNG, MODEL, OPTIMIZER, BEST_MODEL):
+        record = _file_of(manifest, stem)
+        if record is not None:
+            stems[stem] = record
+        elif stem != BEST_MODEL:
+            raise Damaged(f"the manifest lists {sorted(records)}, not every required file")
     for record in manifest.files:  # tensor files are checked while they are read
         if not record.name.endswith(TENSORS):
             _check(path, record, manifest.checksum)
@@ -124,14 +128,13 @@ def _read_files(path: Path, *, map_location: Any) -> Loaded:
         has_best = bool(state["has_best_model"])
         rng_json = state["rng"]
         lr_state_json = state["lr_state"]
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
         raise Damaged(f"malformed state.json ({exc!r})") from exc
-    if has_best != (stems[BEST_MODEL] is not None):
+    if has_best != (BEST_MODEL in stems):
         raise Damaged("state.json and the manifest disagree about the best model")
 
     def load(stem: str, location: Any) -> Any:
         record = stems[stem]
-        assert record is not None  # checked above
         if record.name.endswith(TENSORS):
             return read_tensor_file(path / record.name, record, manifest.checksum, location)
         return _load(path / record.name, location)

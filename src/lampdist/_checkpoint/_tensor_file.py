@@ -224,7 +224,7 @@ def parse_header(header: bytes, *, file_size: int) -> Layout:
     try:
         parsed = json.loads(header)
         byteorder, specs, value = parsed["byteorder"], parsed["tensors"], parsed["value"]
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
         raise Damaged(f"unreadable tensor file header ({exc!r})") from exc
     if byteorder != sys.byteorder:
         from .._errors import CheckpointError

@@ -100,7 +100,7 @@ def read_tensor_file(path: Path, record: FileRecord, checksum: str, map_location
         tensor = buffer.view(spec.dtype).reshape(spec.shape)
         try:
             tensors.append(_place(tensor, spec.device, map_location))
-        except (RuntimeError, ValueError, TypeError, AttributeError) as exc:
+        except Exception as exc:  # map_location may be the caller's own function
             raise CheckpointError(
                 f"cannot load {path} onto map_location {map_location!r} ({exc}); "
                 "check map_location",
