@@ -14,8 +14,9 @@ after every epoch; :func:`load_latest` reads the newest intact checkpoint back i
     )
 
 A crash or cancellation at any moment leaves the checkpoints committed before it intact and
-loadable. Loading never runs code from the files: tensors go through
-``torch.load(weights_only=True)``, everything else is JSON.
+loadable. Loading never runs code from the files: tensors are raw bytes described by a JSON
+header (or, for values that format cannot hold, ``torch.load(weights_only=True)``), and
+everything else is JSON.
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ def to_directory(
     Each call writes the loop state (learning curve included), the schedule state, the
     model, optimizer and best-model state dicts, the global RNG states (torch CPU and CUDA,
     python ``random``, numpy) and the format version into a new ``epoch-000012`` directory,
-    on a worker thread. The directory appears complete or not at all: files go into a
-    scratch directory that is fsynced and renamed into place. Afterwards only the newest
+    on a worker thread, whose pool of threads checksums and writes the tensors' bytes block
+    by block straight from their memory. The directory appears complete or not at all:
+    files go into a scratch directory; every file, that directory and (after the rename
+    into place) the parent are fsynced. Afterwards only the newest
     ``keep`` checkpoints are kept. The state dicts must not change until the call returns
     (the training loop awaits it before the next epoch). Cancelling the call before the
     commit removes the partial write.
@@ -66,7 +69,8 @@ def to_directory(
     rebuild the schedule state.
 
     Raises ConfigError for ``keep < 1`` and, when awaited, CheckpointError when the state
-    cannot be checkpointed (a value ``torch.load(weights_only=True)`` could not load, a
+    cannot be checkpointed (a value that neither the tensor file nor
+    ``torch.load(weights_only=True)`` could load back, a
     schedule state not made of numbers) or the disk write fails.
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
@@ -110,20 +114,25 @@ def load_latest(
     The result plugs into the training entry points' ``init_state`` and
     ``learning_rate_schedule_init_state``. ``None`` means there is no checkpoint yet (the
     directory is missing, empty, or holds only scratch of an interrupted first write).
-    ``map_location`` is passed to ``torch.load``. ``lr_state`` is the stored schedule state
-    as plain JSON values (a dict for an attrs state); pass ``schedule`` to get an instance of
-    the type of ``schedule.init`` back instead. With ``restore_rng=True`` the global RNG
-    states saved with the checkpoint are restored as well (on the root, just before training
-    resumes), so a resumed run draws the same random numbers as an uninterrupted one.
+    ``map_location`` places tensors as ``torch.load``'s does (a device, a string, a dict
+    of locations, or a function of a storage and its location). ``lr_state`` is the stored
+    schedule state as plain JSON values (a dict for an attrs state); pass ``schedule`` to get
+    an instance of the type of ``schedule.init`` back instead. With ``restore_rng=True`` the
+    global RNG states saved with the checkpoint are restored as well (on the root, just
+    before training resumes), so a resumed run draws the same random numbers as an
+    uninterrupted one.
 
-    A damaged newest checkpoint (truncated, a flipped byte, a missing file: every file is
-    checked against the sha256 checksums in its manifest) is skipped with a WARNING log and the one
-    before it is used. This call blocks; from async code run it in a worker thread
-    (``await anyio.to_thread.run_sync(functools.partial(load_latest, path, ...))``).
+    A damaged newest checkpoint (truncated, a flipped byte, a missing file, a malformed
+    tensor file: every file is checked against the block checksums in its manifest) is
+    skipped with a WARNING log and the one before it is used. Checkpoints of the previous
+    format (lampdist's format 1) load as well. This call blocks; from async code run it in a
+    worker thread (``await anyio.to_thread.run_sync(functools.partial(load_latest, path,
+    ...))``).
 
     Raises CheckpointVersionError when a checkpoint was written in a newer format (upgrade
     lampdist), CheckpointError when there are checkpoints but none is intact, when a file
-    cannot be loaded (e.g. a bad ``map_location``) or the schedule state does not fit
+    cannot be loaded (e.g. a bad ``map_location``, a tensor file of the other byte order) or
+    the schedule state does not fit
     ``schedule``.
     """
     loaded = read_latest(Path(path), map_location=map_location)

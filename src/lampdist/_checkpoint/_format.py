@@ -1,15 +1,19 @@
 """The on-disk format: names, the manifest envelope and the JSON form of the loop state.
 
 A checkpoint is a directory ``epoch-000012`` (``epoch-000012.1`` and up when the same epoch
-is written again) holding::
+is written again) holding (format 2)::
 
-    state.json      format version, loop state, schedule state, python/numpy RNG states
-    rng.pt          torch CPU and CUDA RNG states
-    model.pt        the model state dict            (torch.save, loaded with weights_only)
-    optimizer.pt    the optimizer state dict
-    best_model.pt   the best model state dict, absent when there is none
-    manifest.json   written last: the size of every other file, the sha256 of each of its
-                    16 MiB blocks (hashed in parallel), and the manifest's own checksum
+    state.json          format version, loop state, schedule state, python/numpy RNG states
+    rng.tensors         torch CPU and CUDA RNG states
+    model.tensors       the model state dict            (a tensor file: _tensor_file.py)
+    optimizer.tensors   the optimizer state dict
+    best_model.tensors  the best model state dict, absent when there is none
+    manifest.json       written last: the size of every other file, the checksum of each
+                        of its 16 MiB blocks, and the manifest's own sha256
+
+A state dict holding a value the tensor file cannot represent is written as ``NAME.pt``
+instead (torch.save, loaded with ``weights_only=True``). Format 1 had only ``.pt`` files and
+sha256 block checksums; it is still read.
 
 The manifest envelope ``{"format_version": int, "files": ..., "checksum": str}`` is stable
 across format versions, so a reader can always tell "newer format" from "damaged".
@@ -37,9 +41,13 @@ __all__ = [
     "RNG",
     "STATE",
     "TEMP_PREFIX",
+    "TENSORS",
+    "TORCH",
+    "WRITE_CHECKSUM",
     "CheckpointName",
     "Damaged",
     "FileRecord",
+    "Manifest",
     "dump_json",
     "loop_state_from_json",
     "loop_state_to_json",
@@ -47,17 +55,25 @@ __all__ = [
     "parse_manifest",
 ]
 
-FORMAT_VERSION = 1
-"""The checkpoint format this lampdist writes, and the newest it reads."""
+FORMAT_VERSION = 2
+"""The checkpoint format this lampdist writes, and the newest it reads (it reads 1 too)."""
 
 MANIFEST = "manifest.json"
 STATE = "state.json"
-RNG = "rng.pt"
-MODEL = "model.pt"
-OPTIMIZER = "optimizer.pt"
-BEST_MODEL = "best_model.pt"
+RNG = "rng"
+MODEL = "model"
+OPTIMIZER = "optimizer"
+BEST_MODEL = "best_model"
+"""The state dict files, without their suffix."""
+TENSORS = ".tensors"
+"""The suffix of a tensor file (format 2)."""
+TORCH = ".pt"
+"""The suffix of a torch.save file (format 1, and format 2's fallback)."""
 BLOCK_BYTES = 16 << 20
-"""The manifest holds the sha256 of every block of this many bytes of every file."""
+"""The manifest holds the checksum of every block of this many bytes of every file."""
+WRITE_CHECKSUM = "crc32"
+"""The block checksum this lampdist writes (format 1 used sha256)."""
+_CHECKSUMS = ("crc32", "sha256")
 TEMP_PREFIX = ".tmp-"
 """A writer's scratch entries start with this: ignored on load, removed by the next writer."""
 
@@ -94,8 +110,21 @@ class FileRecord:
 
     name: str
     size: int
-    sha256: tuple[str, ...]
-    """The sha256 of each ``BLOCK_BYTES`` block, in order (none for an empty file)."""
+    digests: tuple[str, ...]
+    """The checksum of each ``BLOCK_BYTES`` block, in order (none for an empty file)."""
+
+
+@attrs.frozen(kw_only=True)
+class Manifest:
+    """A checkpoint's manifest: its format version and what its files must be."""
+
+    version: int
+    checksum: str
+    """The block checksum algorithm: "sha256" (format 1) or "crc32"."""
+    files: tuple[FileRecord, ...]
+
+    def names(self) -> set[str]:
+        return {record.name for record in self.files}
 
 
 def dump_json(value: Any) -> bytes:
@@ -110,14 +139,15 @@ def _manifest_body(version: int, files: Any) -> bytes:
 def manifest_to_bytes(files: list[FileRecord]) -> bytes:
     body = {
         "block_bytes": BLOCK_BYTES,
-        "files": {r.name: {"size": r.size, "sha256": list(r.sha256)} for r in files},
+        "block_checksum": WRITE_CHECKSUM,
+        "files": {r.name: {"size": r.size, "blocks": list(r.digests)} for r in files},
     }
     checksum = hashlib.sha256(_manifest_body(FORMAT_VERSION, body)).hexdigest()
     return dump_json({"format_version": FORMAT_VERSION, "files": body, "checksum": checksum})
 
 
-def parse_manifest(data: bytes, *, where: str) -> list[FileRecord]:
-    """The file records of a manifest.
+def parse_manifest(data: bytes, *, where: str) -> Manifest:
+    """A manifest read from its bytes.
 
     Raises :class:`Damaged` when it is not an intact manifest, and
     :class:`CheckpointVersionError` when it is an intact one of a newer format.
@@ -127,7 +157,7 @@ def parse_manifest(data: bytes, *, where: str) -> list[FileRecord]:
         version = envelope["format_version"]
         files = envelope["files"]
         checksum = envelope["checksum"]
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
         raise Damaged(f"unreadable manifest ({exc!r})") from exc
     if not isinstance(version, int) or not isinstance(files, dict):
         raise Damaged("malformed manifest")
@@ -143,19 +173,27 @@ def parse_manifest(data: bytes, *, where: str) -> list[FileRecord]:
         )
     if version < 1:
         raise Damaged(f"invalid format version {version}")
+    # format 1: {"size", "sha256": [...]} per file; format 2 names its checksum
+    checksum_name, key = ("sha256", "sha256") if version == 1 else (None, "blocks")
     try:
         if files["block_bytes"] != BLOCK_BYTES:
             raise Damaged(f"block size {files['block_bytes']}, not {BLOCK_BYTES}")
-        return [
+        checksum_name = checksum_name or files["block_checksum"]
+        if checksum_name not in _CHECKSUMS:
+            raise Damaged(f"unknown block checksum {checksum_name!r}")
+        records = tuple(
             FileRecord(
                 name=str(name),
                 size=int(entry["size"]),
-                sha256=tuple(str(digest) for digest in entry["sha256"]),
+                digests=tuple(str(digest) for digest in entry[key]),
             )
             for name, entry in files["files"].items()
-        ]
-    except (TypeError, KeyError, ValueError) as exc:
+        )
+    except (TypeError, KeyError, ValueError, AttributeError) as exc:
         raise Damaged(f"malformed manifest entry ({exc!r})") from exc
+    if any("/" in r.name or r.name.startswith(".") or r.size < 0 for r in records):
+        raise Damaged("a manifest entry names no file of the checkpoint")
+    return Manifest(version=version, checksum=checksum_name, files=records)
 
 
 def loop_state_to_json(state: LoopState) -> dict[str, Any]:

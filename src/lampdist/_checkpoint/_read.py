@@ -16,17 +16,21 @@ from ..loop._state import TrainingState
 from ._files import hash_file
 from ._format import (
     BEST_MODEL,
-    FORMAT_VERSION,
     MANIFEST,
     MODEL,
     OPTIMIZER,
     RNG,
     STATE,
+    TENSORS,
+    TORCH,
     Damaged,
+    FileRecord,
+    Manifest,
     loop_state_from_json,
     parse_manifest,
 )
 from ._rng import RngStates
+from ._tensor_read import read_tensor_file
 from ._write import committed_checkpoints
 
 __all__ = ["Loaded", "read_latest"]
@@ -102,40 +106,68 @@ def _read_one(path: Path, *, map_location: Any) -> Loaded:
 
 
 def _read_files(path: Path, *, map_location: Any) -> Loaded:
-    records = parse_manifest((path / MANIFEST).read_bytes(), where=str(path))
-    names = {record.name for record in records}
-    if not {STATE, RNG, MODEL, OPTIMIZER} <= names:
-        raise Damaged(f"the manifest lists {sorted(names)}, not every required file")
-    for record in records:
-        size, sha256 = hash_file(path / record.name)
-        if size != record.size:
-            raise Damaged(f"{record.name} has {size} bytes, the manifest says {record.size}")
-        if sha256 != record.sha256:
-            raise Damaged(f"{record.name} does not match its sha256 checksum")
+    manifest = parse_manifest((path / MANIFEST).read_bytes(), where=str(path))
+    records = {record.name: record for record in manifest.files}
+    if STATE not in records:
+        raise Damaged("the manifest lists no state.json")
+    stems = {}
+    for stem in (RNG, MODEL, OPTIMIZER, BEST_MODEL):
+        record = _file_of(manifest, stem)
+        if record is not None:
+            stems[stem] = record
+        elif stem != BEST_MODEL:
+            raise Damaged(f"the manifest lists {sorted(records)}, not every required file")
+    for record in manifest.files:  # tensor files are checked while they are read
+        if not record.name.endswith(TENSORS):
+            _check(path, record, manifest.checksum)
     try:
         state = json.loads((path / STATE).read_bytes())
-        if state["format_version"] != FORMAT_VERSION:
+        if state["format_version"] != manifest.version:
             raise Damaged(f"state.json has format version {state['format_version']}")
         loop_state = loop_state_from_json(state["loop_state"])
         has_best = bool(state["has_best_model"])
         rng_json = state["rng"]
         lr_state_json = state["lr_state"]
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
         raise Damaged(f"malformed state.json ({exc!r})") from exc
-    if has_best != (BEST_MODEL in names):
+    if has_best != (BEST_MODEL in stems):
         raise Damaged("state.json and the manifest disagree about the best model")
-    rng_tensors = _load(path / RNG, "cpu")
+
+    def load(stem: str, location: Any) -> Any:
+        record = stems[stem]
+        if record.name.endswith(TENSORS):
+            return read_tensor_file(path / record.name, record, manifest.checksum, location)
+        return _load(path / record.name, location)
+
+    rng_tensors = load(RNG, "cpu")
     training_state = TrainingState(
         loop_state=loop_state,
-        model_state=_load(path / MODEL, map_location),
-        optimizer_state=_load(path / OPTIMIZER, map_location),
-        best_model_state=_load(path / BEST_MODEL, map_location) if has_best else None,
+        model_state=load(MODEL, map_location),
+        optimizer_state=load(OPTIMIZER, map_location),
+        best_model_state=load(BEST_MODEL, map_location) if has_best else None,
     )
     try:
         rng = RngStates.from_stored(rng_tensors, rng_json)
     except (ValueError, TypeError, KeyError) as exc:
         raise Damaged(f"malformed RNG states ({exc!r})") from exc
     return Loaded(path=path, training_state=training_state, lr_state_json=lr_state_json, rng=rng)
+
+
+def _file_of(manifest: Manifest, stem: str) -> FileRecord | None:
+    """The record of ``stem``'s file (format 1: ``.pt``; format 2: either kind, not both)."""
+    suffixes = (TORCH,) if manifest.version == 1 else (TENSORS, TORCH)
+    found = [r for r in manifest.files if r.name in {stem + suffix for suffix in suffixes}]
+    if len(found) > 1:
+        raise Damaged(f"the manifest lists {stem} twice")
+    return found[0] if found else None
+
+
+def _check(path: Path, record: FileRecord, checksum: str) -> None:
+    size, digests = hash_file(path / record.name, checksum)
+    if size != record.size:
+        raise Damaged(f"{record.name} has {size} bytes, the manifest says {record.size}")
+    if digests != record.digests:
+        raise Damaged(f"{record.name} does not match its {checksum} checksums")
 
 
 def _load(path: Path, map_location: Any) -> Any:

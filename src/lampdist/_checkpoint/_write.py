@@ -24,6 +24,7 @@ import attrs
 
 from .._errors import CheckpointError
 from ..loop._state import TrainingState
+from ._block_writer import PlannedFile, Source, write_planned
 from ._files import fsync_directory, write_file, writer_lock
 from ._format import (
     BEST_MODEL,
@@ -34,6 +35,9 @@ from ._format import (
     RNG,
     STATE,
     TEMP_PREFIX,
+    TENSORS,
+    TORCH,
+    WRITE_CHECKSUM,
     CheckpointName,
     FileRecord,
     dump_json,
@@ -42,14 +46,17 @@ from ._format import (
 )
 from ._rng import RngStates
 from ._schedule_state import rebuild_schedule_state, schedule_state_to_json
+from ._tensor_file import encode
 from ._torch_io import check_weights_only_loadable, save_tensors
 
 __all__ = ["NO_SCHEDULE", "committed_checkpoints", "write_checkpoint"]
 
 _log = logging.getLogger("lampdist.checkpoint")
 
-_HASH_THREADS = min(8, os.cpu_count() or 1)
-"""Threads hashing blocks while the writer thread writes them."""
+_THREADS = max(2, min(8, os.cpu_count() or 1))
+"""Threads checksumming and writing blocks while the writer thread plans them."""
+_WINDOW = 2 * _THREADS
+"""Blocks in flight at once."""
 
 NO_SCHEDULE: Any = object()
 """Marks "no schedule given" (``None`` could be a schedule's initial state)."""
@@ -137,27 +144,47 @@ def _write_files(
     rng: RngStates,
     check: Callable[[], None],
 ) -> list[FileRecord]:
-    """Write every file but the manifest, then the manifest; the records of all of them."""
-    parts: list[tuple[str, str, Mapping[str, Any]]] = [
-        (MODEL, "model_state", training_state.model_state),
-        (OPTIMIZER, "optimizer_state", training_state.optimizer_state),
+    """Write every file but the manifest, then the manifest; the records of all of them.
+
+    State dicts go into tensor files, written block by block on a pool; one holding a value
+    a tensor file cannot represent is written with torch.save instead (after checking that
+    ``torch.load(weights_only=True)`` can load it).
+    """
+    parts: list[tuple[str, str, Any]] = [
+        (RNG, "rng_state", rng.tensors()),
+        (MODEL, "model_state", _plain_state_dict(training_state.model_state)),
+        (OPTIMIZER, "optimizer_state", _plain_state_dict(training_state.optimizer_state)),
     ]
     if training_state.best_model_state is not None:
-        parts.append((BEST_MODEL, "best_model_state", training_state.best_model_state))
-    with ThreadPoolExecutor(_HASH_THREADS, thread_name_prefix="lampdist-checkpoint") as pool:
-        records = [
-            write_file(temp / STATE, lambda f: f.write(state_json), check=check, pool=pool),
-            write_file(
-                temp / RNG, functools.partial(save_tensors, rng.tensors()), check=check, pool=pool
-            ),
-        ]
-        for filename, label, state_dict in parts:
-            plain = _plain_state_dict(state_dict)
-            check_weights_only_loadable(plain, label)
-            save = functools.partial(save_tensors, plain)
-            records.append(write_file(temp / filename, save, check=check, pool=pool))
+        best = _plain_state_dict(training_state.best_model_state)
+        parts.append((BEST_MODEL, "best_model_state", best))
+    plans = [PlannedFile(name=STATE, size=len(state_json), parts=((0, state_json),))]
+    fallbacks = []
+    for stem, label, value in parts:
+        encoded = encode(value)
+        if encoded is None:
+            check_weights_only_loadable(value, label)
+            fallbacks.append((stem + TORCH, value))
+            continue
+        pieces: tuple[tuple[int, Source], ...] = (
+            (0, encoded.head),
+            *zip(encoded.offsets, encoded.tensors, strict=True),
+        )
+        plans.append(PlannedFile(name=stem + TENSORS, size=encoded.size, parts=pieces))
+    with ThreadPoolExecutor(_THREADS, thread_name_prefix="lampdist-checkpoint") as pool:
+        records = write_planned(
+            temp, plans, check=check, pool=pool, window=_WINDOW, algorithm=WRITE_CHECKSUM
+        )
+        for filename, value in fallbacks:
+            save = functools.partial(save_tensors, value)
+            records.append(
+                write_file(temp / filename, save, check=check, pool=pool, algorithm=WRITE_CHECKSUM)
+            )
         manifest = manifest_to_bytes(records)
-        write_file(temp / MANIFEST, lambda f: f.write(manifest), check=check, pool=pool)
+        manifest_plan = PlannedFile(name=MANIFEST, size=len(manifest), parts=((0, manifest),))
+        write_planned(
+            temp, [manifest_plan], check=check, pool=pool, window=1, algorithm=WRITE_CHECKSUM
+        )
     return records
 
 

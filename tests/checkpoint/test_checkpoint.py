@@ -212,23 +212,29 @@ async def test_round_trip_without_best_model_and_with_plain_schedule_states(tmp_
         assert_identical(loaded[1], lr_state)
 
 
-@pytest.mark.parametrize("crc_free", [True, False])
+@pytest.mark.parametrize("kind", ["tensors", "torch.save", "torch.save with CRCs"])
 async def test_files_larger_than_a_block_are_checked_block_by_block(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, crc_free: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
-    if not crc_free:  # the fallback to plain torch.save, for a torch whose _save changed
-        monkeypatch.setattr(_torch_io, "_CRC_FREE_SAVE", False)
     big = torch.arange(5 << 20, dtype=torch.float32)  # 20 MiB: two blocks and a bit
-    state = attrs.evolve(small_state(2), model_state={"big": big, "small": torch.ones(3)})
+    model_state: dict[str, Any] = {"big": big, "small": torch.ones(3)}
+    filename = "model.tensors"
+    if kind != "tensors":  # a python complex is outside the tensor file: torch.save it is
+        model_state["c"] = 1 + 2j
+        filename = "model.pt"
+    if kind == "torch.save with CRCs":  # the fallback for a torch whose _save changed
+        monkeypatch.setattr(_torch_io, "_CRC_FREE_SAVE", False)
+    state = attrs.evolve(small_state(2), model_state=model_state)
     save = checkpoint.to_directory(tmp_path)
     await save(small_state(1), None)
     await save(state, None)
     manifest = json.loads((tmp_path / "epoch-000002" / "manifest.json").read_text())
-    assert len(manifest["files"]["files"]["model.pt"]["sha256"]) == 2
+    assert sorted(manifest["files"]["files"])[1:3] == sorted([filename, "optimizer.tensors"])
+    assert len(manifest["files"]["files"][filename]["blocks"]) == 2
     loaded = checkpoint.load_latest(tmp_path)
     assert loaded is not None
     assert_identical(loaded[0], state)
-    model_file = tmp_path / "epoch-000002" / "model.pt"
+    model_file = tmp_path / "epoch-000002" / filename
     data = bytearray(model_file.read_bytes())
     data[BLOCK_BYTES + 12345] ^= 0x10  # in the second block only
     model_file.write_bytes(bytes(data))
@@ -255,15 +261,15 @@ def test_block_checksums_are_right_when_hashing_lags_behind_writing(tmp_path: Pa
         blocker.result()
 
     with ThreadPoolExecutor(1) as pool:
-        record = write_file(path, produce, check=lambda: None, pool=pool)
+        record = write_file(path, produce, check=lambda: None, pool=pool, algorithm="sha256")
     content = b"head" + data
     expected = tuple(
         hashlib.sha256(content[start : start + BLOCK_BYTES]).hexdigest()
         for start in range(0, len(content), BLOCK_BYTES)
     )
     assert record.size == len(content)
-    assert record.sha256 == expected
-    assert hash_file(path) == (len(content), expected)
+    assert record.digests == expected
+    assert hash_file(path, "sha256") == (len(content), expected)
 
 
 async def test_attrs_schedule_state_loads_as_dict_without_schedule(tmp_path: Path) -> None:
@@ -358,7 +364,7 @@ async def test_no_checkpoint_gives_none_and_leftovers_are_cleaned_up(tmp_path: P
     assert checkpoint.load_latest(tmp_path) is None
     leftover = tmp_path / ".tmp-epoch-000001-deadbeef"
     leftover.mkdir()
-    (leftover / "model.pt").write_bytes(b"half")
+    (leftover / "model.tensors").write_bytes(b"half")
     (tmp_path / ".tmp-stray-file").write_bytes(b"")
     (tmp_path / "epoch-notanumber").mkdir()
     assert checkpoint.load_latest(tmp_path) is None
@@ -422,11 +428,11 @@ def _remove(path: Path) -> None:
 @pytest.mark.parametrize(
     ("damage", "filename"),
     [
-        (_truncate, "model.pt"),
-        (_flip_a_tensor_byte, "model.pt"),
+        (_truncate, "model.tensors"),
+        (_flip_a_tensor_byte, "model.tensors"),
         (_truncate, "manifest.json"),
         (_remove, "manifest.json"),
-        (_remove, "optimizer.pt"),
+        (_remove, "optimizer.tensors"),
         (_truncate, "state.json"),
     ],
 )
@@ -449,7 +455,7 @@ async def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(
 async def test_every_checkpoint_damaged_is_an_error(tmp_path: Path) -> None:
     await _three_epochs(tmp_path)
     for name in committed(tmp_path):
-        _truncate(tmp_path / name / "model.pt")
+        _truncate(tmp_path / name / "model.tensors")
     with pytest.raises(lampdist.CheckpointError, match="every checkpoint"):
         checkpoint.load_latest(tmp_path)
 
