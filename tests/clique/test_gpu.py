@@ -137,10 +137,16 @@ async def test_nccl_killed_peer_fails_the_other_promptly() -> None:
         ):
             async with open_rank(clique_id, 0, DEVICES[0], setup_timeout=120.0) as clique:
                 assert await worker.line() == "ready"
-                await clique.all_reduce([torch.ones(4, device=clique.device)])
+                # a collective the worker never joins is in flight when it dies
+                pending = clique.start_all_reduce([torch.ones(4, device=clique.device)])
                 worker.process.send_signal(signal.SIGKILL)
-                with anyio.fail_after(10), pytest.raises(lampdist.CollectiveFailed):
+
+                async def pending_then_barrier() -> None:
+                    await pending
                     await clique.barrier()
+
+                with anyio.fail_after(10), pytest.raises(lampdist.CollectiveFailed):
+                    await pending_then_barrier()
             assert await worker.process.wait() == -signal.SIGKILL
 
 

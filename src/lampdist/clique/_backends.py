@@ -40,6 +40,7 @@ _SETUP_POLL = 0.05  # seconds: the slices of the setup waits
 NO_LIMIT = timedelta(days=365)  # what the process group gets for "None: no limit"
 _GLOO_THREADS = 2
 _NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+_NCCL_RUNTIME_CONNECT = "NCCL_RUNTIME_CONNECT"
 _env_lock = threading.Lock()
 
 
@@ -72,18 +73,22 @@ def translate(exc: BaseException, phase: str) -> Failure:
 
 
 def prefer_nccl_cleanup() -> None:
-    """Make NCCL's watchdog abort the communicator on an error instead of killing the process.
+    """Settings that let a clique fail cleanly; each only when the user has not chosen.
 
-    torch's default (3, tear the process down) would turn a dead peer into SIGABRT; 2 aborts
-    the communicator and lets the clique raise. Only set when the user has not chosen.
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``: NCCL's watchdog aborts the communicator on an
+    error instead of killing the process (torch's default, 3, would turn a dead peer into
+    SIGABRT). ``NCCL_RUNTIME_CONNECT=0``: NCCL connects every peer when the communicator is
+    built (the clique's setup, which has a deadline), not inside the first collective of each
+    kind, where an issuing thread would block on a silent or dead peer until an abort.
     """
     with _env_lock:
-        if _NCCL_ERROR_HANDLING not in os.environ:
-            os.environ[_NCCL_ERROR_HANDLING] = "2"
-            logger.info(
-                "set %s=2 so that NCCL errors raise instead of aborting the process",
-                _NCCL_ERROR_HANDLING,
-            )
+        for name, value, why in (
+            (_NCCL_ERROR_HANDLING, "2", "NCCL errors raise instead of aborting the process"),
+            (_NCCL_RUNTIME_CONNECT, "0", "NCCL connects the peers at clique setup"),
+        ):
+            if name not in os.environ:
+                os.environ[name] = value
+                logger.info("set %s=%s so that %s", name, value, why)
 
 
 @attrs.define(eq=False)
@@ -217,7 +222,10 @@ def make_nccl(
     options._timeout = op_timeout
     options.is_high_priority_stream = False
     options.group_name = name
-    group = nccl(store, rank, nranks, options)
+    # This runs on a worker thread whose current device may be another rank's GPU: build
+    # everything with this rank's device current, so that no context or NCCL resource of
+    # this rank lands on another GPU.
     with torch.cuda.device(device):
+        group = nccl(store, rank, nranks, options)
         group.eager_connect_single_device(device)  # blocks until every rank has joined
     return group
