@@ -2,15 +2,17 @@
 
 One :class:`Group` per open clique. It owns the torch process group (never the default
 group), one TCPStore client, the liveness tether to rank 0 (see ``_tether``), a watcher
-thread that selects on the tether and polls the store for abort notices, and on NCCL an
-enqueue thread. Everything blocking runs in worker threads; everything it holds is dropped
-on close, so no group or work object outlives the clique.
+thread that selects on the tether and polls the store for abort notices, and, on NCCL when
+another rank shares this process, an enqueue thread (a rank alone in its process issues on
+the calling thread, with no hand-off). Everything blocking runs in worker threads;
+everything it holds is dropped on close, so no group or work object outlives the clique.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import os
 import queue
 import selectors
 import socket
@@ -54,6 +56,10 @@ _STORE_OP_TIMEOUT = timedelta(seconds=10)  # store operations after setup (abort
 _WATCH_INTERVAL = 0.05  # how often the watcher polls the store for an abort notice
 _DRAIN_NO_LIMIT = 600.0  # how long close waits for pending work when collective_timeout is None
 _ABORT_KEY = ABORT_KEY
+# NCCL groups of one process are shut down and destroyed one at a time: two in-process
+# ranks finishing together (one shutting down while the other's group is destroyed)
+# crashed torch 2.11 with a segmentation fault.
+_NCCL_TEARDOWN = threading.Lock()
 
 
 @attrs.define(eq=False)
@@ -132,8 +138,14 @@ class Group:
             )
             # Every rank alive and tied to rank 0 before the process group's own setup,
             # which cannot be interrupted, starts.
-            keys.set(f"ready/{rank}", "1")
+            process = f"{socket.gethostname()}/{os.getpid()}"
+            keys.set(f"ready/{rank}", process)
             setup.wait_for(keys, [f"ready/{peer}" for peer in range(clique_id.nranks)])
+            shares_process = any(
+                keys.get(f"ready/{peer}").decode() == process
+                for peer in range(clique_id.nranks)
+                if peer != rank
+            )
             if backend == "gloo":
                 pg = make_gloo(
                     store=pg_store,
@@ -178,7 +190,9 @@ class Group:
                 raise
             kind, message = translate(exc, SETUP)
             raise kind(message, rank=rank, phase=SETUP) from exc
-        group._start_threads(threaded or backend == "nccl")
+        # NCCL calls of ranks that share a process must not share a thread (one may wait
+        # inside NCCL for another); a rank alone in its process issues where it is called.
+        group._start_threads(threaded or (backend == "nccl" and shares_process))
         logger.debug("rank %d: %s clique %s open", rank, backend, name)
         return group
 
@@ -224,7 +238,7 @@ class Group:
         return pending
 
     def _run_enqueuer(self) -> None:
-        # NCCL: one thread per rank enqueues, so several ranks of one process never share a
+        # NCCL: one thread per rank of a shared process enqueues, so those ranks never share a
         # thread (NCCL calls may block until the peers' calls arrive).
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -461,7 +475,8 @@ class Group:
         pg = self._pg
         try:
             if pg is not None:
-                pg.shutdown()
+                with _NCCL_TEARDOWN:
+                    pg.shutdown()
         except Exception:
             logger.exception("rank %d: NCCL shutdown failed; aborting", self.rank)
             self._abort_nccl()
@@ -486,7 +501,11 @@ class Group:
         for each in pending:
             each._release()
         # Gloo joins its worker threads here, after any stuck work has failed or timed out.
-        del pg, pending
+        if self.backend == "nccl":
+            with _NCCL_TEARDOWN:
+                del pg, pending
+        else:
+            del pg, pending
         self._tether.close(goodbye=self._goodbye)
         for end in (self._wake_reader, self._wake_writer):
             if end is not None:
