@@ -103,3 +103,46 @@ def test_configs_parse_names_and_variants(throughput: ModuleType) -> None:
 def test_configs_reject_bad_items(throughput: ModuleType, items: list[str]) -> None:
     with pytest.raises(ValueError, match=r"configuration|variant|distinct"):
         throughput.parse_configs(items)
+
+
+RESULTS = BENCHMARKS / "results"
+
+
+@pytest.fixture
+def plot(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    return importlib.import_module("plot_throughput")
+
+
+def test_the_plot_draws_one_bar_per_multi_rank_configuration(
+    plot: ModuleType, tmp_path: Path
+) -> None:
+    from xml.etree import ElementTree
+
+    reports = [
+        json.loads((RESULTS / name).read_text())
+        for name in ("2026-11-29-h200x2-gpt.json", "2026-11-29-h200x2-mlp.json")
+    ]
+    output = tmp_path / "chart.svg"
+    plot.main(
+        [*(str(RESULTS / f"2026-11-29-h200x2-{m}.json") for m in ("gpt", "mlp")), "-o", str(output)]
+    )
+    svg = ElementTree.fromstring(output.read_text())
+    bars = [e for e in svg.iter("{http://www.w3.org/2000/svg}rect") if e.get("height") == "22"]
+    expected = sum(
+        1
+        for report in reports
+        for entry in report["configs"].values()
+        if entry["scaling_efficiency"]
+    )
+    assert len(bars) == expected == 8
+    ddp = reports[0]["configs"]["ddp"]["scaling_efficiency"]
+    assert f"{100 * ddp:.1f}%" in output.read_text()
+
+
+def test_the_plot_needs_the_single_device_loop(plot: ModuleType) -> None:
+    report = json.loads((RESULTS / "2026-11-29-h200x2-gpt.json").read_text())
+    for entry in report["configs"].values():
+        entry["scaling_efficiency"] = None
+    with pytest.raises(ValueError, match="'single' configuration"):
+        plot.render([report])

@@ -41,6 +41,7 @@ NO_LIMIT = timedelta(days=365)  # what the process group gets for "None: no limi
 _GLOO_THREADS = 2
 _NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 _NCCL_RUNTIME_CONNECT = "NCCL_RUNTIME_CONNECT"
+_NCCL_LOCAL_REGISTER = "NCCL_LOCAL_REGISTER"
 _env_lock = threading.Lock()
 
 
@@ -80,11 +81,15 @@ def prefer_nccl_cleanup() -> None:
     SIGABRT). ``NCCL_RUNTIME_CONNECT=0``: NCCL connects every peer when the communicator is
     built (the clique's setup, which has a deadline), not inside the first collective of each
     kind, where an issuing thread would block on a silent or dead peer until an abort.
+    ``NCCL_LOCAL_REGISTER=0``: no lazy registration of user buffers; on 2 H200 (NCCL 2.28) a
+    256 MiB reduce of a buffer allocated after the communicator took 3.3 ms with it and
+    0.74 ms without.
     """
     with _env_lock:
         for name, value, why in (
             (_NCCL_ERROR_HANDLING, "2", "NCCL errors raise instead of aborting the process"),
             (_NCCL_RUNTIME_CONNECT, "0", "NCCL connects the peers at clique setup"),
+            (_NCCL_LOCAL_REGISTER, "0", "NCCL does not register user buffers lazily"),
         ):
             if name not in os.environ:
                 os.environ[name] = value

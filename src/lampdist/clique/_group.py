@@ -85,8 +85,10 @@ class Group:
     _wake_reader: socket.socket | None = attrs.field(default=None, init=False, repr=False)
     _wake_writer: socket.socket | None = attrs.field(default=None, init=False, repr=False)
     _goodbye: bool = attrs.field(default=False, init=False, repr=False)
-    _abort_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
-    _aborted: bool = attrs.field(default=False, init=False, repr=False)
+    # Guards the NCCL communicator's end: one abort or one shutdown, never both at once
+    # (the watcher may abort while the teardown shuts down).
+    _end_lock: threading.RLock = attrs.field(factory=threading.RLock, init=False, repr=False)
+    _ended: bool = attrs.field(default=False, init=False, repr=False)
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -390,15 +392,15 @@ class Group:
         """Abort the NCCL communicator: its kernels stop and the enqueue thread unblocks.
 
         Deliberately without the group lock: an enqueue blocked inside NCCL holds it, and
-        only the abort can set it free. Once only: the watcher (a peer died) and the teardown
-        may both ask, from different threads.
+        only the abort can set it free. Once only, and never beside a shutdown: the watcher (a
+        peer died) and the teardown may both ask, from different threads.
         """
         if self.backend != "nccl":
             return
-        with self._abort_lock:
-            if self._aborted:
+        with self._end_lock:
+            if self._ended:
                 return
-            self._aborted = True
+            self._ended = True
             pg = self._pg
             try:
                 if pg is not None:
@@ -472,16 +474,20 @@ class Group:
 
     def _shutdown(self) -> None:
         """NCCL after a clean exit: flush and destroy the communicator (abort if that fails)."""
-        pg = self._pg
-        try:
-            if pg is not None:
-                with _NCCL_TEARDOWN:
-                    pg.shutdown()
-        except Exception:
-            logger.exception("rank %d: NCCL shutdown failed; aborting", self.rank)
-            self._abort_nccl()
-        finally:
-            del pg
+        with self._end_lock:
+            if self._ended:  # the watcher aborted it meanwhile
+                return
+            pg = self._pg
+            try:
+                if pg is not None:
+                    with _NCCL_TEARDOWN:
+                        pg.shutdown()
+                self._ended = True
+            except Exception:
+                logger.exception("rank %d: NCCL shutdown failed; aborting", self.rank)
+                self._abort_nccl()
+            finally:
+                del pg
 
     def _stop_threads(self) -> None:
         if self._wake_writer is not None:

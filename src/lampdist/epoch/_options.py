@@ -24,7 +24,7 @@ class TrainingOptions:
     gradients and every rank steps its own optimizer (followers need ``optimizer_factory``
     too); one collective a step instead of two, the same updates. ``bucket_cap_mb`` cuts the
     gradients into buckets of about that many megabytes whose exchange starts while backward
-    still runs (``None``: one exchange per flat buffer after backward). ``step_on``,
+    still runs (``None``, the default: one exchange per flat buffer after backward). ``step_on``,
     ``accumulate_gradient_over_n_batches``, ``autocast_dtype`` and ``bucket_cap_mb`` must agree
     on every rank (checked at join); ``max_grad_norm`` and ``non_finite_loss`` act where the
     optimizer steps.
@@ -35,7 +35,7 @@ class TrainingOptions:
     autocast_dtype: torch.dtype | None = None
     non_finite_loss: Literal["raise", "skip"] = "raise"
     step_on: StepOn = "root"
-    bucket_cap_mb: float | None = 25.0
+    bucket_cap_mb: float | None = None
 
     def __attrs_post_init__(self) -> None:
         accumulate = self.accumulate_gradient_over_n_batches

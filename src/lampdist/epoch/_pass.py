@@ -386,16 +386,17 @@ class RankRunner:
         )
 
     async def _send_parameters(self, more: bool) -> None:
-        """Broadcast the stepped parameters. The root's next forward only reads them, so it
-        need not wait, unless the broadcast carries module buffers (which a forward in train
-        mode may update in place); the next step's exchange waits for it at the latest."""
+        """Broadcast the stepped parameters. On CUDA the root's next forward only reads them,
+        so it need not wait, unless the broadcast carries module buffers (which a forward in
+        train mode may update in place); the next step's exchange waits for it at the latest.
+        On the CPU the root waits: the broadcast's threads would compete with its forward."""
         control = host_to_device(
             [1.0 if more else 0.0, self.loss_scale.scale], torch.float64, self.device
         )
         sent = self.clique.start_broadcast(
             [*self.flat.parameter_buffers, *self.flat.module_buffers, control], root=0
         )
-        if self.flat.module_buffers:
+        if self.flat.module_buffers or self.device.type != "cuda":
             await sent
         else:
             self._sent = sent

@@ -62,7 +62,7 @@ async def follow_distributed_training(
     accumulate_gradient_over_n_batches: int = 1,
     autocast_dtype: torch.dtype | None = None,
     step_on: StepOn = "root",
-    bucket_cap_mb: float | None = 25.0,
+    bucket_cap_mb: float | None = None,
     optimizer_factory: OptimizerFactory | None = None,
     max_grad_norm: float | None = None,
     non_finite_loss: Literal["raise", "skip"] = "raise",

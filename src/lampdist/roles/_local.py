@@ -42,7 +42,7 @@ async def local_data_parallel_training_loop(
     autocast_dtype: torch.dtype | None = None,
     non_finite_loss: Literal["raise", "skip"] = "raise",
     step_on: StepOn = "root",
-    bucket_cap_mb: float | None = 25.0,
+    bucket_cap_mb: float | None = None,
     on_event: OnPassEvent | None = None,
     setup_timeout: float | None = 300.0,
     collective_timeout: float | None = 600.0,

@@ -76,7 +76,7 @@ async def drive_distributed_training(
     autocast_dtype: torch.dtype | None = None,
     non_finite_loss: Literal["raise", "skip"] = "raise",
     step_on: StepOn = "root",
-    bucket_cap_mb: float | None = 25.0,
+    bucket_cap_mb: float | None = None,
     on_event: OnPassEvent | None = None,
     rendezvous_host: str = "127.0.0.1",
     join_timeout: float | None = 300.0,
@@ -92,9 +92,10 @@ async def drive_distributed_training(
     same model layout and settings, and runs the epoch loop (see :func:`lampdist.epochs` for
     the schedule, validation, smoothing and best-model rules). It holds the optimizer: each
     step reduces the example-weighted gradients of all ranks to the root, steps, and
-    broadcasts the parameters back. The gradients travel in buckets of about
-    ``bucket_cap_mb`` megabytes, each sent as soon as backward has produced it (``None``:
-    all at once after backward). ``checkpoint_state`` is awaited after every epoch with the
+    broadcasts the parameters back, all at once after backward; with ``bucket_cap_mb`` the
+    gradients travel instead in buckets of about that many megabytes, each sent as soon as
+    backward has produced it (measured slower than the default on 2 H200 GPUs so far; see
+    the performance page). ``checkpoint_state`` is awaited after every epoch with the
     live state dicts (copy them if you keep them past the call). At the end every rank holds
     the best model (if ``return_min_validation_loss_model`` made one) or the final one.
 

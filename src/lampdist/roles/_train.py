@@ -103,7 +103,7 @@ async def train(
     autocast_dtype: torch.dtype | None = None,
     non_finite_loss: Literal["raise", "skip"] = "raise",
     step_on: StepOn = "root",
-    bucket_cap_mb: float | None = 25.0,
+    bucket_cap_mb: float | None = None,
     on_event: OnPassEvent | None = None,
     ssl_context: ssl.SSLContext | None = None,
     stop_on_signals: bool = True,
