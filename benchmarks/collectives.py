@@ -1,19 +1,21 @@
 """Collective bandwidth through the clique against raw torch.distributed on the same devices.
 
-One process per rank (``--nranks``, default: every CUDA device, or 2 CPU ranks). Each rank
-opens a clique and, next to it, a plain process group of the same backend built the way
-torch.distributed builds one; both time ``all_reduce``, ``reduce`` and ``broadcast`` of one
-flat float32 buffer. The clique awaits each collective on an event loop
-(``await clique.all_reduce([buffer])``); the raw group calls ``work.wait()``. On CUDA both
-only order the stream per call and synchronise the device once per timed batch. The two are
-interleaved ``--repeats`` times and the medians are compared.
+One process per rank (``--nranks``, default: every CUDA device, or 2 CPU ranks), fresh for
+each measurement: a set of processes either opens a clique or builds a plain process group
+of the same backend the way torch.distributed builds one, never both (a second NCCL
+communicator in the same process changed the first one's speed on 2 H200), and times
+``all_reduce``, ``reduce`` and ``broadcast`` of one flat float32 buffer allocated before the
+group. The clique awaits each collective on an event loop (``await
+clique.all_reduce([buffer])``); the raw group calls ``work.wait()``. On CUDA both only order
+the stream per call and synchronise the device once per timed batch. The two alternate
+``--repeats`` times (the order flips each repeat) and the medians are compared.
 
 Bus bandwidth follows nccl-tests: ``size / time`` for broadcast and reduce, times
 ``2 (n - 1) / n`` for all_reduce. The ratio column is clique / raw (target: 0.95 or more).
 
     python benchmarks/collectives.py                      # CUDA if present, else CPU (Gloo)
     python benchmarks/collectives.py --mode cpu --size-mib 16 --json out.json
-    python benchmarks/collectives.py --mode cuda --size-mib 256 --iters 50 --repeats 7
+    python benchmarks/collectives.py --mode cuda --size-mib 256 --iters 50 --repeats 5
 """
 
 from __future__ import annotations
@@ -47,10 +49,10 @@ def _bus_factor(op: str, nranks: int) -> float:
     return 2 * (nranks - 1) / nranks if op == "all_reduce" else 1.0
 
 
-def _raw_group(clique_id: CliqueId, rank: int, device: torch.device) -> tuple[Any, Any]:
-    """A plain process group beside the clique: torch.distributed's own construction."""
+def _raw_group(clique_id: CliqueId, name: str, rank: int, device: torch.device) -> tuple[Any, Any]:
+    """A plain process group: torch.distributed's own construction, on the launcher's store."""
     store = TCPStore(clique_id.host, clique_id.port, None, False, timeout=timedelta(seconds=120))
-    prefixed = PrefixStore(f"{clique_id.prefix}/raw", store)
+    prefixed = PrefixStore(f"{clique_id.prefix}/{name}", store)
     timeout = timedelta(seconds=120)
     group: Any
     if device.type == "cuda":
@@ -122,40 +124,45 @@ async def _worker(config: dict[str, Any]) -> dict[str, Any]:
     numel = int(config["size_mib"]) * (1 << 20) // 4
     buffer = torch.ones(numel, dtype=torch.float32, device=device)
     iters, warmup = int(config["iters"]), int(config["warmup"])
-    times: dict[str, dict[str, list[float]]] = {op: {i: [] for i in IMPLEMENTATIONS} for op in OPS}
-    async with open_clique(
-        nranks=clique_id.nranks,
-        rank=rank,
-        device=device,
-        clique_id=clique_id,
-        setup_timeout=120.0,
-        collective_timeout=120.0,
-    ) as clique:
-        group, store = await anyio.to_thread.run_sync(_raw_group, clique_id, rank, device)
-        try:
-            for op in OPS:  # warm up both paths: NCCL channels, allocator, Gloo buffers
+    times: dict[str, float] = {}
+    if config["implementation"] == "raw":
+
+        def measure() -> None:
+            group, store = _raw_group(clique_id, f"raw/{config['launch']}", rank, device)
+            try:
+                for op in OPS:  # warm up: NCCL channels, allocator, Gloo buffers
+                    _time_raw(group, op, buffer, warmup)
+                for op in OPS:
+                    times[op] = _time_raw(group, op, buffer, iters)
+                group.barrier().wait()
+                _sync(device)
+            finally:
+                if device.type == "cuda":
+                    group.shutdown()
+                del group, store
+
+        await anyio.to_thread.run_sync(measure)
+    else:
+        async with open_clique(
+            nranks=clique_id.nranks,
+            rank=rank,
+            device=device,
+            clique_id=clique_id,
+            setup_timeout=120.0,
+            collective_timeout=120.0,
+        ) as clique:
+            for op in OPS:
                 await _time_clique(clique, op, buffer, warmup)
-                await anyio.to_thread.run_sync(_time_raw, group, op, buffer, warmup)
-            for repeat in range(int(config["repeats"])):
-                for op in OPS:  # alternate which goes first, so that order effects cancel
-                    for implementation in IMPLEMENTATIONS[:: 1 if repeat % 2 else -1]:
-                        if implementation == "raw":
-                            seconds = await anyio.to_thread.run_sync(
-                                _time_raw, group, op, buffer, iters
-                            )
-                        else:
-                            seconds = await _time_clique(clique, op, buffer, iters)
-                        times[op][implementation].append(seconds)
-            group.barrier().wait()
-            _sync(device)
-        finally:
-            if device.type == "cuda":
-                group.shutdown()
-            del group, store
+            for op in OPS:
+                times[op] = await _time_clique(clique, op, buffer, iters)
+            await clique.barrier()
     return {"rank": rank, "times": times}
 
 
-def _summarise(results: list[dict[str, Any]], nranks: int, size_mib: int) -> dict[str, Any]:
+def _summarise(
+    runs: dict[str, list[list[dict[str, Any]]]], nranks: int, size_mib: int
+) -> dict[str, Any]:
+    """``runs[implementation]`` holds one list of rank results per repeat."""
     size = size_mib * (1 << 20)
     table: dict[str, Any] = {}
     for op in OPS:
@@ -163,13 +170,13 @@ def _summarise(results: list[dict[str, Any]], nranks: int, size_mib: int) -> dic
         for implementation in IMPLEMENTATIONS:
             # Per repeat, the slowest rank's time; then the median over the repeats.
             per_repeat = [
-                max(result["times"][op][implementation][i] for result in results)
-                for i in range(len(results[0]["times"][op][implementation]))
+                max(result["times"][op] for result in results) for results in runs[implementation]
             ]
             seconds = statistics.median(per_repeat)
             row[implementation] = {
                 "time_ms": 1e3 * seconds,
                 "busbw_gbps": size * _bus_factor(op, nranks) / seconds / 1e9,
+                "time_ms_runs": [1e3 * each for each in per_repeat],
             }
         row["ratio"] = row["clique"]["busbw_gbps"] / row["raw"]["busbw_gbps"]
         table[op] = row
@@ -183,29 +190,41 @@ async def _launch(args: argparse.Namespace) -> dict[str, Any]:
     env = dict(os.environ)
     source = str(SOURCE)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [source, env.get("PYTHONPATH")]))
-    outputs: list[bytes] = [b""] * nranks
-    async with serve_rendezvous(nranks=nranks) as clique_id:
+    runs: dict[str, list[list[dict[str, Any]]]] = {i: [] for i in IMPLEMENTATIONS}
 
-        async def run(rank: int) -> None:
-            config = {
-                "clique_id": clique_id.to_json(),
-                "rank": rank,
-                "device": f"cuda:{rank}" if cuda else "cpu",
-                "size_mib": size_mib,
-                "iters": args.iters,
-                "warmup": args.warmup,
-                "repeats": args.repeats,
-            }
-            command = [sys.executable, __file__, "--worker", json.dumps(config)]
-            done = await anyio.run_process(command, env=env, stderr=None, check=False)
-            if done.returncode != 0:
-                raise RuntimeError(f"rank {rank} exited with {done.returncode}")
-            outputs[rank] = done.stdout
+    async def measure(implementation: str, launch: int) -> list[dict[str, Any]]:
+        outputs: list[bytes] = [b""] * nranks
+        async with serve_rendezvous(nranks=nranks) as clique_id:
 
-        async with anyio.create_task_group() as tg:
-            for rank in range(nranks):
-                tg.start_soon(run, rank)
-    results = [json.loads(output.decode().strip().splitlines()[-1]) for output in outputs]
+            async def run(rank: int) -> None:
+                config = {
+                    "clique_id": clique_id.to_json(),
+                    "implementation": implementation,
+                    "launch": launch,
+                    "rank": rank,
+                    "device": f"cuda:{rank}" if cuda else "cpu",
+                    "size_mib": size_mib,
+                    "iters": args.iters,
+                    "warmup": args.warmup,
+                }
+                command = [sys.executable, __file__, "--worker", json.dumps(config)]
+                done = await anyio.run_process(command, env=env, stderr=None, check=False)
+                if done.returncode != 0:
+                    raise RuntimeError(
+                        f"{implementation} rank {rank} exited with {done.returncode}"
+                    )
+                outputs[rank] = done.stdout
+
+            async with anyio.create_task_group() as tg:
+                for rank in range(nranks):
+                    tg.start_soon(run, rank)
+        return [json.loads(output.decode().strip().splitlines()[-1]) for output in outputs]
+
+    launch = 0
+    for repeat in range(args.repeats):
+        for implementation in IMPLEMENTATIONS[:: 1 if repeat % 2 else -1]:
+            runs[implementation].append(await measure(implementation, launch))
+            launch += 1
     return {
         "backend": "nccl" if cuda else "gloo",
         "nranks": nranks,
@@ -213,7 +232,7 @@ async def _launch(args: argparse.Namespace) -> dict[str, Any]:
         "iters": args.iters,
         "repeats": args.repeats,
         "torch": torch.__version__,
-        "results": _summarise(results, nranks, size_mib),
+        "results": _summarise(runs, nranks, size_mib),
     }
 
 
@@ -243,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size-mib", type=int, default=0, help="default: 256 CUDA, 16 CPU")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write the report here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -146,3 +146,24 @@ def test_the_plot_needs_the_single_device_loop(plot: ModuleType) -> None:
         entry["scaling_efficiency"] = None
     with pytest.raises(ValueError, match="'single' configuration"):
         plot.render([report])
+
+
+def test_the_collectives_benchmark_compares_clique_and_raw_on_cpu(tmp_path: Path) -> None:
+    report_path = tmp_path / "collectives.json"
+    command = [
+        sys.executable,
+        str(BENCHMARKS / "collectives.py"),
+        "--mode", "cpu", "--size-mib", "1", "--iters", "2", "--warmup", "1", "--repeats", "1",
+        "--json", str(report_path),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=180, check=False)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(report_path.read_text())
+    assert report["backend"] == "gloo"
+    assert set(report["results"]) == {"all_reduce", "reduce", "broadcast"}
+    for op, row in report["results"].items():
+        for implementation in ("raw", "clique"):
+            assert row[implementation]["busbw_gbps"] > 0, (op, implementation)
+            assert len(row[implementation]["time_ms_runs"]) == 1
+        assert row["ratio"] > 0
+    assert "ratio" in result.stdout
