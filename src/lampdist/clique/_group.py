@@ -2,17 +2,15 @@
 
 One :class:`Group` per open clique. It owns the torch process group (never the default
 group), one TCPStore client, the liveness tether to rank 0 (see ``_tether``), a watcher
-thread that selects on the tether and polls the store for abort notices, and, on NCCL when
-another rank shares this process, an enqueue thread (a rank alone in its process issues on
-the calling thread, with no hand-off). Everything blocking runs in worker threads;
-everything it holds is dropped on close, so no group or work object outlives the clique.
+thread that selects on the tether and polls the store for abort notices, and on NCCL an
+enqueue thread. Everything blocking runs in worker threads; everything it holds is dropped
+on close, so no group or work object outlives the clique.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import os
 import queue
 import selectors
 import socket
@@ -140,14 +138,8 @@ class Group:
             )
             # Every rank alive and tied to rank 0 before the process group's own setup,
             # which cannot be interrupted, starts.
-            process = f"{socket.gethostname()}/{os.getpid()}"
-            keys.set(f"ready/{rank}", process)
+            keys.set(f"ready/{rank}", "1")
             setup.wait_for(keys, [f"ready/{peer}" for peer in range(clique_id.nranks)])
-            shares_process = any(
-                keys.get(f"ready/{peer}").decode() == process
-                for peer in range(clique_id.nranks)
-                if peer != rank
-            )
             if backend == "gloo":
                 pg = make_gloo(
                     store=pg_store,
@@ -192,9 +184,7 @@ class Group:
                 raise
             kind, message = translate(exc, SETUP)
             raise kind(message, rank=rank, phase=SETUP) from exc
-        # NCCL calls of ranks that share a process must not share a thread (one may wait
-        # inside NCCL for another); a rank alone in its process issues where it is called.
-        group._start_threads(threaded or (backend == "nccl" and shares_process))
+        group._start_threads(threaded or backend == "nccl")
         logger.debug("rank %d: %s clique %s open", rank, backend, name)
         return group
 
@@ -240,8 +230,9 @@ class Group:
         return pending
 
     def _run_enqueuer(self) -> None:
-        # NCCL: one thread per rank of a shared process enqueues, so those ranks never share a
-        # thread (NCCL calls may block until the peers' calls arrive).
+        # NCCL: one thread per rank enqueues, so several ranks of one process never share a
+        # thread (NCCL calls may block until the peers' calls arrive), and the thread that
+        # starts a collective (autograd's, for gradient buckets) hands the NCCL call off.
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         items = self._queue
