@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -38,10 +39,25 @@ async def test_anyio_script_trains_and_the_loss_falls() -> None:
     assert losses[-1] < losses[0] / 2
 
 
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _errors_first(stderr: str) -> str:
+    """Every line that names an error (the first failing rank's is the cause), then the tail."""
+    named = [line for line in stderr.splitlines() if "Error" in line or "error" in line]
+    return "\n".join(named[:40]) + "\n...\n" + stderr[-3000:]
+
+
 def test_torchrun_script_under_torchrun(tmp_path: Path) -> None:
     env = {
         **os.environ,
         "LAMPDIST_SECRET": "example-secret",
+        # a port of its own rather than MASTER_PORT + 1, which another process may hold
+        "LAMPDIST_PORT": str(_free_port()),
         "PYTHONPATH": os.pathsep.join([str(ROOT_DIR / "src"), os.environ.get("PYTHONPATH", "")]),
         "OMP_NUM_THREADS": "1",
     }
@@ -50,7 +66,7 @@ def test_torchrun_script_under_torchrun(tmp_path: Path) -> None:
     done = subprocess.run(
         command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False
     )
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.returncode == 0, _errors_first(done.stderr)
     results = {r["rank"]: r for r in map(json.loads, _json_lines(done.stdout))}
     assert sorted(results) == [0, 1], done.stdout
     assert results[0]["checksum"] == results[1]["checksum"]  # every rank ends with the weights
