@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Iterable
 
 import anyio
@@ -55,7 +56,9 @@ async def main(epochs: int) -> None:
     result: dict[str, object] = {"rank": env.rank, "checksum": checksum}
     if state is not None:  # the root
         result["validation_losses"] = [p.validation_loss for p in state.learning_curve]
-    print(json.dumps(result), flush=True)
+    # one write per line: the ranks share torchrun's stdout, and a single write is not split
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
