@@ -1,6 +1,6 @@
 """The clique on NCCL: one rank per GPU, in one process and in two (needs 2 CUDA devices).
 
-The lead runs these on the GPU machine: ``pytest -m gpu tests/clique``.
+Run them on a machine with 2 GPUs, each in its own process: ``python3 tests/run_gpu.py``.
 """
 
 from __future__ import annotations
