@@ -70,6 +70,8 @@ async def test_a_silent_peer_times_the_collective_out_and_hears_of_it() -> None:
             with pytest.raises(lampdist.CliqueTimeout) as caught:
                 await clique.all_reduce([torch.ones(3)])
             assert (caught.value.rank, caught.value.phase) == (0, "all_reduce")
+            # the clique's timer or Gloo's own deadline, whichever fired first: same limit
+            assert "collective_timeout=0.5 s" in str(caught.value)
             timed_out.set()
             return "timed out"
         await timed_out.wait()  # silent until rank 0 gave up and closed its clique

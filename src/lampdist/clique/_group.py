@@ -294,6 +294,12 @@ class Group:
             return CollectiveFailed, f"{phase} failed: rank {notice[0]} left the clique: " + (
                 f"{notice[1]} ({message.removeprefix(f'{phase} failed: ')})"
             )
+        if kind is CliqueTimeout:
+            # The backend's own deadline is the clique's: say which limit passed, as the
+            # clique's timer does when it fires first.
+            detail = message.removeprefix(f"{phase} failed: ")
+            limit = self.collective_timeout
+            return kind, f"{phase} did not complete within collective_timeout={limit} s ({detail})"
         return kind, message
 
     def _read_notice(self) -> tuple[str, str] | None:
