@@ -54,9 +54,9 @@ _STORE_OP_TIMEOUT = timedelta(seconds=10)  # store operations after setup (abort
 _WATCH_INTERVAL = 0.05  # how often the watcher polls the store for an abort notice
 _DRAIN_NO_LIMIT = 600.0  # how long close waits for pending work when collective_timeout is None
 _ABORT_KEY = ABORT_KEY
-# NCCL groups of one process are shut down and destroyed one at a time: two in-process
-# ranks finishing together (one shutting down while the other's group is destroyed)
-# crashed torch 2.11 with a segmentation fault.
+# NCCL groups of one process are shut down and destroyed one at a time. Two in-process
+# ranks were seen crashing (SIGSEGV, torch 2.11) while one shut down and the other's group
+# was destroyed; whether this lock alone prevents it is not yet shown on a GPU.
 _NCCL_TEARDOWN = threading.Lock()
 
 

@@ -2,10 +2,11 @@
 
 A training step, on every rank: forward and backward over up to ``accumulate`` batches with
 each batch's mean loss weighted by its example count, so the flat gradient buffers hold sums.
-With ``step_on="root"`` the gradients are reduced to the root, bucket by bucket while the
-last backward still runs (see ``_buckets``), then a small float64 ``meta`` tensor (examples,
-loss sum, whether this rank has more batches); the root divides by the clique's example
-count, steps and broadcasts the parameters, the module's buffers and a ``more`` flag. With
+With ``step_on="root"`` the gradients are reduced to the root after backward (or, with
+``bucket_cap_mb``, bucket by bucket while the last backward still runs: see ``_buckets``),
+then a small float64 ``meta`` tensor (examples, loss sum, whether this rank has more
+batches); the root divides by the clique's example count, steps and broadcasts the
+parameters, the module's buffers and a ``more`` flag. With
 ``step_on="every_rank"`` the same tensors are all-reduced and every rank steps. The pass ends
 when no rank has batches left. Either way the update equals one process stepping on the
 concatenation of every rank's batches of the step.
