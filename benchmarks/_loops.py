@@ -17,7 +17,7 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -33,6 +33,7 @@ from _models import Batch, Workload, build_workload
 SECRET_ENV = "LAMPDIST_BENCH_SECRET"
 PROFILE_ENV = "LAMPDIST_BENCH_PROFILE"  # a directory: trace PROFILE_STEPS steps after warm-up
 PROFILE_STEPS = 3
+SIZED_KEY = "sized"  # a lampdist variant key of the benchmark's own: false for a bare generator
 SETUP_TIMEOUT = timedelta(seconds=120)
 
 Kind = Literal["single", "independent", "ddp", "lampdist"]
@@ -225,11 +226,33 @@ def run_ddp(spec: RunSpec, workload: Workload, device: torch.device) -> RankResu
     )
 
 
-def batch_source(workload: Workload, total: int) -> Callable[[], Iterator[Batch]]:
-    """The lampdist batch source: the same device tensors, step for step, as the plain loop."""
+@attrs.frozen
+class Batches:
+    """The first ``total`` batches of ``workload``: a sized iterable, as a ``DataLoader`` is."""
 
-    def source() -> Iterator[Batch]:
-        return (workload.batch(index) for index in range(total))
+    workload: Workload
+    total: int
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __iter__(self) -> Iterator[Batch]:
+        return (self.workload.batch(index) for index in range(self.total))
+
+
+def batch_source(
+    workload: Workload, total: int, *, sized: bool = True
+) -> Callable[[], Iterable[Batch]]:
+    """The lampdist batch source: the same device tensors, step for step, as the plain loop.
+
+    Sized by default, as the plain loop knows its step count. With ``sized=False`` (the
+    variant key ``sized:false``) it is a bare generator: lampdist then learns at every step
+    whether any rank has batches left, which makes each rank's host wait for the device
+    once per step."""
+
+    def source() -> Iterable[Batch]:
+        batches = Batches(workload, total)
+        return batches if sized else iter(batches)
 
     return source
 
@@ -249,7 +272,8 @@ async def run_lampdist(spec: RunSpec, workload: Workload, device: torch.device) 
     secret = os.environ[SECRET_ENV]
     total = spec.warmup + spec.steps
     model = lampdist.SupervisedModel(workload.module, workload.spec.loss_fn)
-    source = batch_source(workload, total)
+    kwargs = dict(spec.kwargs)
+    source = batch_source(workload, total, sized=bool(kwargs.pop(SIZED_KEY, True)))
     dtype = workload.spec.autocast_dtype
     if spec.rank > 0:
         async with control.tcp_follower(
@@ -265,7 +289,7 @@ async def run_lampdist(spec: RunSpec, workload: Workload, device: torch.device) 
                 autocast_dtype=dtype,
                 # used when a variant has every rank step (step_on="every_rank")
                 optimizer_factory=lambda params: create_optimizer(params, device),
-                **spec.kwargs,
+                **kwargs,
             )
         return RankResult(
             rank=spec.rank,
@@ -303,7 +327,7 @@ async def run_lampdist(spec: RunSpec, workload: Workload, device: torch.device) 
             max_epochs=1,
             autocast_dtype=dtype,
             on_event=on_event,
-            **spec.kwargs,
+            **kwargs,
         )
     if len(marks) != 2:
         raise RuntimeError(

@@ -4,6 +4,12 @@ Every trainable parameter becomes a view into one flat buffer per dtype, and so 
 gradient: the optimizer updates the flat buffer in place, and the collectives send it as it
 is, with no packing copy. Gradients stay allocated (zeroed, never set to ``None``) so that
 autograd accumulates into the views.
+
+Two small tails ride behind the buffers so that a step sends no extra collective for them:
+the first float32 or float64 gradient buffer carries the step's meta values (examples, loss
+sum, whether the rank has more batches: summed with the gradients), and the first parameter
+buffer carries the root's 16 control bytes (copied with the parameters). A model without such
+a buffer sends those values on their own.
 """
 
 from __future__ import annotations
@@ -13,7 +19,13 @@ import hashlib
 import attrs
 import torch
 
-__all__ = ["FlatModel"]
+__all__ = ["CONTROL_BYTES", "META_SLOTS", "FlatModel"]
+
+META_SLOTS = 4
+"""Elements of the gradient tail: examples (high and low parts), loss sum, more batches."""
+CONTROL_BYTES = 16
+"""Bytes of the parameter tail: two float64 control values."""
+_META_DTYPES = (torch.float32, torch.float64)
 
 
 @attrs.define(eq=False)
@@ -28,6 +40,14 @@ class FlatModel:
     fingerprint: bytes
     slots: list[tuple[int, int, int]] = attrs.field(factory=list)
     """Per parameter: (index of its flat buffer, offset, element count)."""
+    gradient_storage: list[torch.Tensor] = attrs.field(factory=list)
+    """What a gradient exchange sends: the gradient buffers, one of them with the meta tail."""
+    meta_tail: torch.Tensor | None = None
+    """The ``META_SLOTS`` meta elements behind a float32 or float64 gradient buffer."""
+    parameter_storage: list[torch.Tensor] = attrs.field(factory=list)
+    """What a parameter broadcast sends: the parameter buffers, the first with the control tail."""
+    control_tail: torch.Tensor | None = None
+    """The ``CONTROL_BYTES`` bytes behind the first parameter buffer, as uint8."""
 
     @classmethod
     def create(cls, module: torch.nn.Module, device: torch.device) -> FlatModel:
@@ -42,10 +62,29 @@ class FlatModel:
         gradient_buffers: list[torch.Tensor] = []
         gradient_views: list[torch.Tensor] = []
         slots: list[tuple[int, int, int]] = []
+        gradient_storage: list[torch.Tensor] = []
+        parameter_storage: list[torch.Tensor] = []
+        meta_tail: torch.Tensor | None = None
+        control_tail: torch.Tensor | None = None
         for buffer_index, (dtype, group) in enumerate(by_dtype.items()):
             total = sum(p.numel() for p in group)
-            flat = torch.empty(total, dtype=dtype, device=device)
-            grads = torch.zeros(total, dtype=dtype, device=device)
+            # The control tail starts on an 8-byte boundary, so it can be read as float64.
+            size = torch.empty(0, dtype=dtype).element_size()
+            start = -(-total * size // 8) * 8 // size
+            tail = 0 if buffer_index else start - total + -(-CONTROL_BYTES // size)
+            storage = torch.empty(total + tail, dtype=dtype, device=device)
+            flat = storage[:total]
+            if tail:
+                control_tail = storage.view(torch.uint8)[
+                    start * size : start * size + CONTROL_BYTES
+                ]
+            carries_meta = meta_tail is None and dtype in _META_DTYPES
+            grad_storage = torch.zeros(
+                total + (META_SLOTS if carries_meta else 0), dtype=dtype, device=device
+            )
+            grads = grad_storage[:total]
+            if carries_meta:
+                meta_tail = grad_storage[total:]
             offset = 0
             for parameter in group:
                 n = parameter.numel()
@@ -58,6 +97,8 @@ class FlatModel:
                 parameters.append(parameter)
             parameter_buffers.append(flat)
             gradient_buffers.append(grads)
+            parameter_storage.append(storage)
+            gradient_storage.append(grad_storage)
         frozen = [p for p in module.parameters() if not p.requires_grad]
         module_buffers = [b for b in module.buffers()] + frozen
         return cls(
@@ -68,11 +109,15 @@ class FlatModel:
             module_buffers=module_buffers,
             fingerprint=_fingerprint(module),
             slots=slots,
+            gradient_storage=gradient_storage,
+            meta_tail=meta_tail,
+            parameter_storage=parameter_storage,
+            control_tail=control_tail,
         )
 
     def zero_gradients(self) -> None:
-        """Zero every gradient in place (the views stay valid)."""
-        for grads in self.gradient_buffers:
+        """Zero every gradient and the meta tail in place (the views stay valid)."""
+        for grads in self.gradient_storage:
             grads.zero_()
 
     def ensure_gradient_views(self) -> None:

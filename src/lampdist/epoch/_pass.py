@@ -4,9 +4,10 @@ A training step, on every rank: forward and backward over up to ``accumulate`` b
 each batch's mean loss weighted by its example count, so the flat gradient buffers hold sums.
 With ``step_on="root"`` the gradients are reduced to the root after backward (or, with
 ``bucket_cap_mb``, bucket by bucket while the last backward still runs: see ``_buckets``),
-then a small float64 ``meta`` tensor (examples, loss sum, whether this rank has more
-batches); the root divides by the clique's example count, steps and broadcasts the
-parameters, the module's buffers and a ``more`` flag. With
+with the step's ``meta`` values (examples, loss sum, whether this rank has more batches)
+behind them (see ``_values``); the root divides by the clique's example count, steps and
+broadcasts the parameters, the module's buffers and its control values (a ``more`` flag,
+the loss scale) behind them. With
 ``step_on="every_rank"`` the same tensors are all-reduced and every rank steps. The pass ends
 when no rank has batches left. Either way the update equals one process stepping on the
 concatenation of every rank's batches of the step.
@@ -36,10 +37,16 @@ from ._model import SupervisedModel
 from ._options import OnPassEvent, PassEvent, PassResult, TrainingOptions
 from ._stepper import LossScale, Stepper
 from ._tally import Tally
+from ._values import (
+    EXAMPLES,
+    control_receiver,
+    read_control,
+    read_meta,
+    write_control,
+    write_meta,
+)
 
 __all__ = ["RankRunner"]
-
-_EXAMPLES, _LOSS, _MORE = 0, 1, 2
 
 
 @attrs.define(eq=False)
@@ -221,7 +228,7 @@ class RankRunner:
 
     async def _synchronise(
         self,
-        meta: torch.Tensor,
+        meta: torch.Tensor | None,
         local_examples: int,
         epoch: int,
         step: int,
@@ -230,7 +237,9 @@ class RankRunner:
     ) -> bool:
         """Combine the step's gradients over the clique and step where the optimizer lives.
 
-        Returns whether any rank has more batches (only meaningful when ``planned`` is None).
+        ``meta`` is the step's meta tensor when it travels on its own, ``None`` when it rides
+        behind the gradients (see ``_values``). Returns whether any rank has more batches
+        (only meaningful when ``planned`` is None).
         A stepping rank reads the reduced values on the host before it steps only when it must
         (no plan, the skip policy, fp16 loss scaling, or no examples of its own, so that it
         cannot know the clique had some); otherwise it steps on the device and the tally reads
@@ -238,11 +247,12 @@ class RankRunner:
         """
         every_rank = self.options.step_on == "every_rank"
         if not self.alone:
+            own = [] if meta is None else [meta]
             if self._buckets is not None:
                 exchanges = self._buckets.start_remaining()
-                exchanges.append(self._start_gradient_exchange([meta]))
+                exchanges.append(self._start_gradient_exchange(own))
             else:
-                exchanges = [self._start_gradient_exchange([*self.flat.gradient_buffers, meta])]
+                exchanges = [self._start_gradient_exchange([*self.flat.gradient_storage, *own])]
             await self._settle_sent()
             for exchange in exchanges:
                 await exchange
@@ -251,19 +261,20 @@ class RankRunner:
             return await self._receive_parameters(read=planned is None)
         stepper = self.stepper
         must_read = planned is None or stepper.needs_host_values or local_examples == 0
+        values = read_meta(self.flat, meta)  # before the step zeroes the gradients' tail
 
         def read_and_step() -> bool:
             if not must_read:
-                stepper.step_on_device(meta[_EXAMPLES])
+                stepper.step_on_device(values[EXAMPLES])
                 return True
-            examples, loss_sum, more = meta.tolist()
+            examples, loss_sum, more = values.tolist()
             counted = stepper.step(examples, loss_sum, epoch=epoch, step=step)
             tally.record(examples, loss_sum, counted=counted)
             return bool(more > 0)
 
         more = await anyio.to_thread.run_sync(read_and_step, limiter=self._compute_limiter)
         if not must_read:
-            tally.submit(step, meta)
+            tally.submit(step, values)
         if every_rank:
             if self.flat.module_buffers and not self.alone:
                 await self.clique.broadcast(self.flat.module_buffers)
@@ -339,9 +350,10 @@ class RankRunner:
                 phase=phase,
             ) from exc
 
-    async def _accumulate(self, reader: BatchReader, epoch: int) -> tuple[torch.Tensor, int]:
-        """Forward and backward over up to ``accumulate`` batches; returns the step's meta
-        (examples, loss sum, whether this rank has more batches) and its example count.
+    async def _accumulate(self, reader: BatchReader, epoch: int) -> tuple[torch.Tensor | None, int]:
+        """Forward and backward over up to ``accumulate`` batches; writes the step's meta
+        (examples, loss sum, whether this rank has more batches) and returns it when it travels
+        on its own (else ``None``), with the example count.
 
         The backward of the step's last batch starts the gradient buckets as it goes."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -360,9 +372,10 @@ class RankRunner:
             loss_sum += await self._compute(self._forward_backward, batch, "train", epoch)
             examples += batch.examples
         more = await reader.has_next()
-        meta = host_to_device([examples, 0.0, 1.0 if more else 0.0], torch.float64, self.device)
-        meta[_LOSS] = loss_sum  # device to device: no wait
-        return meta, examples
+        # Behind the gradients unless alone (nothing is sent) or bucketing (the buckets'
+        # exchanges start before the meta values are known).
+        tail = not self.alone and self._buckets is None
+        return write_meta(self.flat, examples, loss_sum, more, tail=tail), examples
 
     def _forward_backward(self, batch: LoadedBatch) -> torch.Tensor:
         """Runs in a worker thread: backward of the example-weighted loss; returns it."""
@@ -391,11 +404,10 @@ class RankRunner:
         so it need not wait, unless the broadcast carries module buffers (which a forward in
         train mode may update in place); the next step's exchange waits for it at the latest.
         On the CPU the root waits: the broadcast's threads would compete with its forward."""
-        control = host_to_device(
-            [1.0 if more else 0.0, self.loss_scale.scale], torch.float64, self.device
-        )
+        control = write_control(self.flat, more, self.loss_scale.scale, self.device)
+        own = [] if control is None else [control]
         sent = self.clique.start_broadcast(
-            [*self.flat.parameter_buffers, *self.flat.module_buffers, control], root=0
+            [*self.flat.parameter_storage, *self.flat.module_buffers, *own], root=0
         )
         if self.flat.module_buffers or self.device.type != "cuda":
             await sent
@@ -405,14 +417,15 @@ class RankRunner:
     async def _receive_parameters(self, *, read: bool) -> bool:
         """Receive the root's parameters; read its control values (a host sync on CUDA)
         only when ``read`` or when fp16 loss scaling needs the scale."""
-        control = torch.zeros(2, dtype=torch.float64, device=self.device)
+        control = control_receiver(self.flat, self.device)
+        own = [] if control is None else [control]
         if not self.alone:
             await self.clique.broadcast(
-                [*self.flat.parameter_buffers, *self.flat.module_buffers, control], root=0
+                [*self.flat.parameter_storage, *self.flat.module_buffers, *own], root=0
             )
         if not read and not self.loss_scale.enabled:
             return True
-        more, self.loss_scale.scale = await self._to_host(control)
+        more, self.loss_scale.scale = await self._to_host(read_control(self.flat, control))
         return bool(more > 0)
 
     async def _to_host(self, tensor: torch.Tensor) -> list[float]:
