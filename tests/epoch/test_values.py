@@ -31,9 +31,9 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def linear(*shape: int, dtype: torch.dtype) -> torch.nn.Module:
+def linear(fan_in: int, fan_out: int, *, dtype: torch.dtype) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Linear(*shape).to(dtype)
+    return torch.nn.Linear(fan_in, fan_out).to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
