@@ -2,21 +2,18 @@
 
 torch completes a collective on one of its own threads (a Gloo worker, NCCL's watchdog) or,
 when the future is already complete, inline on the thread that adds the callback. The bridge
-turns that into a :class:`_Signal` which an async task awaits without parking the event loop
-(the callback schedules ``anyio.Event.set`` on the task's own loop through the loop's
-thread-safe entry point, so it never blocks and never deadlocks when it runs on the loop
-thread itself) and which a plain thread waits for with a timeout.
+turns that into a :class:`~lampdist._signal.Signal`, which an async task awaits without
+parking the event loop and a plain thread waits for with a timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from typing import Any, Protocol
 
 import anyio
@@ -24,6 +21,7 @@ import anyio.lowlevel
 import attrs
 
 from .._errors import CliqueTimeout, CollectiveFailed, ConfigError, LampdistError
+from .._signal import Signal
 
 __all__ = ["PendingCollective"]
 
@@ -36,21 +34,6 @@ _WORK_TIMEOUT = 1
 # A failure: the error class and its message; each observer builds its own instance so that
 # the rank and phase are its own and tracebacks do not pile up on one shared object.
 Failure = tuple[type[LampdistError], str]
-
-
-def _loop_waker(event: anyio.Event) -> Callable[[], None]:
-    """A callable that sets ``event`` on the current event loop, from any thread, at once."""
-    native = anyio.lowlevel.current_token().native_token
-    if isinstance(native, asyncio.AbstractEventLoop):
-        schedule: Callable[[Callable[[], None]], object] = native.call_soon_threadsafe
-    else:  # trio: a TrioToken
-        schedule = native.run_sync_soon  # type: ignore[attr-defined]  # TrioToken is untyped here
-
-    def wake() -> None:
-        with contextlib.suppress(RuntimeError):  # the loop has finished; nobody waits any more
-            schedule(event.set)
-
-    return wake
 
 
 def _on_event_loop_thread() -> bool:
@@ -69,49 +52,6 @@ def _on_event_loop_thread() -> bool:
         else:
             return True
     return False
-
-
-@attrs.define(eq=False)
-class _Signal:
-    """A one-shot, thread-safe signal: set from any thread, awaited on any event loop."""
-
-    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
-    _flag: threading.Event = attrs.field(factory=threading.Event, init=False)
-    _wakers: list[Callable[[], None]] = attrs.field(factory=list, init=False)
-
-    def set(self) -> None:
-        with self._lock:
-            if self._flag.is_set():
-                return
-            self._flag.set()
-            wakers, self._wakers = self._wakers, []
-        for wake in wakers:
-            wake()
-
-    def is_set(self) -> bool:
-        return self._flag.is_set()
-
-    def wait_blocking(self, timeout: float | None) -> bool:
-        return self._flag.wait(timeout)
-
-    async def wait(self) -> None:
-        event = anyio.Event()
-        wake = _loop_waker(event)
-        with self._lock:
-            if self._flag.is_set():
-                registered = False
-            else:
-                self._wakers.append(wake)
-                registered = True
-        if not registered:
-            await anyio.lowlevel.checkpoint()
-            return
-        try:
-            await event.wait()
-        finally:
-            with self._lock:
-                if wake in self._wakers:
-                    self._wakers.remove(wake)
 
 
 class _Owner(Protocol):
@@ -155,8 +95,8 @@ class PendingCollective:
     _stream_sync: bool = attrs.field(default=False, init=False, repr=False)
     _keep_works: bool = attrs.field(default=False, init=False, repr=False)
     _failure: Failure | None = attrs.field(default=None, init=False, repr=False)
-    _ready: _Signal = attrs.field(factory=_Signal, init=False, repr=False)
-    _final: _Signal = attrs.field(factory=_Signal, init=False, repr=False)
+    _ready: Signal = attrs.field(factory=Signal, init=False, repr=False)
+    _final: Signal = attrs.field(factory=Signal, init=False, repr=False)
 
     def done(self) -> bool:
         """Whether waiting would return (or raise) at once."""

@@ -21,8 +21,6 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
-import anyio
-import anyio.to_thread
 import attrs
 import torch
 
@@ -31,6 +29,7 @@ from .._errors import LampdistError, TrainingError
 from ..clique import Clique, PendingCollective
 from ._batches import BatchReader, LoadedBatch, open_batches
 from ._buckets import GradientBuckets
+from ._compute import ComputeThread
 from ._device import host_to_device
 from ._flat import FlatModel
 from ._model import SupervisedModel
@@ -62,15 +61,23 @@ class RankRunner:
     stepper: Stepper | None = None
     on_event: OnPassEvent | None = None
     loss_scale: LossScale = attrs.field()
-    _compute_limiter: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))
+    _compute: ComputeThread = attrs.field(init=False)
     _buckets: GradientBuckets | None = attrs.field(default=None, init=False)
     _sent: PendingCollective | None = attrs.field(default=None, init=False)
+
+    @_compute.default
+    def _default_compute(self) -> ComputeThread:
+        return ComputeThread(f"lampdist-compute-{self.rank}", self.clique.device)
 
     @loss_scale.default
     def _default_loss_scale(self) -> LossScale:
         if self.stepper is not None:
             return self.stepper.loss_scale
         return LossScale(enabled=self.options.autocast_dtype == torch.float16)
+
+    def close(self) -> None:
+        """Stop the rank's compute thread (its role calls this on every path)."""
+        self._compute.close()
 
     @property
     def device(self) -> torch.device:
@@ -110,7 +117,7 @@ class RankRunner:
                 data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
                 return data.to(device)
 
-            payload = await anyio.to_thread.run_sync(serialise)
+            payload = await self._compute.run(serialise)
             length = host_to_device([payload.numel()], torch.int64, device)
         await self.clique.broadcast([length])
         if not self.is_root:
@@ -127,7 +134,7 @@ class RankRunner:
                 )
                 optimizer.load_state_dict(state)
 
-            await anyio.to_thread.run_sync(load)
+            await self._compute.run(load)
 
     async def train_pass(
         self, source: BatchSource, *, epoch: int, pass_index: int, lr_factor: float
@@ -272,7 +279,7 @@ class RankRunner:
             tally.record(examples, loss_sum, counted=counted)
             return bool(more > 0)
 
-        more = await anyio.to_thread.run_sync(read_and_step, limiter=self._compute_limiter)
+        more = await self._compute.run(read_and_step)
         if not must_read:
             tally.submit(step, values)
         if every_rank:
@@ -296,7 +303,7 @@ class RankRunner:
             while (batch := await reader.next()) is not None:
                 if batch.examples == 0:
                     continue
-                loss_sum += await self._compute(self._evaluate, batch, "valid", epoch)
+                loss_sum += await self._run_model(self._evaluate, batch, "valid", epoch)
                 examples += batch.examples
             batches = reader.batches_read
         meta = host_to_device([examples, 0.0], torch.float64, self.device)
@@ -331,16 +338,17 @@ class RankRunner:
             )
         return PassResult(loss=loss, examples=int(total_examples), steps=0)
 
-    async def _compute(
+    async def _run_model(
         self,
         function: Callable[[LoadedBatch], torch.Tensor],
         batch: LoadedBatch,
         phase: str,
         epoch: int,
     ) -> torch.Tensor:
-        """Run ``function(batch)`` in a worker thread; user errors come back naming the rank."""
+        """Run ``function(batch)`` on the compute thread; user errors come back naming the
+        rank."""
         try:
-            return await anyio.to_thread.run_sync(function, batch, limiter=self._compute_limiter)
+            return await self._compute.run(function, batch)
         except LampdistError:
             raise
         except Exception as exc:
@@ -369,7 +377,7 @@ class RankRunner:
                 index == accumulate - 1 or not await reader.has_next()
             ):
                 self._buckets.arm()
-            loss_sum += await self._compute(self._forward_backward, batch, "train", epoch)
+            loss_sum += await self._run_model(self._forward_backward, batch, "train", epoch)
             examples += batch.examples
         more = await reader.has_next()
         # Behind the gradients unless alone (nothing is sent) or bucketing (the buckets'
@@ -378,7 +386,7 @@ class RankRunner:
         return write_meta(self.flat, examples, loss_sum, more, tail=tail), examples
 
     def _forward_backward(self, batch: LoadedBatch) -> torch.Tensor:
-        """Runs in a worker thread: backward of the example-weighted loss; returns it."""
+        """Runs on the compute thread: backward of the example-weighted loss; returns it."""
         with self._autocast():
             loss = self.model.forward_loss(batch.inputs, batch.target)
         weighted = loss * batch.examples
@@ -388,7 +396,7 @@ class RankRunner:
         return weighted.detach().to(torch.float64)
 
     def _evaluate(self, batch: LoadedBatch) -> torch.Tensor:
-        """Runs in a worker thread: the example-weighted loss without gradients."""
+        """Runs on the compute thread: the example-weighted loss without gradients."""
         with torch.no_grad(), self._autocast():
             loss = self.model.forward_loss(batch.inputs, batch.target)
         return loss.detach().to(torch.float64) * batch.examples
@@ -432,5 +440,5 @@ class RankRunner:
         """``tensor.tolist()``, off the event loop where it waits for the device."""
         if tensor.device.type == "cpu":
             return list(tensor.tolist())
-        values = await anyio.to_thread.run_sync(tensor.tolist, limiter=self._compute_limiter)
+        values = await self._compute.run(tensor.tolist)
         return list(values)

@@ -1,0 +1,77 @@
+"""A one-shot signal set from any thread and awaited on any event loop without parking it.
+
+Setting it schedules ``anyio.Event.set`` on each waiting task's own loop through the loop's
+thread-safe entry point, so it never blocks and never deadlocks when it runs on the loop
+thread itself (a torch future's callback runs inline when the future is already complete).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable
+
+import anyio
+import anyio.lowlevel
+import attrs
+
+__all__ = ["Signal"]
+
+
+def _loop_waker(event: anyio.Event) -> Callable[[], None]:
+    """A callable that sets ``event`` on the current event loop, from any thread, at once."""
+    native = anyio.lowlevel.current_token().native_token
+    if isinstance(native, asyncio.AbstractEventLoop):
+        schedule: Callable[[Callable[[], None]], object] = native.call_soon_threadsafe
+    else:  # trio: a TrioToken
+        schedule = native.run_sync_soon  # type: ignore[attr-defined]  # TrioToken is untyped here
+
+    def wake() -> None:
+        with contextlib.suppress(RuntimeError):  # the loop has finished; nobody waits any more
+            schedule(event.set)
+
+    return wake
+
+
+@attrs.define(eq=False)
+class Signal:
+    """A one-shot, thread-safe signal: set from any thread, awaited on any event loop."""
+
+    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
+    _flag: threading.Event = attrs.field(factory=threading.Event, init=False)
+    _wakers: list[Callable[[], None]] = attrs.field(factory=list, init=False)
+
+    def set(self) -> None:
+        with self._lock:
+            if self._flag.is_set():
+                return
+            self._flag.set()
+            wakers, self._wakers = self._wakers, []
+        for wake in wakers:
+            wake()
+
+    def is_set(self) -> bool:
+        return self._flag.is_set()
+
+    def wait_blocking(self, timeout: float | None) -> bool:
+        return self._flag.wait(timeout)
+
+    async def wait(self) -> None:
+        event = anyio.Event()
+        wake = _loop_waker(event)
+        with self._lock:
+            if self._flag.is_set():
+                registered = False
+            else:
+                self._wakers.append(wake)
+                registered = True
+        if not registered:
+            await anyio.lowlevel.checkpoint()
+            return
+        try:
+            await event.wait()
+        finally:
+            with self._lock:
+                if wake in self._wakers:
+                    self._wakers.remove(wake)
