@@ -299,21 +299,24 @@ async def run_lampdist(spec: RunSpec, workload: Workload, device: torch.device) 
             peak_memory_bytes=peak_memory(device),
         )
 
-    # (perf_counter, step, examples) at the end of the last warm-up step and of the pass
-    marks: list[tuple[float, int, int]] = []
+    # (perf_counter, batches) at the first event after the warm-up batches and at the last.
+    # Batches, not the steps whose loss was read back (those lag by a step or two): after the
+    # synchronize at a mark, every batch the root has taken is done on the device.
+    marks: list[tuple[float, int]] = []
 
     profiler = StepProfiler(spec)
     profiled: set[int] = set()
 
     async def on_event(event: lampdist.PassEvent) -> None:
-        # event.step counts the steps whose loss was read back, which may lag by a few
-        if event.kind == "train" and event.step not in profiled:
-            profiled.add(event.step)
-            profiler.at_step(event.step)
-        if event.kind == "train" and (event.step == spec.warmup or event.done):
+        if event.kind != "train":
+            return
+        if event.batches not in profiled:
+            profiled.add(event.batches)
+            profiler.at_step(event.batches)
+        if (not marks and event.batches >= spec.warmup) or event.done:
             # Blocks the event loop on purpose: the mark must follow the device's work.
             synchronize(device)
-            marks.append((time.perf_counter(), event.step, event.examples))
+            marks.append((time.perf_counter(), event.batches))
 
     async with control.tcp_root("127.0.0.1", spec.port, nranks=spec.nranks, secret=secret) as root:
         mark_ready(spec.ready_file)
@@ -329,17 +332,18 @@ async def run_lampdist(spec: RunSpec, workload: Workload, device: torch.device) 
             on_event=on_event,
             **kwargs,
         )
-    if len(marks) != 2:
+    if len(marks) != 2 or marks[1][1] <= marks[0][1]:
         raise RuntimeError(
-            f"{spec.config}: expected an event at step {spec.warmup} and at the end of the "
-            f"pass, got {len(marks)}; is --steps >= 1?"
+            f"{spec.config}: expected a mark after {spec.warmup} batches and one at the end "
+            f"of the pass, got {marks}; is --steps >= 1?"
         )
-    (start, first_step, first_examples), (end, last_step, last_examples) = marks
+    (start, first), (end, last) = marks
     return RankResult(
         rank=0,
         seconds=end - start,
-        timed_steps=last_step - first_step,
-        samples=last_examples - first_examples,
+        timed_steps=last - first,
+        # every rank takes a batch of the same size at every step
+        samples=(last - first) * workload.spec.batch_size * spec.nranks,
         peak_memory_bytes=peak_memory(device),
     )
 
