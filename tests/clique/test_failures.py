@@ -199,3 +199,40 @@ async def test_open_and_close_cycles_leak_no_threads_or_descriptors(count: int) 
         await cycles(count)
     assert live_threads() <= threads + 2
     assert open_fds() <= fds + 4
+
+
+async def test_abort_wakes_a_blocked_waiter_and_tells_the_peers() -> None:
+    aborted = anyio.Event()
+
+    async def body(clique: Clique) -> str:
+        if clique.rank == 1:  # never joins rank 0's all_reduce
+            await aborted.wait()
+            await anyio.sleep(0.5)  # the watcher polls for notices every 50 ms
+            with pytest.raises(lampdist.CollectiveFailed) as caught:
+                await clique.barrier()
+            return str(caught.value)
+        pending = clique.start_all_reduce([torch.ones(4)])
+
+        def wait() -> str:
+            with pytest.raises(lampdist.CollectiveFailed) as caught:
+                pending.wait_blocking(None)  # the clique's own limit is 20 s
+            return str(caught.value)
+
+        outcome: list[str] = []
+        async with anyio.create_task_group() as group:
+
+            async def waiter() -> None:
+                outcome.append(await anyio.to_thread.run_sync(wait))
+
+            group.start_soon(waiter)
+            await anyio.sleep(0.2)
+            await anyio.to_thread.run_sync(clique.abort, "stopped by the test")
+        aborted.set()
+        with pytest.raises(lampdist.CollectiveFailed):  # broken for good
+            await clique.barrier()
+        return outcome[0]
+
+    with anyio.fail_after(10):
+        mine, theirs = await run_ranks(2, body)
+    assert "torn down on rank 0: stopped by the test" in mine
+    assert "rank 0" in theirs and "stopped by the test" in theirs

@@ -236,6 +236,30 @@ async def test_cancelling_the_root_tells_the_followers(tmp_path: Path) -> None:
     await resumes_exactly(run, 1)
 
 
+async def test_cancelling_the_root_while_its_step_waits_for_a_stalled_follower(
+    tmp_path: Path,
+) -> None:
+    """The root's step waits for the gradient exchange inside a worker-thread call; cancelling
+    the root aborts its clique so that the call stops waiting, long before the follower's
+    stall or the collective timeout would end it."""
+
+    def hook(run: Run, rank: int, current: str, epoch: int, batch: int) -> None:
+        if rank == 2 and current == "train" and epoch == 1 and run.fault_at is None:
+            time.sleep(0.5)  # the root reaches the exchange first
+            run.vanish(0)
+            stalled = time.monotonic()
+            while 0 not in run.ended and time.monotonic() - stalled < 20:
+                time.sleep(0.05)  # alive and silent until the root has ended
+
+    run = Run(3, tmp_path)
+    await run_ranks(run, hook=hook, collective_timeout=30.0)
+    assert run.scopes[0].cancelled_caught
+    print(f"\nRELIABILITY-LOCAL | rank 0 | {run.took(0):.2f} s | cancelled in a step")
+    assert run.took(0) < DEADLINE  # the stall lasts until rank 0 ends; the timeout is 30 s
+    for rank in (1, 2):
+        expect(run, rank, lampdist.RankFailed, "cancelled")
+
+
 async def test_an_exception_in_a_followers_loss_keeps_the_checkpoints(tmp_path: Path) -> None:
     def hook(run: Run, rank: int, current: str, epoch: int, batch: int) -> None:
         if rank == 1 and current == "valid" and epoch == 1:

@@ -104,6 +104,18 @@ class Clique:
 
             await self._group.start("barrier", issue, wait_for_device=True)
 
+    def abort(self, reason: str) -> None:
+        """Break the clique on purpose; callable from any thread.
+
+        Every pending and later collective of this rank raises
+        :class:`~lampdist.CollectiveFailed` (a thread in ``wait_blocking`` wakes at once), the
+        other ranks' collectives fail with an error that names this rank and ``reason``, and
+        on NCCL the communicator is aborted. It blocks briefly (it posts a notice on the
+        clique's store), so call it from a worker thread in async code. Leave the ``async
+        with`` block afterwards.
+        """
+        self._group._announce_abort(reason)
+
     def start_broadcast(self, tensors: Sequence[torch.Tensor], root: int = 0) -> PendingCollective:
         """Start :meth:`broadcast` and return at once; callable from any thread."""
         checked = self._tensors("broadcast", tensors)

@@ -1,86 +1,69 @@
-"""One thread per rank for the rank's torch work: forward, backward and the optimizer step.
+"""A rank's compute calls (forward, backward, the optimizer step), one at a time, off the loop.
 
-On the CPU, torch runs an operator's parallel part on an OpenMP team that belongs to the
-calling thread, and the team's threads spin for a while after each operator. anyio's worker
-pool hands successive calls to whichever thread is idle, so a rank's forward pass and its
-optimizer step ran on different threads with a team each, spinning on the same cores. With
-two intra-op threads on two cores the one-rank loop ran at 30% of the plain loop's speed.
-Running all of a rank's compute on one thread keeps one team per rank.
+Calls run in anyio's worker threads, so model code may use ``anyio.from_thread``, and one at
+a time per rank. A call may wait for its peers (a training step waits for the gradient
+exchange inside its call): ``on_cancel`` then makes it stop waiting when the caller is
+cancelled, instead of the caller waiting out the collective's deadline.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import anyio
+import anyio.to_thread
 import attrs
-import torch
 
-from .._signal import Signal
-
-__all__ = ["ComputeThread"]
+__all__ = ["Compute"]
 
 T = TypeVar("T")
 
-_STOP = None
-
 
 @attrs.define(eq=False)
-class _Call:
-    function: Callable[..., Any]
-    args: tuple[Any, ...]
-    done: Signal = attrs.field(factory=Signal)
-    result: Any = None
-    error: BaseException | None = None
+class Compute:
+    """The compute calls of one rank."""
 
+    _limiter: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))
 
-@attrs.define(eq=False)
-class ComputeThread:
-    """A thread that runs one rank's compute calls in order; started on first use, stopped
-    by :meth:`close` (which the rank's role calls on every path)."""
+    async def run(
+        self,
+        function: Callable[..., T],
+        *args: Any,
+        on_cancel: Callable[[], object] | None = None,
+    ) -> T:
+        """``function(*args)`` in a worker thread; its exception is raised here.
 
-    name: str
-    device: torch.device
-    _queue: queue.SimpleQueue[_Call | None] = attrs.field(factory=queue.SimpleQueue, init=False)
-    _thread: threading.Thread | None = attrs.field(default=None, init=False)
-
-    async def run(self, function: Callable[..., T], *args: Any) -> T:
-        """``function(*args)`` on the compute thread, awaited without blocking the loop.
-
-        Like ``anyio.to_thread.run_sync``, a call runs to its end once started: a cancellation
-        of the caller takes effect when it returns. Its exception is raised here.
+        A started call runs to its end. When the caller is cancelled meanwhile, ``on_cancel``
+        (if given) runs in another worker thread to make the call end early, the call is
+        waited for, and then the cancellation is raised.
         """
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
-            self._thread.start()
-        call = _Call(function, args)
-        self._queue.put(call)
-        with anyio.CancelScope(shield=True):
-            await call.done.wait()
-        if call.error is not None:
-            error, call.error = call.error, None  # no cycle through this frame
-            raise error
-        result: T = call.result
-        return result
+        if on_cancel is None:
+            return await anyio.to_thread.run_sync(function, *args, limiter=self._limiter)
+        outcome: list[tuple[bool, Any]] = []
+        ended = anyio.Event()
 
-    def close(self) -> None:
-        """Stop the thread once the calls queued before this one have run."""
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            self._queue.put(_STOP)
-            thread.join()
-
-    def _serve(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        while (call := self._queue.get()) is not _STOP:
+        async def call() -> None:
             try:
-                call.result = call.function(*call.args)
-            except BaseException as exc:
-                call.error = exc
+                value = await anyio.to_thread.run_sync(function, *args, limiter=self._limiter)
+            except Exception as exc:
+                outcome.append((False, exc))
+            else:
+                outcome.append((True, value))
             finally:
-                call.done.set()
-            del call
+                ended.set()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(call)
+            try:
+                await ended.wait()
+            except anyio.get_cancelled_exc_class():
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(on_cancel)
+                    await ended.wait()
+                raise
+        succeeded, value = outcome[0]
+        if not succeeded:
+            raise value
+        result: T = value
+        return result

@@ -29,7 +29,7 @@ from .._errors import LampdistError, TrainingError
 from ..clique import Clique, PendingCollective
 from ._batches import BatchReader, LoadedBatch, open_batches
 from ._buckets import GradientBuckets
-from ._compute import ComputeThread
+from ._compute import Compute
 from ._device import host_to_device
 from ._flat import FlatModel
 from ._model import SupervisedModel
@@ -61,23 +61,15 @@ class RankRunner:
     stepper: Stepper | None = None
     on_event: OnPassEvent | None = None
     loss_scale: LossScale = attrs.field()
-    _compute: ComputeThread = attrs.field(init=False)
+    _compute: Compute = attrs.field(factory=Compute, init=False)
     _buckets: GradientBuckets | None = attrs.field(default=None, init=False)
     _sent: PendingCollective | None = attrs.field(default=None, init=False)
-
-    @_compute.default
-    def _default_compute(self) -> ComputeThread:
-        return ComputeThread(f"lampdist-compute-{self.rank}", self.clique.device)
 
     @loss_scale.default
     def _default_loss_scale(self) -> LossScale:
         if self.stepper is not None:
             return self.stepper.loss_scale
         return LossScale(enabled=self.options.autocast_dtype == torch.float16)
-
-    def close(self) -> None:
-        """Stop the rank's compute thread (its role calls this on every path)."""
-        self._compute.close()
 
     @property
     def device(self) -> torch.device:
@@ -154,10 +146,7 @@ class RankRunner:
                 step = 0
                 more = True
                 while more:
-                    meta, local_examples = await self._accumulate(reader, epoch)
-                    more = await self._synchronise(
-                        meta, local_examples, epoch, step, tally, planned
-                    )
+                    more = await self._train_step(reader, epoch, step, tally, planned)
                     step += 1
                     if planned is not None:
                         more = step < planned
@@ -180,7 +169,7 @@ class RankRunner:
                                 done=not more,
                             )
                         )
-            await self._settle_sent()
+            await self._compute.run(self._settle_sent)
         if self.stepper is None:
             return PassResult(loss=math.nan, examples=0, steps=step)
         if tally.examples == 0 and tally.skipped == 0:
@@ -211,11 +200,12 @@ class RankRunner:
             return self.clique.start_all_reduce(tensors)
         return self.clique.start_reduce(tensors, root=0)
 
-    async def _settle_sent(self) -> None:
-        """Wait for the root's last parameter broadcast (its errors, if any, surface here)."""
+    def _settle_sent(self) -> None:
+        """Wait for the root's last parameter broadcast (its errors, if any, surface here).
+        Runs in a compute call."""
         sent, self._sent = self._sent, None
         if sent is not None:
-            await sent
+            sent.wait_blocking(None)
 
     async def _planned_steps(self, reader: BatchReader) -> int | None:
         """The pass's step count when every rank's source has a length, else ``None`` (then
@@ -233,7 +223,31 @@ class RankRunner:
             return None
         return max(1, *(-(-n // accumulate) for n in lengths))
 
-    async def _synchronise(
+    def _finish_step(
+        self,
+        last: LoadedBatch | None,
+        loss_sum: torch.Tensor,
+        examples: int,
+        more: bool,
+        epoch: int,
+        step: int,
+        tally: Tally,
+        planned: int | None,
+    ) -> bool:
+        """Runs in a compute call: forward and backward of the step's last batch (which
+        starts the gradient buckets as it goes), then :meth:`_synchronise`."""
+        if last is not None:
+            if self._buckets is not None:
+                self._buckets.arm()
+            loss_sum = loss_sum + self._call_model(self._forward_backward, last, "train", epoch)
+            examples += last.examples
+        # Behind the gradients unless alone (nothing is sent) or bucketing (the buckets'
+        # exchanges start before the meta values are known).
+        tail = not self.alone and self._buckets is None
+        meta = write_meta(self.flat, examples, loss_sum, more, tail=tail)
+        return self._synchronise(meta, examples, epoch, step, tally, planned)
+
+    def _synchronise(
         self,
         meta: torch.Tensor | None,
         local_examples: int,
@@ -242,7 +256,8 @@ class RankRunner:
         tally: Tally,
         planned: int | None,
     ) -> bool:
-        """Combine the step's gradients over the clique and step where the optimizer lives.
+        """Runs in a compute call: combine the step's gradients over the clique and step
+        where the optimizer lives.
 
         ``meta`` is the step's meta tensor when it travels on its own, ``None`` when it rides
         behind the gradients (see ``_values``). Returns whether any rank has more batches
@@ -252,7 +267,6 @@ class RankRunner:
         cannot know the clique had some); otherwise it steps on the device and the tally reads
         the values back later.
         """
-        every_rank = self.options.step_on == "every_rank"
         if not self.alone:
             own = [] if meta is None else [meta]
             if self._buckets is not None:
@@ -260,33 +274,31 @@ class RankRunner:
                 exchanges.append(self._start_gradient_exchange(own))
             else:
                 exchanges = [self._start_gradient_exchange([*self.flat.gradient_storage, *own])]
-            await self._settle_sent()
+            self._settle_sent()
             for exchange in exchanges:
-                await exchange
+                exchange.wait_blocking(None)
         if self.stepper is None:
             self.flat.zero_gradients()  # the reduce left partial sums in them
-            return await self._receive_parameters(read=planned is None)
+            return self._receive_parameters(read=planned is None)
         stepper = self.stepper
         must_read = planned is None or stepper.needs_host_values or local_examples == 0
         values = read_meta(self.flat, meta)  # before the step zeroes the gradients' tail
-
-        def read_and_step() -> bool:
-            if not must_read:
-                stepper.step_on_device(values[EXAMPLES])
-                return True
-            examples, loss_sum, more = values.tolist()
+        if must_read:
+            examples, loss_sum, flag = values.tolist()
             counted = stepper.step(examples, loss_sum, epoch=epoch, step=step)
             tally.record(examples, loss_sum, counted=counted)
-            return bool(more > 0)
-
-        more = await self._compute.run(read_and_step)
-        if not must_read:
+            more = bool(flag > 0)
+        else:
+            stepper.step_on_device(values[EXAMPLES])
             tally.submit(step, values)
-        if every_rank:
-            if self.flat.module_buffers and not self.alone:
-                await self.clique.broadcast(self.flat.module_buffers)
-        elif not self.alone:
-            await self._send_parameters(more)
+            more = True
+        if self.alone:
+            return more
+        if self.options.step_on == "every_rank":
+            if self.flat.module_buffers:
+                self.clique.start_broadcast(self.flat.module_buffers).wait_blocking(None)
+        else:
+            self._send_parameters(more)
         return more
 
     async def validation_pass(
@@ -345,10 +357,20 @@ class RankRunner:
         phase: str,
         epoch: int,
     ) -> torch.Tensor:
-        """Run ``function(batch)`` on the compute thread; user errors come back naming the
+        """``function(batch)`` in a compute call (see :meth:`_call_model`)."""
+        return await self._compute.run(self._call_model, function, batch, phase, epoch)
+
+    def _call_model(
+        self,
+        function: Callable[[LoadedBatch], torch.Tensor],
+        batch: LoadedBatch,
+        phase: str,
+        epoch: int,
+    ) -> torch.Tensor:
+        """Runs in a compute call: ``function(batch)``; user errors come back naming the
         rank."""
         try:
-            return await self._compute.run(function, batch)
+            return function(batch)
         except LampdistError:
             raise
         except Exception as exc:
@@ -358,14 +380,20 @@ class RankRunner:
                 phase=phase,
             ) from exc
 
-    async def _accumulate(self, reader: BatchReader, epoch: int) -> tuple[torch.Tensor | None, int]:
-        """Forward and backward over up to ``accumulate`` batches; writes the step's meta
-        (examples, loss sum, whether this rank has more batches) and returns it when it travels
-        on its own (else ``None``), with the example count.
+    async def _train_step(
+        self, reader: BatchReader, epoch: int, step: int, tally: Tally, planned: int | None
+    ) -> bool:
+        """One training step over up to ``accumulate`` batches; returns whether any rank has
+        more batches (see :meth:`_synchronise`).
 
-        The backward of the step's last batch starts the gradient buckets as it goes."""
+        Each batch before the last runs forward and backward in a worker-thread call of its
+        own; the last batch, the exchange and the optimizer step run in one more call, so a
+        step leaves the event loop once when ``accumulate`` is 1. If this task is cancelled
+        meanwhile, the clique is aborted so that the call stops waiting for its peers.
+        """
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         examples = 0
+        last = None
         accumulate = self.options.accumulate_gradient_over_n_batches
         for index in range(accumulate):
             batch = await reader.next()
@@ -373,20 +401,30 @@ class RankRunner:
                 break
             if batch.examples == 0:
                 continue
-            if self._buckets is not None and (
-                index == accumulate - 1 or not await reader.has_next()
-            ):
-                self._buckets.arm()
+            if index == accumulate - 1:
+                last = batch
+                break
             loss_sum += await self._run_model(self._forward_backward, batch, "train", epoch)
             examples += batch.examples
         more = await reader.has_next()
-        # Behind the gradients unless alone (nothing is sent) or bucketing (the buckets'
-        # exchanges start before the meta values are known).
-        tail = not self.alone and self._buckets is None
-        return write_meta(self.flat, examples, loss_sum, more, tail=tail), examples
+        return await self._compute.run(
+            self._finish_step,
+            last,
+            loss_sum,
+            examples,
+            more,
+            epoch,
+            step,
+            tally,
+            planned,
+            on_cancel=self._abort_clique,
+        )
+
+    def _abort_clique(self) -> None:
+        self.clique.abort(f"rank {self.rank} was cancelled during a training step")
 
     def _forward_backward(self, batch: LoadedBatch) -> torch.Tensor:
-        """Runs on the compute thread: backward of the example-weighted loss; returns it."""
+        """Runs in a compute call: backward of the example-weighted loss; returns it."""
         with self._autocast():
             loss = self.model.forward_loss(batch.inputs, batch.target)
         weighted = loss * batch.examples
@@ -396,7 +434,7 @@ class RankRunner:
         return weighted.detach().to(torch.float64)
 
     def _evaluate(self, batch: LoadedBatch) -> torch.Tensor:
-        """Runs on the compute thread: the example-weighted loss without gradients."""
+        """Runs in a compute call: the example-weighted loss without gradients."""
         with torch.no_grad(), self._autocast():
             loss = self.model.forward_loss(batch.inputs, batch.target)
         return loss.detach().to(torch.float64) * batch.examples
@@ -407,33 +445,34 @@ class RankRunner:
             device_type=self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None
         )
 
-    async def _send_parameters(self, more: bool) -> None:
-        """Broadcast the stepped parameters. On CUDA the root's next forward only reads them,
-        so it need not wait, unless the broadcast carries module buffers (which a forward in
-        train mode may update in place); the next step's exchange waits for it at the latest.
-        On the CPU the root waits: the broadcast's threads would compete with its forward."""
+    def _send_parameters(self, more: bool) -> None:
+        """Runs in a compute call: broadcast the stepped parameters. On CUDA the root's
+        next forward only reads them, so it need not wait, unless the broadcast carries
+        module buffers (which a forward in train mode may update in place); the next step's
+        exchange waits for it at the latest. On the CPU the root waits: the broadcast's
+        threads would compete with its forward."""
         control = write_control(self.flat, more, self.loss_scale.scale, self.device)
         own = [] if control is None else [control]
         sent = self.clique.start_broadcast(
             [*self.flat.parameter_storage, *self.flat.module_buffers, *own], root=0
         )
         if self.flat.module_buffers or self.device.type != "cuda":
-            await sent
+            sent.wait_blocking(None)
         else:
             self._sent = sent
 
-    async def _receive_parameters(self, *, read: bool) -> bool:
-        """Receive the root's parameters; read its control values (a host sync on CUDA)
-        only when ``read`` or when fp16 loss scaling needs the scale."""
+    def _receive_parameters(self, *, read: bool) -> bool:
+        """Runs in a compute call: receive the root's parameters; read its control values
+        (a host sync on CUDA) only when ``read`` or when fp16 loss scaling needs the scale."""
         control = control_receiver(self.flat, self.device)
         own = [] if control is None else [control]
         if not self.alone:
-            await self.clique.broadcast(
+            self.clique.start_broadcast(
                 [*self.flat.parameter_storage, *self.flat.module_buffers, *own], root=0
-            )
+            ).wait_blocking(None)
         if not read and not self.loss_scale.enabled:
             return True
-        more, self.loss_scale.scale = await self._to_host(read_control(self.flat, control))
+        more, self.loss_scale.scale = read_control(self.flat, control).tolist()
         return bool(more > 0)
 
     async def _to_host(self, tensor: torch.Tensor) -> list[float]:

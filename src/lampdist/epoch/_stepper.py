@@ -87,7 +87,7 @@ class Stepper:
 
     def step_on_device(self, examples: torch.Tensor) -> None:
         """Average over ``examples`` (a device scalar, known to be > 0) and step, without
-        waiting for the device (runs on the rank's compute thread)."""
+        waiting for the device (runs in a worker thread)."""
         try:
             for grads in self.flat.gradient_buffers:
                 grads.div_(examples)
@@ -98,8 +98,8 @@ class Stepper:
             self.flat.zero_gradients()
 
     def step(self, examples: float, loss_sum: float, *, epoch: int, step: int) -> bool:
-        """Average the summed gradients over ``examples`` and step (runs on the rank's
-        compute thread).
+        """Average the summed gradients over ``examples`` and step (runs in a worker
+        thread).
 
         Returns whether the step's loss counts towards the pass's mean: a step skipped for a
         non-finite loss does not, one skipped for an fp16 overflow does. Raises

@@ -233,8 +233,6 @@ async def _run(
                     await _report(control, phase.name, exc)
             phase.reported = True
             raise
-        finally:
-            runner.close()
 
 
 def _root_must_hear(error: BaseException) -> bool:

@@ -472,8 +472,6 @@ async def _run(
                         await _abort_followers(control, phase, _why(exc, phase, stopping))
                     phase.reported = True
                 raise
-            finally:
-                runner.close()
     return final
 
 
