@@ -10,6 +10,10 @@ clique.all_reduce([buffer])``); the raw group calls ``work.wait()``. On CUDA bot
 the stream per call and synchronise the device once per timed batch. The two alternate
 ``--repeats`` times (the order flips each repeat) and the medians are compared.
 
+The issue columns give the time per call until the last call returned, before the final
+synchronisation: on CUDA a call returns once its collective is queued, so an issue time close
+to the total means the host, not the GPU, set the pace.
+
 Bus bandwidth follows nccl-tests: ``size / time`` for broadcast and reduce, times
 ``2 (n - 1) / n`` for all_reduce. The ratio column is clique / raw (target: 0.95 or more).
 
@@ -95,24 +99,32 @@ async def _clique_issue(clique: Clique, op: str, buffer: torch.Tensor) -> None:
         await clique.broadcast([buffer], root=0)
 
 
-async def _time_clique(clique: Clique, op: str, buffer: torch.Tensor, iters: int) -> float:
+# (seconds per call, seconds per call until the last call returned): on CUDA a call returns
+# once its collective is queued, so when the second is close to the first the host, not the
+# GPU, set the pace.
+Timing = tuple[float, float]
+
+
+async def _time_clique(clique: Clique, op: str, buffer: torch.Tensor, iters: int) -> Timing:
     await clique.barrier()
     _sync(clique.device)
     start = time.perf_counter()
     for _ in range(iters):
         await _clique_issue(clique, op, buffer)
+    issued = time.perf_counter()
     _sync(clique.device)
-    return (time.perf_counter() - start) / iters
+    return (time.perf_counter() - start) / iters, (issued - start) / iters
 
 
-def _time_raw(group: Any, op: str, buffer: torch.Tensor, iters: int) -> float:
+def _time_raw(group: Any, op: str, buffer: torch.Tensor, iters: int) -> Timing:
     group.barrier().wait()
     _sync(buffer.device)
     start = time.perf_counter()
     for _ in range(iters):
         _raw_issue(group, op, buffer).wait()
+    issued = time.perf_counter()
     _sync(buffer.device)
-    return (time.perf_counter() - start) / iters
+    return (time.perf_counter() - start) / iters, (issued - start) / iters
 
 
 async def _worker(config: dict[str, Any]) -> dict[str, Any]:
@@ -125,6 +137,7 @@ async def _worker(config: dict[str, Any]) -> dict[str, Any]:
     buffer = torch.ones(numel, dtype=torch.float32, device=device)
     iters, warmup = int(config["iters"]), int(config["warmup"])
     times: dict[str, float] = {}
+    issue: dict[str, float] = {}
     if config["implementation"] == "raw":
 
         def measure() -> None:
@@ -133,7 +146,7 @@ async def _worker(config: dict[str, Any]) -> dict[str, Any]:
                 for op in OPS:  # warm up: NCCL channels, allocator, Gloo buffers
                     _time_raw(group, op, buffer, warmup)
                 for op in OPS:
-                    times[op] = _time_raw(group, op, buffer, iters)
+                    times[op], issue[op] = _time_raw(group, op, buffer, iters)
                 group.barrier().wait()
                 _sync(device)
             finally:
@@ -154,9 +167,9 @@ async def _worker(config: dict[str, Any]) -> dict[str, Any]:
             for op in OPS:
                 await _time_clique(clique, op, buffer, warmup)
             for op in OPS:
-                times[op] = await _time_clique(clique, op, buffer, iters)
+                times[op], issue[op] = await _time_clique(clique, op, buffer, iters)
             await clique.barrier()
-    return {"rank": rank, "times": times}
+    return {"rank": rank, "times": times, "issue": issue}
 
 
 def _summarise(
@@ -173,8 +186,12 @@ def _summarise(
                 max(result["times"][op] for result in results) for results in runs[implementation]
             ]
             seconds = statistics.median(per_repeat)
+            issue = statistics.median(
+                max(result["issue"][op] for result in results) for results in runs[implementation]
+            )
             row[implementation] = {
                 "time_ms": 1e3 * seconds,
+                "issue_ms": 1e3 * issue,
                 "busbw_gbps": size * _bus_factor(op, nranks) / seconds / 1e9,
                 "time_ms_runs": [1e3 * each for each in per_repeat],
             }
@@ -244,13 +261,14 @@ def _print_table(report: dict[str, Any]) -> None:
     )
     print(
         f"{'collective':<12}{'raw ms':>10}{'raw GB/s':>11}{'clique ms':>11}"
-        f"{'clique GB/s':>13}{'ratio':>8}"
+        f"{'clique GB/s':>13}{'ratio':>8}{'raw issue ms':>14}{'clique issue ms':>17}"
     )
     for op, row in report["results"].items():
         print(
             f"{op:<12}{row['raw']['time_ms']:>10.2f}{row['raw']['busbw_gbps']:>11.2f}"
             f"{row['clique']['time_ms']:>11.2f}{row['clique']['busbw_gbps']:>13.2f}"
-            f"{row['ratio']:>8.3f}"
+            f"{row['ratio']:>8.3f}{row['raw']['issue_ms']:>14.2f}"
+            f"{row['clique']['issue_ms']:>17.2f}"
         )
 
 
