@@ -245,12 +245,13 @@ class RankRunner:
         # exchanges start before the meta values are known).
         tail = not self.alone and self._buckets is None
         meta = write_meta(self.flat, examples, loss_sum, more, tail=tail)
-        return self._synchronise(meta, examples, epoch, step, tally, planned)
+        return self._synchronise(meta, examples, more, epoch, step, tally, planned)
 
     def _synchronise(
         self,
         meta: torch.Tensor | None,
         local_examples: int,
+        local_more: bool,
         epoch: int,
         step: int,
         tally: Tally,
@@ -262,11 +263,14 @@ class RankRunner:
         ``meta`` is the step's meta tensor when it travels on its own, ``None`` when it rides
         behind the gradients (see ``_values``). Returns whether any rank has more batches
         (only meaningful when ``planned`` is None).
-        A stepping rank reads the reduced values on the host before it steps only when it must
-        (no plan, the skip policy, fp16 loss scaling, or no examples of its own, so that it
-        cannot know the clique had some); otherwise it steps on the device and the tally reads
-        the values back later.
+        A stepping rank reads the reduced values on the host before it steps only when it must:
+        the skip policy, fp16 loss scaling, no examples of its own (so that it cannot know the
+        clique had some), or no plan and no batch of its own left (so that it cannot know
+        whether another rank has one; with a batch left, ``local_more``, it knows that the
+        clique has). Otherwise it steps on the device and the tally reads the values back
+        later. A follower reads the root's control values for the same reason only.
         """
+        learn_more = planned is None and not local_more
         if not self.alone:
             own = [] if meta is None else [meta]
             if self._buckets is not None:
@@ -279,9 +283,9 @@ class RankRunner:
                 exchange.wait_blocking(None)
         if self.stepper is None:
             self.flat.zero_gradients()  # the reduce left partial sums in them
-            return self._receive_parameters(read=planned is None)
+            return self._receive_parameters(read=learn_more)
         stepper = self.stepper
-        must_read = planned is None or stepper.needs_host_values or local_examples == 0
+        must_read = learn_more or stepper.needs_host_values or local_examples == 0
         values = read_meta(self.flat, meta)  # before the step zeroes the gradients' tail
         if must_read:
             examples, loss_sum, flag = values.tolist()
