@@ -246,9 +246,9 @@ def batch_source(
     """The lampdist batch source: the same device tensors, step for step, as the plain loop.
 
     Sized by default, as the plain loop knows its step count. With ``sized=False`` (the
-    variant key ``sized:false``) it is a bare generator: lampdist then learns at every step
-    whether any rank has batches left, which makes each rank's host wait for the device
-    once per step."""
+    variant key ``sized:false``) it is a bare generator: then a rank whose own batches have
+    run out learns at every step whether another rank has one, which makes its host wait for
+    its device."""
 
     def source() -> Iterable[Batch]:
         batches = Batches(workload, total)

@@ -169,7 +169,7 @@ class RankRunner:
                                 done=not more,
                             )
                         )
-            await self._compute.run(self._settle_sent)
+            await self._compute.run(self._settle_sent, on_cancel=self._abort_clique)
         if self.stepper is None:
             return PassResult(loss=math.nan, examples=0, steps=step)
         if tally.examples == 0 and tally.skipped == 0:
@@ -319,7 +319,9 @@ class RankRunner:
             while (batch := await reader.next()) is not None:
                 if batch.examples == 0:
                     continue
-                loss_sum += await self._run_model(self._evaluate, batch, "valid", epoch)
+                loss_sum += await self._compute.run(
+                    self._call_model, self._evaluate, batch, "valid", epoch
+                )
                 examples += batch.examples
             batches = reader.batches_read
         meta = host_to_device([examples, 0.0], torch.float64, self.device)
@@ -353,16 +355,6 @@ class RankRunner:
                 )
             )
         return PassResult(loss=loss, examples=int(total_examples), steps=0)
-
-    async def _run_model(
-        self,
-        function: Callable[[LoadedBatch], torch.Tensor],
-        batch: LoadedBatch,
-        phase: str,
-        epoch: int,
-    ) -> torch.Tensor:
-        """``function(batch)`` in a compute call (see :meth:`_call_model`)."""
-        return await self._compute.run(self._call_model, function, batch, phase, epoch)
 
     def _call_model(
         self,
@@ -408,7 +400,9 @@ class RankRunner:
             if index == accumulate - 1:
                 last = batch
                 break
-            loss_sum += await self._run_model(self._forward_backward, batch, "train", epoch)
+            loss_sum += await self._compute.run(
+                self._call_model, self._forward_backward, batch, "train", epoch
+            )
             examples += batch.examples
         more = await reader.has_next()
         return await self._compute.run(
@@ -425,7 +419,8 @@ class RankRunner:
         )
 
     def _abort_clique(self) -> None:
-        self.clique.abort(f"rank {self.rank} was cancelled during a training step")
+        """Free a compute call that waits for its peers when this rank is cancelled."""
+        self.clique.abort(f"rank {self.rank} was cancelled while training")
 
     def _forward_backward(self, batch: LoadedBatch) -> torch.Tensor:
         """Runs in a compute call: backward of the example-weighted loss; returns it."""

@@ -21,8 +21,6 @@ from ._flat import FlatModel
 
 __all__ = [
     "EXAMPLES",
-    "LOSS",
-    "MORE",
     "control_receiver",
     "read_control",
     "read_meta",
@@ -30,8 +28,9 @@ __all__ = [
     "write_meta",
 ]
 
-EXAMPLES, LOSS, MORE = 0, 1, 2  # positions in the float64 meta that read_meta returns
+EXAMPLES, LOSS = 0, 1  # positions in the float64 meta that read_meta returns (then: more)
 _SPLIT = 4096  # examples = high * _SPLIT + low
+_TAIL_LOSS = 2  # the tail holds [examples high, examples low, loss sum, more]
 
 
 def write_meta(
@@ -48,7 +47,7 @@ def write_meta(
     high, low = divmod(examples, _SPLIT)
     values = host_to_device([high, low, 0.0, 1.0 if more else 0.0], destination.dtype, device)
     destination.copy_(values)
-    destination[2] = loss_sum
+    destination[_TAIL_LOSS] = loss_sum
     return None
 
 
