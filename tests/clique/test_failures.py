@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import anyio
 import pytest
 import torch
@@ -60,6 +67,55 @@ async def test_setup_times_out_when_a_peer_never_comes(rank: int) -> None:
     assert (caught.value.rank, caught.value.phase) == (rank, "clique setup")
     assert live_threads() <= threads + 2
     assert open_fds() <= fds + 2
+
+
+@contextmanager
+def dropping_listener() -> Iterator[int]:
+    """A port that accepts every connection and resets it at once: a rendezvous store whose
+    rank 0 died between a peer's connect and its handshake."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.1)
+    done = threading.Event()
+
+    def serve() -> None:
+        while not done.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        done.set()
+        thread.join()
+        server.close()
+
+
+async def test_cancelling_a_rank_whose_store_drops_it_ends_promptly() -> None:
+    # The store's handshake fails over and over; torch would retry it for the whole
+    # setup_timeout inside one uninterruptible call. Cancellation must still get through.
+    with dropping_listener() as port:
+        clique_id = CliqueId.new("127.0.0.1", port, nranks=2)
+        start = time.monotonic()
+        with anyio.fail_after(60), anyio.move_on_after(0.5) as scope:
+            async with open_rank(clique_id, 1, "cpu", setup_timeout=60.0):
+                pass
+        assert scope.cancelled_caught
+        assert time.monotonic() - start < 10.0  # one connect attempt, not the 60 s budget
+
+
+async def test_a_store_that_drops_every_connection_times_the_setup_out() -> None:
+    with dropping_listener() as port:
+        clique_id = CliqueId.new("127.0.0.1", port, nranks=2)
+        with anyio.fail_after(30), pytest.raises(lampdist.CliqueTimeout) as caught:
+            async with open_rank(clique_id, 1, "cpu", setup_timeout=1.0):
+                pass
+    assert (caught.value.rank, caught.value.phase) == (1, "clique setup")
 
 
 async def test_a_silent_peer_times_the_collective_out_and_hears_of_it() -> None:

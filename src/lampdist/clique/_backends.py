@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 SETUP = "clique setup"
 ABORT_KEY = "abort"  # where a rank that leaves abnormally posts "rank\nreason"
 _SETUP_POLL = 0.05  # seconds: the slices of the setup waits
+_CONNECT_SLICE = timedelta(seconds=2)  # one attempt to reach the rendezvous store
 NO_LIMIT = timedelta(days=365)  # what the process group gets for "None: no limit"
 _GLOO_THREADS = 2
 _NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
@@ -150,17 +151,22 @@ class Setup:
             time.sleep(_SETUP_POLL)
 
     def connect_store(self, host: str, port: int) -> Any:
-        """A client of the rendezvous store. While the store refuses connections (its rank 0
-        is gone), retry in slices rather than inside torch's uninterruptible connect loop."""
+        """A client of the rendezvous store. Each attempt gets at most ``_CONNECT_SLICE``:
+        torch's connect loop cannot be interrupted, and a store that accepts and then drops
+        the connection (its rank 0 dying just then) would keep it retrying for the whole
+        setup budget, deaf to the caller's cancellation."""
         while True:
             left = self.remaining()
+            attempt = min(left, _CONNECT_SLICE)
             try:
-                socket.create_connection((host, port), timeout=left.total_seconds()).close()
-                break
-            except OSError as exc:
+                socket.create_connection((host, port), timeout=attempt.total_seconds()).close()
+                store = TCPStore(host, port, None, False, timeout=attempt, wait_for_workers=False)
+            except (OSError, RuntimeError) as exc:  # torch's DistNetworkError is a RuntimeError
                 logger.debug("rank %d: store not reachable: %s", self.deadline.rank, exc)
                 time.sleep(_SETUP_POLL)
-        return TCPStore(host, port, None, False, timeout=self.remaining(), wait_for_workers=False)
+                continue
+            store.set_timeout(self.remaining())
+            return store
 
     def abandon(self, exc: BaseException) -> None:
         """Tell the peers that this rank abandoned the setup, unless one of them did first."""
