@@ -16,22 +16,29 @@ import anyio
 import anyio.lowlevel
 import attrs
 
-__all__ = ["Signal"]
+__all__ = ["Signal", "loop_scheduler"]
+
+
+def loop_scheduler() -> Callable[[Callable[[], object]], None]:
+    """A function that runs a callback on the current event loop soon: from any thread,
+    without blocking, and as a no-op once the loop has finished (nobody waits any more)."""
+    native = anyio.lowlevel.current_token().native_token
+    if isinstance(native, asyncio.AbstractEventLoop):
+        schedule: Callable[[Callable[[], object]], object] = native.call_soon_threadsafe
+    else:  # trio: a TrioToken
+        schedule = native.run_sync_soon  # type: ignore[attr-defined]  # TrioToken is untyped here
+
+    def run_soon(callback: Callable[[], object]) -> None:
+        with contextlib.suppress(RuntimeError):
+            schedule(callback)
+
+    return run_soon
 
 
 def _loop_waker(event: anyio.Event) -> Callable[[], None]:
     """A callable that sets ``event`` on the current event loop, from any thread, at once."""
-    native = anyio.lowlevel.current_token().native_token
-    if isinstance(native, asyncio.AbstractEventLoop):
-        schedule: Callable[[Callable[[], None]], object] = native.call_soon_threadsafe
-    else:  # trio: a TrioToken
-        schedule = native.run_sync_soon  # type: ignore[attr-defined]  # TrioToken is untyped here
-
-    def wake() -> None:
-        with contextlib.suppress(RuntimeError):  # the loop has finished; nobody waits any more
-            schedule(event.set)
-
-    return wake
+    run_soon = loop_scheduler()
+    return lambda: run_soon(event.set)
 
 
 @attrs.define(eq=False)

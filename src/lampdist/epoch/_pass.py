@@ -97,7 +97,11 @@ class RankRunner:
         assert self.stepper is not None
         if self.alone:
             return
-        optimizer = self.stepper.optimizer
+        async with self._compute.session():
+            await self._send_optimizer_state(self.stepper.optimizer)
+
+    async def _send_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """The root's optimizer state as bytes, its length first (inside a compute session)."""
         device = self.device
         length = torch.zeros(1, dtype=torch.int64, device=device)
         payload = torch.zeros(0, dtype=torch.uint8, device=device)
@@ -138,9 +142,12 @@ class RankRunner:
         self.flat.zero_gradients()
         started = time.perf_counter()
         tally = Tally(rank=self.rank, epoch=epoch)
-        async with open_batches(
-            source, model=self.model, device=self.device, rank=self.rank, phase="train"
-        ) as reader:
+        async with (
+            self._compute.session(),
+            open_batches(
+                source, model=self.model, device=self.device, rank=self.rank, phase="train"
+            ) as reader,
+        ):
             with self._attach_buckets():
                 planned = await self._planned_steps(reader)
                 step = 0
@@ -313,9 +320,12 @@ class RankRunner:
         started = time.perf_counter()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         examples = 0
-        async with open_batches(
-            source, model=self.model, device=self.device, rank=self.rank, phase="valid"
-        ) as reader:
+        async with (
+            self._compute.session(),
+            open_batches(
+                source, model=self.model, device=self.device, rank=self.rank, phase="valid"
+            ) as reader,
+        ):
             while (batch := await reader.next()) is not None:
                 if batch.examples == 0:
                     continue
@@ -324,13 +334,13 @@ class RankRunner:
                 )
                 examples += batch.examples
             batches = reader.batches_read
-        meta = host_to_device([examples, 0.0], torch.float64, self.device)
-        meta[1] = loss_sum
-        if not self.alone:
-            await self.clique.reduce([meta], root=0)
-        if not self.is_root:
-            return PassResult(loss=math.nan, examples=examples, steps=0)
-        total_examples, total_loss = await self._to_host(meta)
+            meta = host_to_device([examples, 0.0], torch.float64, self.device)
+            meta[1] = loss_sum
+            if not self.alone:
+                await self.clique.reduce([meta], root=0)
+            if not self.is_root:
+                return PassResult(loss=math.nan, examples=examples, steps=0)
+            total_examples, total_loss = await self._to_host(meta)
         if total_examples == 0:
             raise TrainingError(
                 f"epoch {epoch}: the validation pass saw no examples on any rank; "
