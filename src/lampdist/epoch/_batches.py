@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Sized
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import anyio
@@ -14,6 +16,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from .._effects import BatchSource
 from .._errors import BadBatch, LampdistError, TrainingError
+from .._signal import loop_scheduler
 from ._model import SupervisedModel, check_batch, move_to_device
 
 __all__ = ["BatchReader", "LoadedBatch", "open_batches"]
@@ -36,6 +39,7 @@ class BatchReader:
 
     _receive: MemoryObjectReceiveStream[LoadedBatch]
     total: int | None = None
+    _room: threading.Semaphore | None = None  # given back per batch taken (sync sources)
     _peeked: LoadedBatch | None = None
     _done: bool = False
     batches_read: int = 0
@@ -59,6 +63,8 @@ class BatchReader:
         except anyio.EndOfStream:
             self._done = True
             return False
+        if self._room is not None:
+            self._room.release()
         return True
 
 
@@ -74,9 +80,10 @@ async def open_batches(
 ) -> AsyncIterator[BatchReader]:
     """Call ``source()`` and load its batches ``prefetch`` ahead while the caller computes.
 
-    Sync iterables are advanced in a worker thread, so a slow ``DataLoader`` never blocks the
-    event loop. Raises :class:`TrainingError` (rank and phase named) when the source raises,
-    and :class:`BadBatch` when it yields something that is not an ``(inputs, target)`` batch.
+    Sync iterables are advanced in a worker thread (one for the pass), so a slow
+    ``DataLoader`` never blocks the event loop. Raises :class:`TrainingError` (rank and
+    phase named) when the source raises, and :class:`BadBatch` when it yields something that
+    is not an ``(inputs, target)`` batch.
     """
     try:
         iterable = source()
@@ -95,32 +102,54 @@ async def open_batches(
         )
     total = len(iterable) if isinstance(iterable, Sized) else None
     send, receive = anyio.create_memory_object_stream[LoadedBatch](prefetch)
-    limiter = anyio.CapacityLimiter(1)
+    room = threading.Semaphore(prefetch)  # batches the loading thread may still hand over
+    stopped = threading.Event()
     async with anyio.create_task_group() as group, receive:
-        group.start_soon(_produce, iterable, send, model, device, rank, phase, limiter)
+        group.start_soon(_produce, iterable, send, room, stopped, model, device, rank, phase)
         try:
-            yield BatchReader(receive, total)
+            yield BatchReader(receive, total, None if isinstance(iterable, AsyncIterable) else room)
         finally:
+            stopped.set()
+            room.release()  # wakes the loading thread if it waits for room
             group.cancel_scope.cancel()
 
 
 async def _produce(
     iterable: Iterable[object] | AsyncIterable[object],
     send: MemoryObjectSendStream[LoadedBatch],
+    room: threading.Semaphore,
+    stopped: threading.Event,
     model: SupervisedModel,
     device: torch.device,
     rank: int,
     phase: str,
-    limiter: anyio.CapacityLimiter,
 ) -> None:
+    """Load the batches into ``send``: async iterables on the loop, sync ones on one worker
+    thread for the whole pass, which hands each batch to the loop with a thread-safe
+    callback (no thread hand-off per batch)."""
+
     def load(batch: object) -> LoadedBatch:
         inputs, target = check_batch(batch)
         examples = model.example_count(target)
         return LoadedBatch(move_to_device(inputs, device), move_to_device(target, device), examples)
 
-    def next_loaded(iterator: Iterator[object]) -> LoadedBatch | object:
-        batch = next(iterator, _END)
-        return batch if batch is _END else load(batch)
+    run_soon = loop_scheduler()
+
+    def hand_over(loaded: LoadedBatch) -> None:  # on the loop
+        try:
+            send.send_nowait(loaded)  # never full: the thread waited for room
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            stopped.set()  # the reader stopped early
+
+    def load_all(iterator: Iterator[object]) -> None:  # on the loading thread
+        while True:
+            room.acquire()
+            if stopped.is_set():
+                return
+            batch = next(iterator, _END)
+            if batch is _END:
+                return
+            run_soon(partial(hand_over, load(batch)))
 
     async with send:
         try:
@@ -128,14 +157,12 @@ async def _produce(
                 async for batch in iterable:
                     await send.send(load(batch))
                 return
-            iterator = iter(iterable)
-            while True:
-                loaded = await anyio.to_thread.run_sync(
-                    next_loaded, iterator, limiter=limiter, abandon_on_cancel=True
-                )
-                if not isinstance(loaded, LoadedBatch):
-                    return
-                await send.send(loaded)
+            # Abandoned on cancellation: a slow source's next() need not be waited for, and
+            # the thread returns once it finds ``stopped`` set.
+            await anyio.to_thread.run_sync(
+                load_all, iter(iterable), limiter=anyio.CapacityLimiter(1), abandon_on_cancel=True
+            )
+            # The thread's hand-overs were scheduled before its return was: they ran first.
         except BadBatch as exc:
             raise BadBatch(exc.message, rank=rank, phase=phase) from exc
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
