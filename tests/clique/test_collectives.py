@@ -12,7 +12,7 @@ import torch
 import lampdist
 from lampdist.clique import Clique, PendingCollective, serve_rendezvous
 
-from ._helpers import open_rank, run_ranks, values
+from ._helpers import open_rank, run_ranks, total, values
 from .checks import check_collectives, check_started_collectives
 
 
@@ -32,6 +32,29 @@ async def test_collectives_match_the_arithmetic(nranks: int) -> None:
 async def test_started_collectives_match_the_arithmetic(nranks: int) -> None:
     with anyio.fail_after(30):
         await run_ranks(nranks, check_started_collectives)
+
+
+@pytest.mark.parametrize("root", [0, 2])
+async def test_gloo_reduce_small_and_large_many_times(root: int) -> None:
+    # Gloo reduces tensors up to 4 MiB as a gather and a sum on the root, which keeps its
+    # gather buffers for the next reduce of that size; larger ones take Gloo's own reduce.
+    # Same-size reduces in flight together must not share buffers.
+    small, large = 1000, (4 << 20) // 4 + 1  # float32 elements: 4 KB and just over 4 MiB
+
+    async def body(clique: Clique) -> None:
+        rank = clique.rank
+        for _ in range(3):
+            tensors = [values(rank, small, torch.float32, "cpu") for _ in range(3)]
+            tensors.append(values(rank, large, torch.float32, "cpu"))
+            started = [clique.start_reduce([tensor], root=root) for tensor in tensors]
+            for pending in started:
+                await pending
+            if rank == root:
+                for tensor in tensors:
+                    assert torch.equal(tensor, total(3, tensor.numel(), torch.float32))
+
+    with anyio.fail_after(60):
+        await run_ranks(3, body)
 
 
 async def test_enqueue_thread_path_matches_the_arithmetic() -> None:

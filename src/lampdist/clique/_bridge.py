@@ -13,7 +13,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any, Protocol
 
 import anyio
@@ -23,7 +23,7 @@ import attrs
 from .._errors import CliqueTimeout, CollectiveFailed, ConfigError, LampdistError
 from .._signal import Signal
 
-__all__ = ["PendingCollective"]
+__all__ = ["PendingCollective", "Then"]
 
 logger = logging.getLogger(__name__)
 
@@ -276,3 +276,23 @@ class PendingCollective:
         """Drop the works (teardown, after the group is gone or the drain gave up)."""
         with self._lock:
             self._works = None
+
+
+class Then:
+    """A work whose future runs one more step on the thread that completes the collective."""
+
+    def __init__(self, work: Any, step: Callable[[], object]) -> None:
+        def then(future: Any) -> None:
+            future.value()  # raises the collective's error, if any
+            step()
+
+        self._future = work.get_future().then(then)
+
+    def get_future(self) -> Any:
+        return self._future
+
+    def wait(self) -> None:
+        self._future.wait()
+
+    def get_future_result(self) -> Any:
+        raise RuntimeError("no device-side result for a CPU collective")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import timedelta
 from typing import Any, cast
@@ -23,7 +23,8 @@ from torch._C._distributed_c10d import (  # torch.distributed does not re-export
 from .._clique_id import CliqueId
 from .._errors import ConfigError, MismatchError
 from ._backends import prefer_nccl_cleanup
-from ._bridge import PendingCollective
+from ._bridge import PendingCollective, Then
+from ._gather import GATHER_MAX_BYTES, GatherReduce
 from ._group import Group
 
 __all__ = ["Clique", "open_clique"]
@@ -61,6 +62,12 @@ class Clique:
     backend: str
     """``"nccl"`` for a CUDA device, ``"gloo"`` for the CPU."""
     _group: Group = attrs.field(alias="group", repr=False)
+    # Gloo's reduce of small tensors (see ``_gather``); None on NCCL.
+    _gather_reduce: GatherReduce | None = attrs.field(init=False, repr=False)
+
+    @_gather_reduce.default
+    def _default_gather_reduce(self) -> GatherReduce | None:
+        return GatherReduce(self.rank, self.nranks) if self.backend == "gloo" else None
 
     async def broadcast(self, tensors: Sequence[torch.Tensor], root: int = 0) -> None:
         """Copy ``root``'s tensors into every other rank's tensors, in place."""
@@ -135,9 +142,13 @@ class Clique:
         checked = self._tensors("reduce", tensors)
         self._check_root("reduce", root)
         timeout = self._op_timeout
+        gather = self._gather_reduce
 
         def issue(pg: Any, works: list[Any]) -> None:
             for tensor in checked:
+                if gather is not None and tensor.nbytes <= GATHER_MAX_BYTES:
+                    gather.issue(pg, tensor, root, timeout, works)
+                    continue
                 options = dist.ReduceOptions()
                 options.rootRank, options.rootTensor, options.timeout = root, 0, timeout
                 works.append(pg.reduce([tensor], options))
@@ -171,7 +182,7 @@ class Clique:
                 options = dist.AllreduceOptions()
                 options.timeout = timeout
                 mine = scratch.view(nranks, -1)[rank].view(output.shape)
-                works.append(_Then(pg.allreduce([scratch], options), lambda: output.copy_(mine)))
+                works.append(Then(pg.allreduce([scratch], options), lambda: output.copy_(mine)))
 
         else:
 
@@ -252,26 +263,6 @@ class Clique:
                 rank=self.rank,
                 phase=phase,
             )
-
-
-class _Then:
-    """A work whose future runs one more step on the thread that completes the collective."""
-
-    def __init__(self, work: Any, step: Callable[[], object]) -> None:
-        def then(future: Any) -> None:
-            future.value()  # raises the collective's error, if any
-            step()
-
-        self._future = work.get_future().then(then)
-
-    def get_future(self) -> Any:
-        return self._future
-
-    def wait(self) -> None:
-        self._future.wait()
-
-    def get_future_result(self) -> Any:
-        raise RuntimeError("no device-side result for a CPU collective")
 
 
 def _resolve_device(device: torch.device | str | int, rank: int) -> torch.device:
