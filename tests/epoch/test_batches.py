@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -92,7 +93,7 @@ async def test_cancelling_does_not_wait_for_a_slow_source() -> None:
 
 @pytest.mark.parametrize("where", ["next", "shape"])
 async def test_errors_name_the_rank_and_phase(where: str) -> None:
-    def failing() -> Iterator[object]:
+    def failing() -> Iterator[Any]:  # yields a non-batch on purpose
         yield batch(0)
         if where == "next":
             raise OSError("disk gone")
