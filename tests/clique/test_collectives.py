@@ -11,6 +11,7 @@ import torch
 
 import lampdist
 from lampdist.clique import Clique, PendingCollective, serve_rendezvous
+from lampdist.clique._gather import GatherReduce
 
 from ._helpers import open_rank, run_ranks, total, values
 from .checks import check_collectives, check_started_collectives
@@ -41,7 +42,7 @@ async def test_gloo_reduce_small_and_large_many_times(root: int) -> None:
     # Same-size reduces in flight together must not share buffers.
     small, large = 1000, (4 << 20) // 4 + 1  # float32 elements: 4 KB and just over 4 MiB
 
-    async def body(clique: Clique) -> None:
+    async def body(clique: Clique) -> GatherReduce | None:
         rank = clique.rank
         for _ in range(3):
             tensors = [values(rank, small, torch.float32, "cpu") for _ in range(3)]
@@ -52,9 +53,12 @@ async def test_gloo_reduce_small_and_large_many_times(root: int) -> None:
             if rank == root:
                 for tensor in tensors:
                     assert torch.equal(tensor, total(3, tensor.numel(), torch.float32))
+                assert clique._gather_reduce is not None and clique._gather_reduce._spare
+        return clique._gather_reduce
 
     with anyio.fail_after(60):
-        await run_ranks(3, body)
+        gathers = await run_ranks(3, body)
+    assert all(g is not None and not g._spare for g in gathers)  # dropped when it closed
 
 
 async def test_enqueue_thread_path_matches_the_arithmetic() -> None:

@@ -383,8 +383,12 @@ async def _open(
     group = await anyio.to_thread.run_sync(connect, limiter=limiter)
     clique = Clique(rank=rank, nranks=nranks, device=device, backend=group.backend, group=group)
     try:
-        yield clique
-    except BaseException as exc:
-        await group.aclose(exc, limiter=limiter)
-        raise
-    await group.aclose(None, limiter=limiter)
+        try:
+            yield clique
+        except BaseException as exc:
+            await group.aclose(exc, limiter=limiter)
+            raise
+        await group.aclose(None, limiter=limiter)
+    finally:
+        if clique._gather_reduce is not None:
+            clique._gather_reduce.clear()  # the root's gather buffers

@@ -60,6 +60,11 @@ class GatherReduce:
 
         works.append(Then(pg.gather([gathered], [tensor], options), sum_up))
 
+    def clear(self) -> None:
+        """Drop the kept gather buffers (the clique has closed)."""
+        with self._lock:
+            self._spare.clear()
+
     def _take(self, like: torch.Tensor) -> list[torch.Tensor]:
         with self._lock:
             spare = self._spare.get((like.dtype, like.numel()))
