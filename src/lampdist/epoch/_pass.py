@@ -233,7 +233,7 @@ class RankRunner:
     def _finish_step(
         self,
         last: LoadedBatch | None,
-        loss_sum: torch.Tensor,
+        loss_sum: torch.Tensor | None,
         examples: int,
         more: bool,
         epoch: int,
@@ -242,12 +242,15 @@ class RankRunner:
         planned: int | None,
     ) -> bool:
         """Runs in a compute call: forward and backward of the step's last batch (which
-        starts the gradient buckets as it goes), then :meth:`_synchronise`."""
+        starts the gradient buckets as it goes), then :meth:`_synchronise`. ``loss_sum`` is
+        that of the step's earlier batches (``None`` when there were none)."""
         if last is not None:
             if self._buckets is not None:
                 self._buckets.arm()
-            loss_sum = loss_sum + self._call_model(self._forward_backward, last, "train", epoch)
+            loss_sum = self._add_loss(loss_sum, self._forward_backward, last, "train", epoch)
             examples += last.examples
+        if loss_sum is None:
+            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         # Behind the gradients unless alone (nothing is sent) or bucketing (the buckets'
         # exchanges start before the meta values are known).
         tail = not self.alone and self._buckets is None
@@ -318,7 +321,7 @@ class RankRunner:
         """One validation pass in eval mode without gradients; one reduce at the end."""
         self.model.module.eval()
         started = time.perf_counter()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        loss_sum: torch.Tensor | None = None
         examples = 0
         async with (
             self._compute.session(),
@@ -329,13 +332,14 @@ class RankRunner:
             while (batch := await reader.next()) is not None:
                 if batch.examples == 0:
                     continue
-                loss_sum += await self._compute.run(
-                    self._call_model, self._evaluate, batch, "valid", epoch
+                loss_sum = await self._compute.run(
+                    self._add_loss, loss_sum, self._evaluate, batch, "valid", epoch
                 )
                 examples += batch.examples
             batches = reader.batches_read
             meta = host_to_device([examples, 0.0], torch.float64, self.device)
-            meta[1] = loss_sum
+            if loss_sum is not None:
+                meta[1] = loss_sum
             if not self.alone:
                 await self.clique.reduce([meta], root=0)
             if not self.is_root:
@@ -366,17 +370,19 @@ class RankRunner:
             )
         return PassResult(loss=loss, examples=int(total_examples), steps=0)
 
-    def _call_model(
+    def _add_loss(
         self,
+        total: torch.Tensor | None,
         function: Callable[[LoadedBatch], torch.Tensor],
         batch: LoadedBatch,
         phase: str,
         epoch: int,
     ) -> torch.Tensor:
-        """Runs in a compute call: ``function(batch)``; user errors come back naming the
-        rank."""
+        """Runs in a compute call: ``total`` plus the example-weighted loss that
+        ``function(batch)`` returns (that loss alone when ``total`` is ``None``), so that the
+        event loop never touches the device. User errors come back naming the rank."""
         try:
-            return function(batch)
+            loss = function(batch)
         except LampdistError:
             raise
         except Exception as exc:
@@ -385,6 +391,7 @@ class RankRunner:
                 rank=self.rank,
                 phase=phase,
             ) from exc
+        return loss if total is None else total + loss
 
     async def _train_step(
         self, reader: BatchReader, epoch: int, step: int, tally: Tally, planned: int | None
@@ -397,7 +404,7 @@ class RankRunner:
         step leaves the event loop once when ``accumulate`` is 1. If this task is cancelled
         meanwhile, the clique is aborted so that the call stops waiting for its peers.
         """
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        loss_sum: torch.Tensor | None = None
         examples = 0
         last = None
         accumulate = self.options.accumulate_gradient_over_n_batches
@@ -410,8 +417,8 @@ class RankRunner:
             if index == accumulate - 1:
                 last = batch
                 break
-            loss_sum += await self._compute.run(
-                self._call_model, self._forward_backward, batch, "train", epoch
+            loss_sum = await self._compute.run(
+                self._add_loss, loss_sum, self._forward_backward, batch, "train", epoch
             )
             examples += batch.examples
         more = await reader.has_next()
