@@ -114,6 +114,25 @@ async def test_nccl_cancelling_one_rank_fails_the_other_promptly() -> None:
     assert scopes[1].cancelled_caught
 
 
+async def test_nccl_barrier_waits_for_every_ranks_gpu_work() -> None:
+    # Rank 1 queues about 0.2 s of GPU work before the barrier; rank 0 leaves the barrier
+    # only after that work has run.
+    before: dict[int, torch.cuda.Event] = {}
+
+    async def body(clique: Clique) -> bool:
+        if clique.rank == 1:
+            with torch.cuda.device(clique.device):
+                torch.cuda._sleep(int(0.2 * 1.98e9))  # type: ignore[no-untyped-call]  # ~2 GHz
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch
+        event.record(torch.cuda.current_stream(clique.device))
+        before[clique.rank] = event
+        await clique.barrier()
+        return all(bool(each.query()) for each in before.values())  # type: ignore[no-untyped-call]
+
+    with anyio.fail_after(120):
+        assert await run_ranks(2, body, devices=DEVICES) == [True, True]
+
+
 async def test_nccl_silent_peer_times_out() -> None:
     release = anyio.Event()
 

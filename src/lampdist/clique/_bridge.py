@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 import attrs
 
 from .._errors import CliqueTimeout, CollectiveFailed, ConfigError, LampdistError
@@ -34,6 +35,10 @@ _WORK_TIMEOUT = 1
 # A failure: the error class and its message; each observer builds its own instance so that
 # the rank and phase are its own and tracebacks do not pile up on one shared object.
 Failure = tuple[type[LampdistError], str]
+
+# Seconds between polls of a device event: doubling from the first to the last.
+_POLL_FIRST = 10e-6
+_POLL_MAX = 100e-6
 
 
 def _on_event_loop_thread() -> bool:
@@ -91,7 +96,7 @@ class PendingCollective:
     _works: list[Any] | None = attrs.field(default=None, init=False, repr=False)
     _host_left: int = attrs.field(default=0, init=False, repr=False)
     _device_left: int = attrs.field(default=0, init=False, repr=False)
-    _wait_for_device: bool = attrs.field(default=False, init=False, repr=False)
+    _device_event: Any = attrs.field(default=None, init=False, repr=False)
     _stream_sync: bool = attrs.field(default=False, init=False, repr=False)
     _keep_works: bool = attrs.field(default=False, init=False, repr=False)
     _failure: Failure | None = attrs.field(default=None, init=False, repr=False)
@@ -100,7 +105,10 @@ class PendingCollective:
 
     def done(self) -> bool:
         """Whether waiting would return (or raise) at once."""
-        return self._ready.is_set()
+        if not self._ready.is_set():
+            return False
+        event = self._device_event
+        return event is None or self._failure is not None or bool(event.query())
 
     def __await__(self) -> Generator[Any, None, None]:
         return self.wait().__await__()
@@ -121,6 +129,16 @@ class PendingCollective:
             except TimeoutError:
                 if not self._ready.is_set():
                     raise self._time_out() from None
+        if self._device_event is not None and not self._device_event.query():
+            stop = threading.Event()
+            try:
+                done = await anyio.to_thread.run_sync(
+                    self._poll_device, self._deadline(), stop, abandon_on_cancel=True
+                )
+            finally:
+                stop.set()  # a cancelled wait leaves its polling thread behind: end it
+            if not done:
+                raise self._time_out()
         self._finish()
 
     def wait_blocking(self, timeout: float | None) -> None:
@@ -139,7 +157,11 @@ class PendingCollective:
             )
         own = self._remaining()
         limits = [t for t in (own, timeout) if t is not None]
-        if not self._ready.wait_blocking(min(limits) if limits else None):
+        limit = min(limits) if limits else None
+        until = None if limit is None else time.monotonic() + limit
+        if not self._ready.wait_blocking(limit) or (
+            self._device_event is not None and not self._poll_device(until, None)
+        ):
             if timeout is None or (own is not None and own <= timeout):
                 raise self._time_out()
             raise CliqueTimeout(
@@ -151,10 +173,32 @@ class PendingCollective:
 
     # -- internal: called by the clique and by torch's callbacks -------------------------
 
+    def _deadline(self) -> float | None:
+        return None if self._timeout is None else self._started + self._timeout
+
     def _remaining(self) -> float | None:
-        if self._timeout is None:
-            return None
-        return max(0.0, self._started + self._timeout - time.monotonic())
+        deadline = self._deadline()
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def _poll_device(self, until: float | None, stop: threading.Event | None) -> bool:
+        """Poll the device event (a worker thread): True once it has completed or the
+        collective failed (``_finish`` raises the failure), False when ``until`` passed.
+
+        torch reports a collective's end on the device only on its watchdog's next round
+        (up to 100 ms later), so a barrier that waited for that report let its ranks go on
+        tens of milliseconds apart; a CUDA event polled every 10-100 us lets them go on
+        together.
+        """
+        event = self._device_event
+        pause = _POLL_FIRST
+        while not event.query():
+            if self._failure is not None or (stop is not None and stop.is_set()):
+                return True
+            if until is not None and time.monotonic() >= until:
+                return False
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX)
+        return True
 
     def _time_out(self) -> CliqueTimeout:
         message = f"{self.name} did not complete within collective_timeout={self._timeout} s"
@@ -182,13 +226,14 @@ class PendingCollective:
         works: list[Any],
         *,
         track_device: bool,
-        wait_for_device: bool,
+        device_event: Any = None,
         failure: Failure | None = None,
     ) -> None:
         """Take the enqueued works and register the completion callbacks (enqueuing thread).
 
-        ``failure`` says that enqueuing stopped part-way: the waiters learn at once, and the
-        works that did start are still followed to their end.
+        ``device_event`` (a CUDA event recorded after the works) makes waiting last until the
+        device has run them too. ``failure`` says that enqueuing stopped part-way: the waiters
+        learn at once, and the works that did start are still followed to their end.
         """
         device_futures = []
         if track_device:
@@ -204,7 +249,7 @@ class PendingCollective:
             self._works = works
             self._host_left = len(works)
             self._device_left = len(device_futures)
-            self._wait_for_device = wait_for_device and bool(device_futures)
+            self._device_event = device_event
             self._stream_sync = track_device
             # Without a device-side completion signal the works stay until the clique closes:
             # a waiter may still need them to order its stream.
@@ -263,10 +308,9 @@ class PendingCollective:
         with self._lock:
             host_done = self._host_left <= 0
             final = host_done and self._device_left <= 0
-            ready = final if self._wait_for_device else host_done
             if final and not self._keep_works:
                 self._works = None  # finished on the device too: no stream to order, no refs
-        if ready:
+        if host_done:
             self._ready.set()
         if final:
             self._final.set()

@@ -248,6 +248,7 @@ class Group:
     ) -> None:
         works: list[Any] = []
         failure: Failure | None = None
+        device_event = None
         with self._pg_lock:
             pg = self._pg
             try:
@@ -256,6 +257,11 @@ class Group:
                 elif stream is not None:
                     with torch.cuda.stream(stream):
                         issue(pg, works)
+                        if wait_for_device:
+                            for work in works:
+                                work.wait()  # the caller's stream waits for the collective
+                            device_event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch
+                            device_event.record(stream)
                 else:
                     issue(pg, works)
             except Exception as exc:
@@ -265,7 +271,7 @@ class Group:
         pending._attach(
             works,
             track_device=self.backend == "nccl",
-            wait_for_device=wait_for_device,
+            device_event=device_event,
             failure=failure,
         )
 
