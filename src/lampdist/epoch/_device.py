@@ -5,6 +5,13 @@ copies from pageable memory, which waits for all work queued on the stream. On t
 that stalls every rank of the process, and when another in-process rank still has to queue
 its part of a collective the stream is waiting for, it deadlocks. These helpers copy from
 pinned memory instead, which returns at once.
+
+The pinned buffer comes from ``torch.empty(..., pin_memory=True)``, which lets go of the GIL
+while the driver allocates, never from ``torch.tensor(..., pin_memory=True)``, which holds it.
+With several ranks in one process, a driver call made under the GIL can wait for a lock that
+another rank's thread holds while its GPU waits for a collective whose peer part is still to
+be queued by a thread that needs the GIL: on 2 H200 that hung the two-GPU exactness test in
+about 1 run in 5 (a pinned allocation under the GIL, the other rank inside a kernel launch).
 """
 
 from __future__ import annotations
@@ -22,5 +29,7 @@ def host_to_device(
     """A 1-d tensor of ``values`` on ``device``, copied without blocking the host."""
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
-    pinned = torch.tensor(values, dtype=dtype, pin_memory=True)
+    host = torch.tensor(values, dtype=dtype)  # pageable: no driver call under the GIL
+    pinned = torch.empty(len(values), dtype=dtype, pin_memory=True)  # the GIL let go
+    pinned.copy_(host)
     return pinned.to(device, non_blocking=True)
