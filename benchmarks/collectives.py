@@ -2,8 +2,8 @@
 
 One process per rank (``--nranks``, default: every CUDA device, or 2 CPU ranks), fresh for
 each measurement: a set of processes either opens a clique or builds a plain process group
-of the same backend the way torch.distributed builds one, never both (a second NCCL
-communicator in the same process changed the first one's speed on 2 H200), and times
+of the same backend the way torch.distributed builds one, never both (neither shares its
+process with the other's communicator), and times
 ``all_reduce``, ``reduce`` and ``broadcast`` of one flat float32 buffer allocated before the
 group. The clique awaits each collective on an event loop (``await
 clique.all_reduce([buffer])``); the raw group calls ``work.wait()``. On CUDA both only order

@@ -82,9 +82,9 @@ def prefer_nccl_cleanup() -> None:
     SIGABRT). ``NCCL_RUNTIME_CONNECT=0``: NCCL connects every peer when the communicator is
     built (the clique's setup, which has a deadline), not inside the first collective of each
     kind, where an issuing thread would block on a silent or dead peer until an abort.
-    ``NCCL_LOCAL_REGISTER=0``: no lazy registration of user buffers. One diagnostic on 2 H200
-    (NCCL 2.28) ran a 256 MiB reduce in 3.3 ms with it and 0.74 ms without, but later runs
-    met that slow state with it set too (docs/performance.md): a guess, not a cure.
+    ``NCCL_LOCAL_REGISTER=0``: no lazy registration of user buffers, set after a diagnostic
+    seemed to show a 4x slower reduce without it; that was the barrier's skew (the clique
+    page), so the setting is likely needless and stays until a GPU run confirms it.
     """
     with _env_lock:
         for name, value, why in (

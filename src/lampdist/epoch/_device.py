@@ -7,11 +7,10 @@ its part of a collective the stream is waiting for, it deadlocks. These helpers 
 pinned memory instead, which returns at once.
 
 The pinned buffer comes from ``torch.empty(..., pin_memory=True)``, which lets go of the GIL
-while the driver allocates, never from ``torch.tensor(..., pin_memory=True)``, which holds it.
-With several ranks in one process, a driver call made under the GIL can wait for a lock that
-another rank's thread holds while its GPU waits for a collective whose peer part is still to
-be queued by a thread that needs the GIL: on 2 H200 that hung the two-GPU exactness test in
-about 1 run in 5 (a pinned allocation under the GIL, the other rank inside a kernel launch).
+while the driver allocates, not from ``torch.tensor(..., pin_memory=True)``, which holds it:
+a driver call that waits under the GIL stops every other rank of the process from queuing
+its part of a collective. (A pinned allocation can still wait for a driver lock: with several
+GPUs in one process that needs ``CUDA_MODULE_LOADING=EAGER``, see the local loop.)
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Iterable, Sequence
 from contextlib import AsyncExitStack
 from functools import partial
@@ -57,6 +59,13 @@ async def local_data_parallel_training_loop(
     weights: the best model if one was saved, else the final one. A failure in any rank
     cancels the others and is re-raised (an ``ExceptionGroup`` only for several unrelated
     failures).
+
+    Several CUDA devices in one process need CUDA's eager module loading: start the process
+    with ``CUDA_MODULE_LOADING=EAGER`` (torch sets ``LAZY`` when it is unset). Under lazy
+    loading the first launch of a kernel waits for its GPU to drain while holding a driver
+    lock; when that GPU is running a collective that another rank of this process has not
+    joined yet, and that rank's next driver call needs the same lock, both wait forever. A
+    :class:`RuntimeWarning` says so when the setting is missing.
     """
     if not models_with_data_streams:
         raise ConfigError(
@@ -64,6 +73,7 @@ async def local_data_parallel_training_loop(
         )
     nranks = len(models_with_data_streams)
     devices = [_device_of(entry[0]) for entry in models_with_data_streams]
+    warn_lazy_module_loading(devices)
     root, followers = local_channels(nranks)
     root_model, root_train, root_valid = models_with_data_streams[0]
     with single_error():
@@ -125,6 +135,23 @@ async def local_data_parallel_training_loop(
                     collective_timeout=collective_timeout,
                 )
     return state
+
+
+def warn_lazy_module_loading(devices: Sequence[torch.device]) -> None:
+    """Warn when several CUDA devices share this process under lazy module loading."""
+    if len({device for device in devices if device.type == "cuda"}) < 2:
+        return
+    setting = os.environ.get("CUDA_MODULE_LOADING", "")
+    if setting.upper() == "EAGER":
+        return
+    warnings.warn(
+        f"CUDA_MODULE_LOADING={setting or '(unset)'}: with several GPUs in one process, lazy "
+        "module loading can deadlock a kernel's first launch against a collective that "
+        "another rank has not joined yet (on 2 H200: 6 of about 55 runs of a two-GPU test hung). "
+        "Start the process with CUDA_MODULE_LOADING=EAGER, or run one process per GPU.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 def _device_of(model: SupervisedModel) -> torch.device:
