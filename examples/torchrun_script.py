@@ -4,8 +4,9 @@
     torchrun --nproc-per-node 2 examples/torchrun_script.py [--epochs 5]
 
 ``lampdist.train`` reads the rank and the root's address from torchrun's variables, opens
-the control channel (on MASTER_PORT + 1), and runs the root on rank 0 and a follower on the
-others. Every rank prints its final weights' checksum: they are the same everywhere.
+the control channel (on a free port published in torchrun's store), and runs the root on
+rank 0 and a follower on the others. Every rank prints its final weights' checksum: they
+are the same everywhere.
 """
 
 from __future__ import annotations

@@ -14,9 +14,10 @@ import attrs
 import pytest
 import torch
 import trustme
+from torch._C._distributed_c10d import TCPStore
 
 import lampdist
-from lampdist.launch import LaunchEnv, first_slurm_host, from_env
+from lampdist.launch import LaunchEnv, PortExchange, first_slurm_host, from_env
 from lampdist.roles import Interrupted, run_until_signal
 
 TORCHRUN = {
@@ -44,6 +45,27 @@ def test_torchrun_variables() -> None:
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert env.device.type == expected
     assert not env.is_root
+
+
+AGENT_STORE = {
+    "TORCHELASTIC_USE_AGENT_STORE": "True",
+    "TORCHELASTIC_RUN_ID": "run-7",
+    "TORCHELASTIC_RESTART_COUNT": "2",
+}
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_torchrun_agent_store_carries_the_control_port(rank: str) -> None:
+    env = from_env({**TORCHRUN, **AGENT_STORE, "RANK": rank, "LOCAL_RANK": rank})
+    assert env.port == 0  # the root picks a free port; the followers read it from the store
+    assert env.port_exchange == PortExchange(
+        host="node-a", port=29500, key="lampdist/control-port/run-7/2"
+    )
+
+
+def test_lampdist_port_wins_over_the_agent_store() -> None:
+    env = from_env({**TORCHRUN, **AGENT_STORE, "LAMPDIST_PORT": "40000"})
+    assert (env.port, env.port_exchange) == (40000, None)
 
 
 def test_slurm_variables_take_the_first_node() -> None:
@@ -186,6 +208,61 @@ async def test_train_runs_the_root_on_rank_0_and_a_follower_elsewhere() -> None:
     assert root.epoch == 2 and len(root.learning_curve) == 2
     for a, b in zip(modules[0].parameters(), modules[1].parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+async def test_train_with_the_port_published_in_the_launchers_store() -> None:
+    # The store plays torchrun's agent store; the root listens on a free port and publishes
+    # it there, and the follower (started first) waits for it.
+    agent_store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    exchange = PortExchange(host="127.0.0.1", port=agent_store.port, key="lampdist/test/0")
+    modules = [torch.nn.Linear(3, 1) for _ in range(2)]
+    results: dict[int, lampdist.LoopState | None] = {}
+
+    async def rank(r: int) -> None:
+        results[r] = await lampdist.train(
+            launch=LaunchEnv(rank=r, nranks=2, secret="test", port_exchange=exchange),
+            model=lampdist.SupervisedModel(modules[r], torch.nn.functional.mse_loss),
+            optimizer_factory=sgd,
+            train_batches=lambda: shard(r),
+            max_epochs=1,
+            stop_on_signals=False,
+            join_timeout=20,
+        )
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as group:
+            group.start_soon(rank, 1)
+            await anyio.sleep(0.3)
+            group.start_soon(rank, 0)
+    assert results[0] is not None and results[1] is None
+    assert int(agent_store.get(exchange.key)) > 0
+    for a, b in zip(modules[0].parameters(), modules[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+async def test_a_follower_without_a_published_port_times_out_naming_its_rank() -> None:
+    agent_store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    exchange = PortExchange(
+        host="127.0.0.1", port=agent_store.port, key="lampdist/test/none", timeout=0.5
+    )
+    env = LaunchEnv(rank=1, nranks=2, secret="test", port_exchange=exchange)
+    with anyio.fail_after(10), pytest.raises(lampdist.JoinTimeout) as caught:
+        async with env.open_control():
+            pass
+    assert caught.value.rank == 1
+    assert "read the root's control port" in str(caught.value)
+
+
+async def test_cancelling_a_follower_waiting_for_the_port_ends_it_promptly() -> None:
+    agent_store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    exchange = PortExchange(host="127.0.0.1", port=agent_store.port, key="lampdist/test/c")
+    env = LaunchEnv(rank=1, nranks=2, secret="test", port_exchange=exchange)
+    start = anyio.current_time()
+    with anyio.move_on_after(0.5) as scope:
+        async with env.open_control():
+            pass
+    assert scope.cancelled_caught
+    assert anyio.current_time() - start < 5  # not the exchange's 60 s
 
 
 async def test_train_over_tls() -> None:

@@ -17,8 +17,12 @@ Variables read (torchrun's win where both launchers set theirs):
 - SLURM: ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, the first host of
   ``SLURM_JOB_NODELIST`` (or ``MASTER_ADDR`` when set), and ``MASTER_PORT``;
 - lampdist: ``LAMPDIST_SECRET`` or ``LAMPDIST_SECRET_FILE`` (the shared secret of the control
-  channel) and ``LAMPDIST_PORT`` (its port; ``MASTER_PORT + 1`` by default, since torchrun's
-  own store listens on ``MASTER_PORT``).
+  channel) and ``LAMPDIST_PORT`` (its port, the same on every rank).
+
+Without ``LAMPDIST_PORT``, under torchrun (whose agent serves a store at ``MASTER_ADDR:
+MASTER_PORT`` to its workers, ``TORCHELASTIC_USE_AGENT_STORE=True``) the root listens on a free
+port and publishes it in that store, and the followers read it there (see
+:class:`PortExchange`); under srun the channel listens on ``MASTER_PORT + 1``.
 """
 
 from __future__ import annotations
@@ -26,19 +30,89 @@ from __future__ import annotations
 import os
 import re
 import ssl
-from collections.abc import AsyncIterator, Mapping
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from datetime import timedelta
 from pathlib import Path
 
+import anyio
+import anyio.from_thread
+import anyio.to_thread
 import attrs
 import torch
 
-from ._errors import ConfigError
-from .control import FollowerChannel, RootChannel, local_channels, tcp_follower, tcp_root
+from ._errors import ConfigError, JoinTimeout
+from ._store import POLL, connect_store
+from .control import (
+    DEFAULT_JOIN_TIMEOUT,
+    FollowerChannel,
+    RootChannel,
+    local_channels,
+    tcp_follower,
+    tcp_root,
+)
 
-__all__ = ["LaunchEnv", "first_slurm_host", "from_env"]
+__all__ = ["LaunchEnv", "PortExchange", "first_slurm_host", "from_env"]
 
 _PHASE = "launch"
+
+
+def _never() -> None:
+    """A ``check_cancelled`` for callers that cannot be cancelled."""
+
+
+@attrs.frozen(kw_only=True)
+class PortExchange:
+    """A key in the launcher's store through which the root hands its control port to the
+    followers: the root listens on a free port and publishes it, the followers wait for it.
+
+    ``host`` and ``port`` are the store's (torchrun's agent store: ``MASTER_ADDR`` and
+    ``MASTER_PORT``); ``key`` must be fresh for every run and restart. Both sides give up
+    after ``timeout`` seconds with :class:`~lampdist.JoinTimeout`.
+    """
+
+    host: str
+    port: int
+    key: str
+    timeout: float = DEFAULT_JOIN_TIMEOUT
+
+    def publish(
+        self, control_port: int, *, rank: int = 0, check_cancelled: Callable[[], None] = _never
+    ) -> None:
+        """Write ``control_port`` under the key (blocking: call it in a worker thread, with
+        ``check_cancelled=anyio.from_thread.check_cancelled`` to stop when cancelled)."""
+        remaining = self._budget(rank, "publish the control port", check_cancelled)
+        connect_store(self.host, self.port, remaining).set(self.key, str(control_port))
+
+    def lookup(self, *, rank: int, check_cancelled: Callable[[], None] = _never) -> int:
+        """Wait for the root's control port (blocking, like :meth:`publish`)."""
+        remaining = self._budget(rank, "read the root's control port", check_cancelled)
+        store = connect_store(self.host, self.port, remaining)
+        while not store.check([self.key]):
+            remaining()
+            time.sleep(POLL)
+        return int(store.get(self.key))
+
+    def _budget(
+        self, rank: int, what: str, check_cancelled: Callable[[], None]
+    ) -> Callable[[], timedelta]:
+        end = time.monotonic() + self.timeout
+
+        def remaining() -> timedelta:
+            check_cancelled()
+            left = end - time.monotonic()
+            if left <= 0:
+                raise JoinTimeout(
+                    f"could not {what} in the launcher's store at {self.host}:{self.port} "
+                    f"within {self.timeout} s (key {self.key!r}); is rank 0 running, or set "
+                    "LAMPDIST_PORT to the same free port on every rank",
+                    rank=rank,
+                    phase=_PHASE,
+                )
+            return timedelta(seconds=left)
+
+        return remaining
 
 
 @attrs.frozen(kw_only=True)
@@ -52,7 +126,8 @@ class LaunchEnv:
     root's address: the root binds its control channel there and serves the clique's
     rendezvous at it; the followers dial it. ``secret`` (never shown in ``repr``) is the
     control channel's shared secret; a run of one rank needs none. ``port=0`` lets the root
-    pick a free port (read it from the channel's ``address``); followers need the real one.
+    pick a free port (read it from the channel's ``address``); followers need the real one,
+    or ``port_exchange``, through which the root publishes the port it picked.
     """
 
     rank: int
@@ -62,6 +137,7 @@ class LaunchEnv:
     host: str = "127.0.0.1"
     port: int = 0
     secret: str | bytes | None = attrs.field(default=None, repr=False)
+    port_exchange: PortExchange | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.nranks < 1:
@@ -75,10 +151,10 @@ class LaunchEnv:
             raise ConfigError(f"local_rank must be >= 0, got {self.local_rank}", phase=_PHASE)
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in 0..65535, got {self.port}", phase=_PHASE)
-        if self.rank > 0 and self.port == 0:
+        if self.rank > 0 and self.port == 0 and self.port_exchange is None:
             raise ConfigError(
                 "a follower needs the root's control port: pass port=..., the port the root "
-                "listens on",
+                "listens on, or port_exchange=...",
                 rank=self.rank,
                 phase=_PHASE,
             )
@@ -115,16 +191,44 @@ class LaunchEnv:
         if self.nranks == 1:
             return _single_rank_channel()
         if self.rank == 0:
-            return tcp_root(
-                self.host,
-                self.port,
-                nranks=self.nranks,
-                secret=self.secret,
-                ssl_context=ssl_context,
+            return _root_channel(self, ssl_context)
+        return _follower_channel(self, ssl_context)
+
+
+@asynccontextmanager
+async def _root_channel(
+    env: LaunchEnv, ssl_context: ssl.SSLContext | None
+) -> AsyncIterator[RootChannel]:
+    async with tcp_root(
+        env.host, env.port, nranks=env.nranks, secret=env.secret, ssl_context=ssl_context
+    ) as root:
+        exchange = env.port_exchange
+        if exchange is not None and env.port == 0:
+            port = root.address[1]
+            await anyio.to_thread.run_sync(
+                lambda: exchange.publish(
+                    port, rank=env.rank, check_cancelled=anyio.from_thread.check_cancelled
+                )
             )
-        return tcp_follower(
-            self.host, self.port, rank=self.rank, secret=self.secret, ssl_context=ssl_context
+        yield root
+
+
+@asynccontextmanager
+async def _follower_channel(
+    env: LaunchEnv, ssl_context: ssl.SSLContext | None
+) -> AsyncIterator[FollowerChannel]:
+    port = env.port
+    exchange = env.port_exchange
+    if port == 0 and exchange is not None:
+        port = await anyio.to_thread.run_sync(
+            lambda: exchange.lookup(
+                rank=env.rank, check_cancelled=anyio.from_thread.check_cancelled
+            )
         )
+    async with tcp_follower(
+        env.host, port, rank=env.rank, secret=env.secret, ssl_context=ssl_context
+    ) as follower:
+        yield follower
 
 
 @asynccontextmanager
@@ -140,7 +244,9 @@ def from_env(environ: Mapping[str, str] = os.environ) -> LaunchEnv:
     torchrun's ``RANK``/``WORLD_SIZE`` are used when present, else SLURM's
     ``SLURM_PROCID``/``SLURM_NTASKS``. The device is ``cuda:LOCAL_RANK`` when CUDA is
     available (``cuda:0`` when the process sees a single GPU), else the CPU. The control
-    channel listens on ``LAMPDIST_PORT``, or ``MASTER_PORT + 1``. The secret comes from
+    channel listens on ``LAMPDIST_PORT``; without it, under torchrun on a free port that the
+    root publishes in torchrun's store (:class:`PortExchange`), elsewhere on
+    ``MASTER_PORT + 1``. The secret comes from
     ``LAMPDIST_SECRET`` or the file named by ``LAMPDIST_SECRET_FILE`` (one trailing newline
     stripped).
 
@@ -148,12 +254,17 @@ def from_env(environ: Mapping[str, str] = os.environ) -> LaunchEnv:
     started by a launcher, when variables are missing, not numbers, or contradict each other
     (a rank out of range, a local rank without a GPU, both secret variables set).
     """
+    exchange_key = None
     if "RANK" in environ or "WORLD_SIZE" in environ:
         rank = _int(environ, "RANK")
         nranks = _int(environ, "WORLD_SIZE")
         local_rank = _int(environ, "LOCAL_RANK", default=0)
         host = _str(environ, "MASTER_ADDR")
         launcher = "torchrun"
+        if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            run = environ.get("TORCHELASTIC_RUN_ID", "none")
+            restart = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            exchange_key = f"lampdist/control-port/{run}/{restart}"
     elif "SLURM_PROCID" in environ:
         rank = _int(environ, "SLURM_PROCID")
         nranks = _int(environ, "SLURM_NTASKS")
@@ -181,14 +292,18 @@ def from_env(environ: Mapping[str, str] = os.environ) -> LaunchEnv:
             rank=rank,
             phase=_PHASE,
         )
+    exchange = None
+    if exchange_key is not None and "LAMPDIST_PORT" not in environ:
+        exchange = PortExchange(host=host, port=_store_port(environ, rank), key=exchange_key)
     return LaunchEnv(
         rank=rank,
         nranks=nranks,
         local_rank=local_rank,
         device=_device(local_rank, rank),
         host=host,
-        port=_control_port(environ, rank),
+        port=0 if exchange is not None else _control_port(environ, rank),
         secret=_secret(environ, rank),
+        port_exchange=exchange,
     )
 
 
@@ -206,6 +321,15 @@ def _device(local_rank: int, rank: int) -> torch.device:
             phase=_PHASE,
         )
     return torch.device("cuda", local_rank)
+
+
+def _store_port(environ: Mapping[str, str], rank: int) -> int:
+    port = _int(environ, "MASTER_PORT")
+    if not 0 < port < 65536:
+        raise ConfigError(
+            f"torchrun's MASTER_PORT {port} is not in 1..65535", rank=rank, phase=_PHASE
+        )
+    return port
 
 
 def _control_port(environ: Mapping[str, str], rank: int) -> int:

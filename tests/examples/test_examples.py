@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -39,13 +38,6 @@ async def test_anyio_script_trains_and_the_loss_falls() -> None:
     assert losses[-1] < losses[0] / 2
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 def _errors_first(stderr: str) -> str:
     """Every line that names an error (the first failing rank's is the cause), then the tail."""
     named = [line for line in stderr.splitlines() if "Error" in line or "error" in line]
@@ -56,8 +48,7 @@ def test_torchrun_script_under_torchrun(tmp_path: Path) -> None:
     env = {
         **os.environ,
         "LAMPDIST_SECRET": "example-secret",
-        # a port of its own rather than MASTER_PORT + 1, which another process may hold
-        "LAMPDIST_PORT": str(_free_port()),
+        # no LAMPDIST_PORT: the root's free port travels through torchrun's store
         "PYTHONPATH": os.pathsep.join([str(ROOT_DIR / "src"), os.environ.get("PYTHONPATH", "")]),
         "OMP_NUM_THREADS": "1",
     }

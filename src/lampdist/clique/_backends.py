@@ -5,7 +5,6 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -15,9 +14,10 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ProcessGroupGloo, TCPStore
+from torch._C._distributed_c10d import ProcessGroupGloo
 
 from .._errors import CliqueError, CliqueTimeout, CollectiveFailed, LampdistError
+from .._store import connect_store
 from ._bridge import Failure
 
 __all__ = [
@@ -37,7 +37,6 @@ logger = logging.getLogger(__name__)
 SETUP = "clique setup"
 ABORT_KEY = "abort"  # where a rank that leaves abnormally posts "rank\nreason"
 _SETUP_POLL = 0.05  # seconds: the slices of the setup waits
-_CONNECT_SLICE = timedelta(seconds=2)  # one attempt to reach the rendezvous store
 NO_LIMIT = timedelta(days=365)  # what the process group gets for "None: no limit"
 _GLOO_THREADS = 2
 _NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
@@ -151,22 +150,8 @@ class Setup:
             time.sleep(_SETUP_POLL)
 
     def connect_store(self, host: str, port: int) -> Any:
-        """A client of the rendezvous store. Each attempt gets at most ``_CONNECT_SLICE``:
-        torch's connect loop cannot be interrupted, and a store that accepts and then drops
-        the connection (its rank 0 dying just then) would keep it retrying for the whole
-        setup budget, deaf to the caller's cancellation."""
-        while True:
-            left = self.remaining()
-            attempt = min(left, _CONNECT_SLICE)
-            try:
-                socket.create_connection((host, port), timeout=attempt.total_seconds()).close()
-                store = TCPStore(host, port, None, False, timeout=attempt, wait_for_workers=False)
-            except (OSError, RuntimeError) as exc:  # torch's DistNetworkError is a RuntimeError
-                logger.debug("rank %d: store not reachable: %s", self.deadline.rank, exc)
-                time.sleep(_SETUP_POLL)
-                continue
-            store.set_timeout(self.remaining())
-            return store
+        """A client of the rendezvous store, reached in short attempts (``_store``)."""
+        return connect_store(host, port, self.remaining)
 
     def abandon(self, exc: BaseException) -> None:
         """Tell the peers that this rank abandoned the setup, unless one of them did first."""

@@ -1,0 +1,41 @@
+"""Reaching a torch ``TCPStore`` in short attempts that the caller can interrupt."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from torch._C._distributed_c10d import TCPStore
+
+__all__ = ["POLL", "connect_store"]
+
+logger = logging.getLogger(__name__)
+
+POLL = 0.05  # seconds between two looks at a store, or two attempts to reach it
+_CONNECT_SLICE = timedelta(seconds=2)  # the longest single attempt
+
+
+def connect_store(host: str, port: int, remaining: Callable[[], timedelta]) -> Any:
+    """A client of the store at ``host:port``, whose timeout is then ``remaining()``.
+
+    ``remaining`` gives the time left and raises when it is spent (or when the caller was
+    cancelled); it is called before every attempt. Each attempt gets at most 2 s: torch's own
+    connect loop cannot be interrupted, and a store that accepts and then drops connections
+    (its process dying just then) would keep it retrying for the whole budget, deaf to
+    cancellation.
+    """
+    while True:
+        attempt = min(remaining(), _CONNECT_SLICE)
+        try:
+            socket.create_connection((host, port), timeout=attempt.total_seconds()).close()
+            store = TCPStore(host, port, None, False, timeout=attempt, wait_for_workers=False)
+        except (OSError, RuntimeError) as exc:  # torch's DistNetworkError is a RuntimeError
+            logger.debug("store %s:%d not reachable: %s", host, port, exc)
+            time.sleep(POLL)
+            continue
+        store.set_timeout(remaining())
+        return store
