@@ -27,6 +27,7 @@ port and publishes it in that store, and the followers read it there (see
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import ssl
@@ -54,6 +55,8 @@ from .control import (
 )
 
 __all__ = ["LaunchEnv", "PortExchange", "first_slurm_host", "from_env"]
+
+logger = logging.getLogger(__name__)
 
 _PHASE = "launch"
 
@@ -203,7 +206,7 @@ async def _root_channel(
         env.host, env.port, nranks=env.nranks, secret=env.secret, ssl_context=ssl_context
     ) as root:
         exchange = env.port_exchange
-        if exchange is not None and env.port == 0:
+        if exchange is not None:
             port = root.address[1]
             await anyio.to_thread.run_sync(
                 lambda: exchange.publish(
@@ -225,6 +228,7 @@ async def _follower_channel(
                 rank=env.rank, check_cancelled=anyio.from_thread.check_cancelled
             )
         )
+        logger.info("the root's control port, from the launcher's store: %d", port)
     async with tcp_follower(
         env.host, port, rank=env.rank, secret=env.secret, ssl_context=ssl_context
     ) as follower:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroupGloo
 
 from .._errors import CliqueError, CliqueTimeout, CollectiveFailed, LampdistError
-from .._store import connect_store
+from .._store import POLL
 from ._bridge import Failure
 
 __all__ = [
@@ -36,7 +36,6 @@ logger = logging.getLogger(__name__)
 
 SETUP = "clique setup"
 ABORT_KEY = "abort"  # where a rank that leaves abnormally posts "rank\nreason"
-_SETUP_POLL = 0.05  # seconds: the slices of the setup waits
 NO_LIMIT = timedelta(days=365)  # what the process group gets for "None: no limit"
 _GLOO_THREADS = 2
 _NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
@@ -147,11 +146,7 @@ class Setup:
         """Wait until ``names`` exist in ``keys``, in slices."""
         while not keys.check(names):
             self.remaining()
-            time.sleep(_SETUP_POLL)
-
-    def connect_store(self, host: str, port: int) -> Any:
-        """A client of the rendezvous store, reached in short attempts (``_store``)."""
-        return connect_store(host, port, self.remaining)
+            time.sleep(POLL)
 
     def abandon(self, exc: BaseException) -> None:
         """Tell the peers that this rank abandoned the setup, unless one of them did first."""

@@ -28,6 +28,7 @@ from torch._C._distributed_c10d import PrefixStore
 
 from .._clique_id import CliqueId
 from .._errors import CliqueError, CliqueTimeout, CollectiveFailed, LampdistError
+from .._store import connect_store
 from ._backends import (
     ABORT_KEY,
     SETUP,
@@ -122,7 +123,7 @@ class Group:
         pg_store: Any = None
         tether: Tether | None = None
         try:
-            store = setup.connect_store(clique_id.host, clique_id.port)
+            store = connect_store(clique_id.host, clique_id.port, setup.remaining)
             base = PrefixStore(clique_id.prefix, store)
             generation = base.add(f"generation/{rank}", 1)  # several openings of one id
             keys = PrefixStore(f"open/{generation}", base)

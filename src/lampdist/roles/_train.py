@@ -198,12 +198,12 @@ async def train(
         return await work()
 
     logger.info(
-        "rank %d of %d on %s, root at %s:%d",
+        "rank %d of %d on %s, root at %s:%s",
         env.rank,
         env.nranks,
         env.device,
         env.host,
-        env.port,
+        env.port or ("a free port given through the launcher's store" if env.port_exchange else 0),
         extra={"rank": env.rank},
     )
     with single_error():
