@@ -9,7 +9,6 @@ on close, so no group or work object outlives the clique.
 
 from __future__ import annotations
 
-import collections
 import gc
 import logging
 import queue
@@ -90,12 +89,6 @@ class Group:
     # (the watcher may abort while the teardown shuts down).
     _end_lock: threading.RLock = attrs.field(factory=threading.RLock, init=False, repr=False)
     _ended: bool = attrs.field(default=False, init=False, repr=False)
-    # CUDA: the stream collectives are issued on and the pool of events that order them
-    # after their callers' work (see ``_enqueue``).
-    _side_stream: Any = attrs.field(default=None, init=False, repr=False)
-    _markers: collections.deque[Any] = attrs.field(
-        factory=collections.deque, init=False, repr=False
-    )
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -219,13 +212,8 @@ class Group:
         pending = PendingCollective(
             name=name, rank=self.rank, owner=self, timeout=self.collective_timeout
         )
-        # The collective must see the work queued on the caller's stream before this call, and
-        # no more: an event marks that point (see ``_enqueue``).
-        stream = marker = None
-        if self.device.type == "cuda" and self._queue is not None:
-            stream = torch.cuda.current_stream(self.device)
-            marker = self._take_marker()
-            marker.record(stream)
+        # The caller's stream: the collective must see the work queued on it before this call.
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         with self._lock:
             if self._closing:
                 raise CliqueError(
@@ -235,20 +223,13 @@ class Group:
             if failure is None:
                 self._pending.add(pending)
                 if self._queue is not None:  # under the lock: never behind the stop sentinel
-                    self._queue.put((pending, issue, stream, marker, wait_for_device))
+                    self._queue.put((pending, issue, stream, wait_for_device))
         if failure is not None:
             kind, message = failure
             raise kind(message, rank=self.rank, phase=name)
         if self._queue is None:
-            self._enqueue(pending, issue, None, None, wait_for_device)
+            self._enqueue(pending, issue, None, wait_for_device)
         return pending
-
-    def _take_marker(self) -> Any:
-        """A CUDA event from the pool (the enqueue thread gives it back once it has used it)."""
-        try:
-            return self._markers.pop()
-        except IndexError:
-            return torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch
 
     def _run_enqueuer(self) -> None:
         # NCCL: one thread per rank enqueues, so several ranks of one process never share a
@@ -264,21 +245,8 @@ class Group:
             del item
 
     def _enqueue(
-        self,
-        pending: PendingCollective,
-        issue: Issue,
-        stream: Any,
-        marker: Any,
-        wait_for_device: bool,
+        self, pending: PendingCollective, issue: Issue, stream: Any, wait_for_device: bool
     ) -> None:
-        """Issue one collective (the enqueue thread on NCCL).
-
-        On CUDA, NCCL orders a collective after the work queued on the current stream when it
-        is issued. Issuing on the caller's stream from this thread would order it after
-        whatever the caller queued since ``start`` too: during backward, a gradient bucket's
-        exchange would wait for later layers' gradients. So it is issued on a side stream that
-        waits for ``marker``, the event ``start`` recorded on the caller's stream.
-        """
         works: list[Any] = []
         failure: Failure | None = None
         device_event = None
@@ -288,19 +256,13 @@ class Group:
                 if pg is None:
                     failure = self._failure or (CollectiveFailed, "the clique was torn down")
                 elif stream is not None:
-                    side = self._side_stream
-                    if side is None:
-                        side = self._side_stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]  # untyped in torch
-                    side.wait_event(marker)
-                    self._markers.append(marker)  # re-recording it now cannot affect the wait
-                    with torch.cuda.stream(side):
+                    with torch.cuda.stream(stream):
                         issue(pg, works)
-                    if wait_for_device:
-                        with torch.cuda.stream(stream):
+                        if wait_for_device:
                             for work in works:
                                 work.wait()  # the caller's stream waits for the collective
-                        device_event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch
-                        device_event.record(stream)
+                            device_event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch
+                            device_event.record(stream)
                 else:
                     issue(pg, works)
             except Exception as exc:
@@ -561,8 +523,6 @@ class Group:
                 end.close()
         self._wake_reader = self._wake_writer = None
         self._keys = self._store = None
-        self._side_stream = None
-        self._markers.clear()
         if not self._goodbye:
             # Every reference above is dropped by reference counting; after a failure, also
             # collect the cycles that tracebacks form, in case one of them reaches a work.
