@@ -60,21 +60,22 @@ async def test_two_gpus_match_the_single_gpu_reference(
         accumulate=accumulate,
     )
     modules = [copy.deepcopy(initial).to(f"cuda:{r}") for r in range(2)]
-    state = await lampdist.local_data_parallel_training_loop(
-        models_with_data_streams=[
-            (
-                lampdist.SupervisedModel(module, mse),
-                functools.partial(list, on(f"cuda:{r}", train[r])),
-                functools.partial(list, on(f"cuda:{r}", valid[r])),
-            )
-            for r, module in enumerate(modules)
-        ],
-        optimizer_factory=sgd,
-        max_epochs=3,
-        accumulate_gradient_over_n_batches=accumulate,
-        step_on=step_on,
-        bucket_cap_mb=bucket_cap_mb,
-    )
+    with pytest.warns(RuntimeWarning, match="one process per GPU"):
+        state = await lampdist.local_data_parallel_training_loop(
+            models_with_data_streams=[
+                (
+                    lampdist.SupervisedModel(module, mse),
+                    functools.partial(list, on(f"cuda:{r}", train[r])),
+                    functools.partial(list, on(f"cuda:{r}", valid[r])),
+                )
+                for r, module in enumerate(modules)
+            ],
+            optimizer_factory=sgd,
+            max_epochs=3,
+            accumulate_gradient_over_n_batches=accumulate,
+            step_on=step_on,
+            bucket_cap_mb=bucket_cap_mb,
+        )
     for module in modules:
         for (name, got), want in zip(
             module.state_dict().items(), expected.state_dict().values(), strict=True

@@ -9,8 +9,8 @@ pinned memory instead, which returns at once.
 The pinned buffer comes from ``torch.empty(..., pin_memory=True)``, which lets go of the GIL
 while the driver allocates, not from ``torch.tensor(..., pin_memory=True)``, which holds it:
 a driver call that waits under the GIL stops every other rank of the process from queuing
-its part of a collective. (A pinned allocation can still wait for a driver lock: with several
-GPUs in one process that needs ``CUDA_MODULE_LOADING=EAGER``, see the local loop.)
+its part of a collective. (A pinned allocation can still wait for a driver lock: see the
+local loop on several GPUs in one process.)
 """
 
 from __future__ import annotations

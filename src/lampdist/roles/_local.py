@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Iterable, Sequence
 from contextlib import AsyncExitStack
@@ -60,12 +59,14 @@ async def local_data_parallel_training_loop(
     cancels the others and is re-raised (an ``ExceptionGroup`` only for several unrelated
     failures).
 
-    Several CUDA devices in one process need CUDA's eager module loading: start the process
-    with ``CUDA_MODULE_LOADING=EAGER`` (torch sets ``LAZY`` when it is unset). Under lazy
-    loading the first launch of a kernel waits for its GPU to drain while holding a driver
-    lock; when that GPU is running a collective that another rank of this process has not
-    joined yet, and that rank's next driver call needs the same lock, both wait forever. A
-    :class:`RuntimeWarning` says so when the setting is missing.
+    Several CUDA devices in one process share the CUDA driver's locks, which couples their
+    ranks: a driver call that waits for its GPU to drain while it holds a lock (the first
+    launch of a kernel under lazy module loading) never returns when that GPU is running a
+    collective that another rank of this process has not joined yet, and that rank's next
+    driver call needs the same lock. On 2 H200 that hung 6 of about 55 runs of a two-GPU
+    test. ``CUDA_MODULE_LOADING=EAGER`` is no cure: with it a clique's teardown after a
+    collective timeout hung in 4 of 4 runs. A :class:`RuntimeWarning` says so; for work that
+    matters, run one process per GPU (:func:`lampdist.train` under torchrun).
     """
     if not models_with_data_streams:
         raise ConfigError(
@@ -73,7 +74,7 @@ async def local_data_parallel_training_loop(
         )
     nranks = len(models_with_data_streams)
     devices = [_device_of(entry[0]) for entry in models_with_data_streams]
-    warn_lazy_module_loading(devices)
+    warn_several_gpus_in_one_process(devices)
     root, followers = local_channels(nranks)
     root_model, root_train, root_valid = models_with_data_streams[0]
     with single_error():
@@ -137,18 +138,17 @@ async def local_data_parallel_training_loop(
     return state
 
 
-def warn_lazy_module_loading(devices: Sequence[torch.device]) -> None:
-    """Warn when several CUDA devices share this process under lazy module loading."""
+def warn_several_gpus_in_one_process(devices: Sequence[torch.device]) -> None:
+    """Warn when several CUDA devices share this process (see the local loop's docstring)."""
     if len({device for device in devices if device.type == "cuda"}) < 2:
         return
-    setting = os.environ.get("CUDA_MODULE_LOADING", "")
-    if setting.upper() == "EAGER":
-        return
     warnings.warn(
-        f"CUDA_MODULE_LOADING={setting or '(unset)'}: with several GPUs in one process, lazy "
-        "module loading can deadlock a kernel's first launch against a collective that "
-        "another rank has not joined yet (on 2 H200: 6 of about 55 runs of a two-GPU test hung). "
-        "Start the process with CUDA_MODULE_LOADING=EAGER, or run one process per GPU.",
+        "several GPUs in one process: their ranks share the CUDA driver's locks, and a driver "
+        "call that waits for its GPU to drain (a kernel's first launch under lazy module "
+        "loading) can deadlock against a collective that another rank of the process has not "
+        "joined yet (on 2 H200: 6 of about 55 runs of a two-GPU test hung; "
+        "CUDA_MODULE_LOADING=EAGER made a teardown after a collective timeout hang instead). "
+        "Run one process per GPU (lampdist.train under torchrun) for work that matters.",
         RuntimeWarning,
         stacklevel=2,
     )

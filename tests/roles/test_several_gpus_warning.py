@@ -1,0 +1,43 @@
+"""The warning about several GPUs in one process.
+
+The check only reads devices, so it runs without a GPU; the deadlock it warns about is
+described in docs/performance.md (it needs 2 GPUs in one process).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from lampdist.roles._local import warn_several_gpus_in_one_process
+
+TWO_GPUS = [torch.device("cuda", 0), torch.device("cuda", 1)]
+
+
+@pytest.mark.parametrize("setting", [None, "LAZY", "EAGER"])
+def test_two_gpus_warn_whatever_the_module_loading(
+    monkeypatch: pytest.MonkeyPatch, setting: str | None
+) -> None:
+    # EAGER loading is no cure (a teardown after a collective timeout hung with it).
+    if setting is None:
+        monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_MODULE_LOADING", setting)
+    with pytest.warns(RuntimeWarning, match="one process per GPU"):
+        warn_several_gpus_in_one_process(TWO_GPUS)
+
+
+@pytest.mark.parametrize(
+    "devices",
+    [
+        [torch.device("cuda", 0)] * 2,  # one GPU twice: no peer on another GPU
+        [torch.device("cpu")] * 3,
+        [torch.device("cuda", 0), torch.device("cpu")],
+    ],
+)
+def test_no_warning_without_two_gpus(devices: list[torch.device]) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_several_gpus_in_one_process(devices)
