@@ -34,8 +34,11 @@ BUILT_IN: dict[str, Config] = {
     "independent": Config(name="independent", kind="independent"),
     "ddp": Config(name="ddp", kind="ddp"),
     "lampdist": Config(name="lampdist", kind="lampdist"),
+    "lampdist-every": Config(
+        name="lampdist-every", kind="lampdist", kwargs={"step_on": "every_rank"}
+    ),
 }
-DEFAULT_CONFIGS = ("single", "ddp", "lampdist")
+DEFAULT_CONFIGS = ("single", "ddp", "lampdist", "lampdist-every")
 CPU_RANKS = 2
 
 

@@ -37,7 +37,7 @@ def test_cpu_mode_measures_every_configuration(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     report: dict[str, Any] = json.loads((tmp_path / "result.json").read_text())
     configs = report["configs"]
-    assert list(configs) == ["single", "ddp", "lampdist"]
+    assert list(configs) == ["single", "ddp", "lampdist", "lampdist-every"]
     assert report["meta"]["nranks"] == 2
     assert report["meta"]["parameters"] > 0
     for name, entry in configs.items():
@@ -47,8 +47,11 @@ def test_cpu_mode_measures_every_configuration(tmp_path: Path) -> None:
         assert name in result.stdout
     assert configs["single"]["ranks"] == 1
     assert configs["ddp"]["ranks"] == configs["lampdist"]["ranks"] == 2
-    assert configs["lampdist"]["scaling_efficiency"] > 0
-    assert configs["lampdist"]["vs_ddp"] > 0
+    assert configs["lampdist-every"]["ranks"] == 2
+    assert configs["lampdist-every"]["kwargs"] == {"step_on": "every_rank"}
+    for name in ("lampdist", "lampdist-every"):
+        assert configs[name]["scaling_efficiency"] > 0, name
+        assert configs[name]["vs_ddp"] > 0, name
     assert configs["single"]["scaling_efficiency"] is None
     assert "samples/s" in result.stdout
 
@@ -74,23 +77,25 @@ def test_a_failing_configuration_fails_the_run_with_its_output() -> None:
 def test_configs_parse_names_and_variants(throughput: ModuleType) -> None:
     configs = throughput.parse_configs(
         [
-            "single,ddp",
+            "single,ddp,lampdist-every",
             "lampdist-ar=step_on:every_rank,max_grad_norm:1.5,bucket_mb:25",
             "ddp-x=",
             "lampdist-host=rendezvous_host:127.0.0.1,step_on:root",
         ]
     )
     names = [config.name for config in configs]
-    assert names == ["single", "ddp", "lampdist-ar", "ddp-x", "lampdist-host"]
-    variant = configs[2]
+    assert names == ["single", "ddp", "lampdist-every", "lampdist-ar", "ddp-x", "lampdist-host"]
+    assert configs[2].kind == "lampdist"
+    assert configs[2].kwargs == {"step_on": "every_rank"}
+    variant = configs[3]
     assert variant.kind == "lampdist"
     assert variant.kwargs == {"step_on": "every_rank", "max_grad_norm": 1.5, "bucket_mb": 25}
     assert variant.rank_kwargs(0) == variant.kwargs
     # followers take max_grad_norm too (it acts wherever the optimizer steps)
     assert variant.rank_kwargs(1) == variant.kwargs
-    assert configs[3].kind == "ddp"
-    assert configs[3].kwargs == {}
-    root_only = configs[4]
+    assert configs[4].kind == "ddp"
+    assert configs[4].kwargs == {}
+    root_only = configs[5]
     assert root_only.rank_kwargs(0) == {"rendezvous_host": "127.0.0.1", "step_on": "root"}
     assert root_only.rank_kwargs(1) == {"step_on": "root"}
     assert throughput.parse_value("true") is True
