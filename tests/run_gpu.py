@@ -4,8 +4,10 @@
 
 A failing NCCL test can take its process down (a signal, not a test failure); one process per
 test keeps the others' results and names the test that did it. Each process runs with
-``-X faulthandler`` so that a crash prints every thread's Python stack, and with a per-test
-timeout when pytest-timeout is installed. Exits 1 when any test did not pass.
+``-X faulthandler`` so that a crash prints every thread's Python stack, with pytest's
+``faulthandler_timeout`` so that a test still running after ``STACKS_AFTER`` seconds prints
+them too (a hang shows where it waits), and with a per-test timeout when pytest-timeout is
+installed. Exits 1 when any test did not pass (a skipped test did not).
 
 Tests with several GPUs in one process can hang in the CUDA driver (see
 ``local_data_parallel_training_loop``); a hung test ends at the timeout and is reported.
@@ -18,6 +20,7 @@ import subprocess
 import sys
 
 TEST_TIMEOUT = 180  # seconds per test
+STACKS_AFTER = 90  # seconds into a test when every thread's stack is printed
 
 
 def collect(paths: list[str]) -> list[str]:
@@ -41,6 +44,7 @@ def main(paths: list[str]) -> int:
     tests = collect(paths or ["tests"])
     for test in tests:
         command = [sys.executable, "-X", "faulthandler", "-m", "pytest", "-m", "gpu", "-q"]
+        command += ["-o", f"faulthandler_timeout={STACKS_AFTER}"]
         try:
             done = subprocess.run(
                 [*command, *timeout, test],
@@ -51,13 +55,21 @@ def main(paths: list[str]) -> int:
             )
         except subprocess.TimeoutExpired as expired:
             print(f"{'hung':>10}  {test}", flush=True)
-            print(str(expired.stdout or "")[-3000:], flush=True)
+            for output in (expired.stdout, expired.stderr):  # the stacks go to stderr
+                text = output.decode(errors="replace") if isinstance(output, bytes) else output
+                print((text or "")[-6000:], flush=True)
             failed.append(test)
             continue
-        status = "passed" if done.returncode == 0 else f"exit {done.returncode}"
-        print(f"{status:>10}  {test}", flush=True)
         if done.returncode != 0:
+            status = f"exit {done.returncode}"
+        elif " passed" in done.stdout:
+            status = "passed"
+        else:  # pytest -q says "1 skipped" without 2 GPUs: a skip is no pass
+            status = "skipped"
+        print(f"{status:>10}  {test}", flush=True)
+        if status != "passed":
             failed.append(test)
+        if done.returncode != 0:
             print(done.stdout[-3000:] + done.stderr[-3000:], flush=True)
     print(f"{len(tests) - len(failed)} of {len(tests)} gpu tests passed")
     return 1 if failed or not tests else 0
