@@ -61,9 +61,12 @@ async def local_data_parallel_training_loop(
 
     Several CUDA devices in one process share the CUDA driver's locks, which couples their
     ranks: a driver call that waits for its GPU to drain while it holds a lock (the first
-    launch of a kernel under lazy module loading) never returns when that GPU is running a
-    collective that another rank of this process has not joined yet, and that rank's next
-    driver call needs the same lock. On 2 H200 that hung 6 of about 55 runs of a two-GPU
+    launch of a kernel under lazy module loading; also copies from pageable memory and
+    allocations, which touch the device's page tables) never returns when that GPU is running
+    a collective that another rank of this process has not joined yet, and that rank's next
+    driver call needs the same lock. NCCL documents no cure (its kernels wait for the peer
+    GPUs; torch's process groups no longer drive several GPUs from one thread for that
+    reason). On 2 H200 that hung 6 of about 55 runs of a two-GPU
     test. ``CUDA_MODULE_LOADING=EAGER`` is no cure: with it a clique's teardown after a
     collective timeout hung in 4 of 4 runs. A :class:`RuntimeWarning` says so; for work that
     matters, run one process per GPU (:func:`lampdist.train` under torchrun).
@@ -145,10 +148,11 @@ def warn_several_gpus_in_one_process(devices: Sequence[torch.device]) -> None:
     warnings.warn(
         "several GPUs in one process: their ranks share the CUDA driver's locks, and a driver "
         "call that waits for its GPU to drain (a kernel's first launch under lazy module "
-        "loading) can deadlock against a collective that another rank of the process has not "
-        "joined yet (on 2 H200: 6 of about 55 runs of a two-GPU test hung; "
-        "CUDA_MODULE_LOADING=EAGER made a teardown after a collective timeout hang instead). "
-        "Run one process per GPU (lampdist.train under torchrun) for work that matters.",
+        "loading, a copy from pageable memory, an allocation) can deadlock against a "
+        "collective that another rank of the process has not joined yet (on 2 H200: 6 of "
+        "about 55 runs of a two-GPU test hung; CUDA_MODULE_LOADING=EAGER made a teardown "
+        "after a collective timeout hang instead). Run one process per GPU (lampdist.train "
+        "under torchrun) for work that matters.",
         RuntimeWarning,
         stacklevel=2,
     )
