@@ -60,16 +60,15 @@ async def local_data_parallel_training_loop(
     failures).
 
     Several CUDA devices in one process share the CUDA driver's locks, which couples their
-    ranks: a driver call that waits for its GPU to drain while it holds a lock (the first
-    launch of a kernel under lazy module loading; also copies from pageable memory and
-    allocations, which touch the device's page tables) never returns when that GPU is running
-    a collective that another rank of this process has not joined yet, and that rank's next
-    driver call needs the same lock. NCCL documents no cure (its kernels wait for the peer
-    GPUs; torch's process groups no longer drive several GPUs from one thread for that
-    reason). On 2 H200 that hung 6 of about 55 runs of a two-GPU
-    test. ``CUDA_MODULE_LOADING=EAGER`` is no cure: with it a clique's teardown after a
-    collective timeout hung in 4 of 4 runs. A :class:`RuntimeWarning` says so; for work that
-    matters, run one process per GPU (:func:`lampdist.train` under torchrun).
+    ranks: a driver call that waits for its GPU to drain while it holds a lock (the first launch
+    of a kernel under lazy module loading; also copies from pageable memory and allocations,
+    which touch the device's page tables) never returns when that GPU is running a collective
+    that another rank of this process has not joined yet, and that rank's next driver call needs
+    the same lock. NCCL's kernels wait for their peer GPUs, so this comes with driving several
+    GPUs from one process (NVIDIA/nccl#750, google/jax#11637). On 2 H200 that hung 6 of about 55
+    runs of a two-GPU test. ``CUDA_MODULE_LOADING=EAGER`` is no cure: with it a clique's
+    teardown after a collective timeout hung in 4 of 4 runs. A :class:`RuntimeWarning` says so;
+    for work that matters, run one process per GPU (:func:`lampdist.train` under torchrun).
     """
     if not models_with_data_streams:
         raise ConfigError(
