@@ -60,6 +60,10 @@ _ABORT_KEY = ABORT_KEY
 # was destroyed; with this lock and the one-end-per-group rule below, the GPU test of that
 # case passed in both of its runs.
 _NCCL_TEARDOWN = threading.Lock()
+# How long the teardown waits for torch to destroy a process group (or for the lock above)
+# before it leaves the group behind: on 2 H200 under CUDA_MODULE_LOADING=EAGER, an NCCL group
+# whose collective had timed out never finished its destructor (its watchdog never joined).
+_RELEASE_LIMIT = 60.0
 
 
 @attrs.define(eq=False)
@@ -485,8 +489,20 @@ class Group:
             pg = self._pg
             try:
                 if pg is not None:
-                    with _NCCL_TEARDOWN:
+                    if not _NCCL_TEARDOWN.acquire(timeout=_RELEASE_LIMIT):
+                        logger.error(
+                            "rank %d: %s: another clique's NCCL teardown has not finished in "
+                            "%g s; aborting this communicator instead of shutting it down",
+                            self.rank,
+                            _TEARDOWN,
+                            _RELEASE_LIMIT,
+                        )
+                        self._abort_nccl()
+                        return
+                    try:
                         pg.shutdown()
+                    finally:
+                        _NCCL_TEARDOWN.release()
                 self._ended = True
             except Exception:
                 logger.exception("rank %d: NCCL shutdown failed; aborting", self.rank)
@@ -512,11 +528,14 @@ class Group:
         for each in pending:
             each._release()
         # Gloo joins its worker threads here, after any stuck work has failed or timed out.
-        if self.backend == "nccl":
-            with _NCCL_TEARDOWN:
-                del pg, pending
-        else:
-            del pg, pending
+        last = [pg, pending]
+        del pg, pending
+        drop_within(
+            last,
+            _RELEASE_LIMIT,
+            lock=_NCCL_TEARDOWN if self.backend == "nccl" else None,
+            rank=self.rank,
+        )
         self._tether.close(goodbye=self._goodbye)
         for end in (self._wake_reader, self._wake_writer):
             if end is not None:
@@ -527,3 +546,34 @@ class Group:
             # Every reference above is dropped by reference counting; after a failure, also
             # collect the cycles that tracebacks form, in case one of them reaches a work.
             gc.collect()
+
+
+def drop_within(last: list[Any], limit: float, *, lock: threading.Lock | None, rank: int) -> bool:
+    """Empty ``last``, the only references to a process group and its works, in a thread of
+    its own (under ``lock`` when given) and wait up to ``limit`` seconds for it.
+
+    Returns whether the references were dropped in time. A destructor that does not return
+    is left behind in that daemon thread with an error logged, so the clique's exit (and the
+    error it may carry) does not wait for it forever.
+    """
+
+    def drop() -> None:
+        if lock is None:
+            last.clear()
+        else:
+            with lock:
+                last.clear()
+
+    thread = threading.Thread(target=drop, daemon=True, name=f"lampdist-clique-drop-{rank}")
+    thread.start()
+    thread.join(limit)
+    if not thread.is_alive():
+        return True
+    logger.error(
+        "rank %d: %s: the process group was not destroyed within %g s; leaving it behind "
+        "(its threads and device memory stay until the process exits)",
+        rank,
+        _TEARDOWN,
+        limit,
+    )
+    return False
