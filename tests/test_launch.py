@@ -6,7 +6,7 @@ import os
 import signal
 import socket
 import ssl
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import anyio
@@ -182,19 +182,26 @@ def sgd(parameters: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(parameters, lr=0.1)
 
 
-async def test_train_runs_the_root_on_rank_0_and_a_follower_elsewhere() -> None:
-    port = free_port()
+async def train_two_ranks(
+    launch: Callable[[int], LaunchEnv],
+    *,
+    validate: bool = False,
+    follower_head_start: float = 0.0,
+    max_epochs: int = 1,
+) -> lampdist.LoopState:
+    """``lampdist.train`` on ranks 1 and 0 (the follower started first) of one run; returns
+    the root's state once both ranks hold the same weights."""
     modules = [torch.nn.Linear(3, 1) for _ in range(2)]
     results: dict[int, lampdist.LoopState | None] = {}
 
     async def rank(r: int) -> None:
         results[r] = await lampdist.train(
-            launch=LaunchEnv(rank=r, nranks=2, port=port, secret="test"),
+            launch=launch(r),
             model=lampdist.SupervisedModel(modules[r], torch.nn.functional.mse_loss),
             optimizer_factory=sgd,
             train_batches=lambda: shard(r),
-            validation_batches=lambda: shard(10 + r),
-            max_epochs=2,
+            validation_batches=(lambda: shard(10 + r)) if validate else None,
+            max_epochs=max_epochs,
             stop_on_signals=False,
             join_timeout=20,
         )
@@ -202,12 +209,23 @@ async def test_train_runs_the_root_on_rank_0_and_a_follower_elsewhere() -> None:
     with anyio.fail_after(30):
         async with anyio.create_task_group() as group:
             group.start_soon(rank, 1)
+            await anyio.sleep(follower_head_start)
             group.start_soon(rank, 0)
     root = results[0]
     assert root is not None and results[1] is None
-    assert root.epoch == 2 and len(root.learning_curve) == 2
     for a, b in zip(modules[0].parameters(), modules[1].parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    return root
+
+
+async def test_train_runs_the_root_on_rank_0_and_a_follower_elsewhere() -> None:
+    port = free_port()
+    root = await train_two_ranks(
+        lambda r: LaunchEnv(rank=r, nranks=2, port=port, secret="test"),
+        validate=True,
+        max_epochs=2,
+    )
+    assert root.epoch == 2 and len(root.learning_curve) == 2
 
 
 async def test_train_with_the_port_published_in_the_launchers_store() -> None:
@@ -215,29 +233,11 @@ async def test_train_with_the_port_published_in_the_launchers_store() -> None:
     # it there, and the follower (started first) waits for it.
     agent_store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     exchange = PortExchange(host="127.0.0.1", port=agent_store.port, key="lampdist/test/0")
-    modules = [torch.nn.Linear(3, 1) for _ in range(2)]
-    results: dict[int, lampdist.LoopState | None] = {}
-
-    async def rank(r: int) -> None:
-        results[r] = await lampdist.train(
-            launch=LaunchEnv(rank=r, nranks=2, secret="test", port_exchange=exchange),
-            model=lampdist.SupervisedModel(modules[r], torch.nn.functional.mse_loss),
-            optimizer_factory=sgd,
-            train_batches=lambda: shard(r),
-            max_epochs=1,
-            stop_on_signals=False,
-            join_timeout=20,
-        )
-
-    with anyio.fail_after(30):
-        async with anyio.create_task_group() as group:
-            group.start_soon(rank, 1)
-            await anyio.sleep(0.3)
-            group.start_soon(rank, 0)
-    assert results[0] is not None and results[1] is None
+    await train_two_ranks(
+        lambda r: LaunchEnv(rank=r, nranks=2, secret="test", port_exchange=exchange),
+        follower_head_start=0.3,
+    )
     assert int(agent_store.get(exchange.key)) > 0
-    for a, b in zip(modules[0].parameters(), modules[1].parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 async def test_a_follower_without_a_published_port_times_out_naming_its_rank() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from torch._C._distributed_c10d import TCPStore
 
-__all__ = ["POLL", "connect_store"]
+__all__ = ["POLL", "connect_store", "wait_for_keys"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,3 +39,12 @@ def connect_store(host: str, port: int, remaining: Callable[[], timedelta]) -> A
             continue
         store.set_timeout(remaining())
         return store
+
+
+def wait_for_keys(store: Any, names: list[str], remaining: Callable[[], timedelta]) -> None:
+    """Wait until every key of ``names`` exists in ``store``, looking every ``POLL`` seconds;
+    ``remaining`` is called between looks and raises when the time is spent or the caller was
+    cancelled."""
+    while not store.check(names):
+        remaining()
+        time.sleep(POLL)

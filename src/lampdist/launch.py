@@ -44,7 +44,7 @@ import attrs
 import torch
 
 from ._errors import ConfigError, JoinTimeout
-from ._store import POLL, connect_store
+from ._store import connect_store, wait_for_keys
 from .control import (
     DEFAULT_JOIN_TIMEOUT,
     FollowerChannel,
@@ -92,9 +92,7 @@ class PortExchange:
         """Wait for the root's control port (blocking, like :meth:`publish`)."""
         remaining = self._budget(rank, "read the root's control port", check_cancelled)
         store = connect_store(self.host, self.port, remaining)
-        while not store.check([self.key]):
-            remaining()
-            time.sleep(POLL)
+        wait_for_keys(store, [self.key], remaining)
         return int(store.get(self.key))
 
     def _budget(

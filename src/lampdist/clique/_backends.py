@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroupGloo
 
 from .._errors import CliqueError, CliqueTimeout, CollectiveFailed, LampdistError
-from .._store import POLL
+from .._store import wait_for_keys
 from ._bridge import Failure
 
 __all__ = [
@@ -144,9 +144,7 @@ class Setup:
 
     def wait_for(self, keys: Any, names: list[str]) -> None:
         """Wait until ``names`` exist in ``keys``, in slices."""
-        while not keys.check(names):
-            self.remaining()
-            time.sleep(POLL)
+        wait_for_keys(keys, names, self.remaining)
 
     def abandon(self, exc: BaseException) -> None:
         """Tell the peers that this rank abandoned the setup, unless one of them did first."""

@@ -17,6 +17,7 @@ import socket
 import threading
 import traceback
 from collections.abc import Callable
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -558,11 +559,8 @@ def drop_within(last: list[Any], limit: float, *, lock: threading.Lock | None, r
     """
 
     def drop() -> None:
-        if lock is None:
+        with lock or nullcontext():
             last.clear()
-        else:
-            with lock:
-                last.clear()
 
     thread = threading.Thread(target=drop, daemon=True, name=f"lampdist-clique-drop-{rank}")
     thread.start()
