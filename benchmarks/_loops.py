@@ -70,6 +70,9 @@ class RankResult:
     timed_steps: int | None
     samples: int | None
     peak_memory_bytes: int
+    progress_events: int | None = None
+    """How many progress events reached lampdist's ``on_event`` (coalesced when the loop
+    falls behind); None for the other configurations."""
 
 
 def synchronize(device: torch.device) -> None:
@@ -299,52 +302,65 @@ async def run_lampdist(spec: RunSpec, workload: Workload, device: torch.device) 
             peak_memory_bytes=peak_memory(device),
         )
 
-    # (perf_counter, batches) at the first event after the warm-up batches and at the last.
-    # Batches, not the steps whose loss was read back (those lag by a step or two): after the
-    # synchronize at a mark, every batch the root has taken is done on the device.
-    marks: list[tuple[float, int]] = []
-
+    # The start of the timed steps, taken on the compute thread as the first timed batch's
+    # forward begins (after the warm-up steps' device work, as the plain loop does), and the
+    # end, when the pass's last progress event reaches the event loop.
+    marks: list[float] = []
+    forwards = 0
     profiler = StepProfiler(spec)
-    profiled: set[int] = set()
+
+    def before_forward(module: nn.Module, inputs: Any) -> None:
+        nonlocal forwards
+        profiler.at_step(forwards)
+        if forwards == spec.warmup:
+            synchronize(device)
+            marks.append(time.perf_counter())
+        forwards += 1
+
+    events = 0
 
     async def on_event(event: lampdist.PassEvent) -> None:
-        if event.kind != "train":
-            return
-        if event.batches not in profiled:
-            profiled.add(event.batches)
-            profiler.at_step(event.batches)
-        if (not marks and event.batches >= spec.warmup) or event.done:
-            # Blocks the event loop on purpose: the mark must follow the device's work.
-            synchronize(device)
-            marks.append((time.perf_counter(), event.batches))
+        # A progress callback as a user's would be: it costs the loop, never the steps.
+        nonlocal events
+        events += 1
+        if event.kind == "train" and event.done:
+            synchronize(device)  # a no-op: the pass has waited for its last step
+            marks.append(time.perf_counter())
 
-    async with control.tcp_root("127.0.0.1", spec.port, nranks=spec.nranks, secret=secret) as root:
-        mark_ready(spec.ready_file)
-        await lampdist.drive_distributed_training(
-            nranks=spec.nranks,
-            device=device,
-            control=root,
-            model=model,
-            optimizer_factory=lambda params: create_optimizer(params, device),
-            train_batches=source,
-            max_epochs=1,
-            autocast_dtype=dtype,
-            on_event=on_event,
-            **kwargs,
-        )
-    if len(marks) != 2 or marks[1][1] <= marks[0][1]:
+    hook = workload.module.register_forward_pre_hook(before_forward)
+    try:
+        async with control.tcp_root(
+            "127.0.0.1", spec.port, nranks=spec.nranks, secret=secret
+        ) as root:
+            mark_ready(spec.ready_file)
+            await lampdist.drive_distributed_training(
+                nranks=spec.nranks,
+                device=device,
+                control=root,
+                model=model,
+                optimizer_factory=lambda params: create_optimizer(params, device),
+                train_batches=source,
+                max_epochs=1,
+                autocast_dtype=dtype,
+                on_event=on_event,
+                **kwargs,
+            )
+    finally:
+        hook.remove()
+    if len(marks) != 2 or forwards != total:
         raise RuntimeError(
             f"{spec.config}: expected a mark after {spec.warmup} batches and one at the end "
-            f"of the pass, got {marks}; is --steps >= 1?"
+            f"of the pass, got {len(marks)} after {forwards} forwards; is --steps >= 1?"
         )
-    (start, first), (end, last) = marks
+    start, end = marks
     return RankResult(
         rank=0,
         seconds=end - start,
-        timed_steps=last - first,
+        timed_steps=spec.steps,
         # every rank takes a batch of the same size at every step
-        samples=(last - first) * workload.spec.batch_size * spec.nranks,
+        samples=spec.steps * workload.spec.batch_size * spec.nranks,
         peak_memory_bytes=peak_memory(device),
+        progress_events=events,
     )
 
 

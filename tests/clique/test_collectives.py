@@ -12,6 +12,7 @@ import torch
 import lampdist
 from lampdist.clique import Clique, PendingCollective, serve_rendezvous
 from lampdist.clique._gather import GatherReduce
+from lampdist.clique._transport import GroupTransport
 
 from ._helpers import open_rank, run_ranks, total, values
 from .checks import check_collectives, check_started_collectives
@@ -53,12 +54,19 @@ async def test_gloo_reduce_small_and_large_many_times(root: int) -> None:
             if rank == root:
                 for tensor in tensors:
                     assert torch.equal(tensor, total(3, tensor.numel(), torch.float32))
-                assert clique._gather_reduce is not None and clique._gather_reduce._spare
-        return clique._gather_reduce
+                assert gather_reduce(clique) is not None
+                assert gather_reduce(clique)._spare  # type: ignore[union-attr]
+        return gather_reduce(clique)
 
     with anyio.fail_after(60):
         gathers = await run_ranks(3, body)
     assert all(g is not None and not g._spare for g in gathers)  # dropped when it closed
+
+
+def gather_reduce(clique: Clique) -> GatherReduce | None:
+    transport = clique._transport
+    assert isinstance(transport, GroupTransport)
+    return transport.gather_reduce
 
 
 async def test_enqueue_thread_path_matches_the_arithmetic() -> None:

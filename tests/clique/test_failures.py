@@ -15,6 +15,7 @@ import torch
 
 import lampdist
 from lampdist.clique import Clique, CliqueId, open_clique, serve_rendezvous
+from lampdist.clique._transport import GroupTransport
 
 from ._helpers import live_threads, open_fds, open_rank, run_ranks
 
@@ -172,7 +173,9 @@ async def test_cancelling_one_rank_fails_the_others_promptly(cancelled_rank_wait
                         await anyio.sleep_forever()
                 else:
                     await failed.wait()
-                    while clique._group._failure is None:  # noqa: ASYNC110  # hears while idle
+                    transport = clique._transport
+                    assert isinstance(transport, GroupTransport)
+                    while transport.group._failure is None:  # noqa: ASYNC110  # hears while idle
                         await anyio.sleep(0.01)
                     with pytest.raises(lampdist.CollectiveFailed, match="rank 2"):
                         await clique.all_reduce([torch.ones(5)])

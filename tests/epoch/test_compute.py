@@ -1,15 +1,18 @@
-"""A rank's compute calls: results, errors, one thread per session, anyio.from_thread, and
-cancellation with and without on_cancel."""
+"""A rank's compute thread: results, errors, one thread for every job, the event loop reached
+with a token, cancellation with and without on_cancel, and the end of the thread."""
 
 from __future__ import annotations
 
 import threading
+from functools import partial
 
 import anyio
 import anyio.from_thread
+import anyio.lowlevel
 import pytest
+import torch
 
-from lampdist.epoch._compute import Compute
+from lampdist.epoch import open_compute_thread
 
 
 @pytest.fixture
@@ -17,103 +20,101 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-async def test_a_call_returns_its_value_or_raises_its_error() -> None:
-    compute = Compute()
-    async with compute.session():
+def compute_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("lampdist-compute-")]
+
+
+async def test_a_job_returns_its_value_or_raises_its_error() -> None:
+    async with open_compute_thread(0) as compute:
         assert await compute.run(sum, [1, 2, 3]) == 6
         assert await compute.run(sum, [1, 2], on_cancel=lambda: None) == 3
         with pytest.raises(ValueError, match="boom"):
             await compute.run(int, "boom")
-        with pytest.raises(ValueError, match="bang"):
-            await compute.run(int, "bang", on_cancel=lambda: None)
-        assert await compute.run(sum, [4]) == 4  # an error does not end the session
+        assert await compute.run(sum, [4]) == 4  # an error does not end the thread
 
 
-async def test_a_session_runs_every_call_on_one_thread_off_the_loop() -> None:
-    compute = Compute()
-    async with compute.session():
-        idents = {await compute.run(threading.get_ident) for _ in range(20)}
-    assert len(idents) == 1
-    assert threading.get_ident() not in idents
-    with pytest.raises(RuntimeError, match="session"):  # closed with its block
+async def test_every_job_runs_on_one_named_thread_that_ends_with_the_block() -> None:
+    async with open_compute_thread(7) as compute:
+        threads = {await compute.run(threading.current_thread) for _ in range(20)}
+        (thread,) = threads
+        assert thread is not threading.current_thread()
+        assert thread.name == "lampdist-compute-7"
+        assert await compute.run(compute.is_current)
+        assert not compute.is_current()
+    assert not thread.is_alive()
+    assert compute_threads() == []
+    with pytest.raises(RuntimeError, match="closed"):
         await compute.run(sum, [1])
-    async with compute.session():  # a new session after the last one closed
-        assert await compute.run(sum, [1]) == 1
 
 
-async def test_run_needs_a_session_and_sessions_do_not_nest() -> None:
-    compute = Compute()
-    with pytest.raises(RuntimeError, match="session"):
-        await compute.run(sum, [1])
-    async with compute.session():
-        with pytest.raises(RuntimeError, match="already open"):
-            async with compute.session():
-                pass
-        assert await compute.run(sum, [2]) == 2
-
-
-async def test_model_code_may_reach_the_event_loop() -> None:
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_model_code_reaches_the_event_loop_with_a_token() -> None:
     event = anyio.Event()
+    token = anyio.lowlevel.current_token()
 
     def forward() -> int:
-        anyio.from_thread.run_sync(event.set)
+        anyio.from_thread.run_sync(event.set, token=token)
         return 1
 
-    compute = Compute()
-    async with compute.session():
-        assert await compute.run(forward, on_cancel=lambda: None) == 1
+    async with open_compute_thread(0) as compute:
+        assert await compute.run(forward) == 1
     assert event.is_set()
 
 
-async def test_cancelling_a_waiting_call_runs_on_cancel_and_waits_for_the_call() -> None:
+async def test_the_compute_thread_has_the_openers_intra_op_threads() -> None:
+    original = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        async with open_compute_thread(0) as compute:
+            assert compute.intra_op_threads == 2
+            assert await compute.run(torch.get_num_threads) == 2
+    finally:
+        torch.set_num_threads(original)
+
+
+async def test_cancelling_a_waiting_job_runs_on_cancel_and_waits_for_the_job() -> None:
     release = threading.Event()
     steps: list[str] = []
 
     def wait_for_peers() -> None:
         assert release.wait(10), "on_cancel did not run"
-        steps.append("call ended")
+        steps.append("job ended")
 
     def on_cancel() -> None:
         steps.append("on_cancel")
         release.set()
 
-    compute = Compute()
-
-    async def step() -> None:
-        async with compute.session():
-            await compute.run(wait_for_peers, on_cancel=on_cancel)
-
-    with anyio.fail_after(5), anyio.CancelScope() as scope:
-        async with anyio.create_task_group() as group:
-            group.start_soon(step)
-            await anyio.sleep(0.1)
-            scope.cancel()
-    assert scope.cancelled_caught
-    assert steps == ["on_cancel", "call ended"]
+    async with open_compute_thread(0) as compute:
+        with anyio.fail_after(5), anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as group:
+                group.start_soon(partial(compute.run, wait_for_peers, on_cancel=on_cancel))
+                await anyio.sleep(0.1)
+                scope.cancel()
+        assert scope.cancelled_caught
+        assert steps == ["on_cancel", "job ended"]
+        assert await compute.run(sum, [1]) == 1  # the thread serves the next job
 
 
-async def test_cancelling_without_on_cancel_lets_the_call_finish_first() -> None:
+async def test_cancelling_without_on_cancel_lets_the_job_finish_first() -> None:
     steps: list[str] = []
 
     def slow() -> None:
         threading.Event().wait(0.3)
-        steps.append("call ended")
+        steps.append("job ended")
 
-    compute = Compute()
-    with anyio.fail_after(5), anyio.move_on_after(0.05) as scope:
-        async with compute.session():
+    async with open_compute_thread(0) as compute:
+        with anyio.fail_after(5), anyio.move_on_after(0.05) as scope:
             await compute.run(slow)
             steps.append("not reached")
     assert scope.cancelled_caught
-    assert steps == ["call ended"]
+    assert steps == ["job ended"]
 
 
-async def test_an_already_cancelled_caller_does_not_start_the_call() -> None:
+async def test_an_already_cancelled_caller_does_not_start_the_job() -> None:
     ran: list[int] = []
-    compute = Compute()
-    async with compute.session():
+    async with open_compute_thread(0) as compute:
         with anyio.CancelScope() as scope:
             scope.cancel()
             await compute.run(ran.append, 1)
-    assert scope.cancelled_caught
-    assert ran == []
+        assert scope.cancelled_caught
+        assert await compute.run(len, ran) == 0

@@ -8,6 +8,7 @@ STOP and its clique posts an abort notice, as a dying process's would. The stop 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 
 import anyio
 import anyio.from_thread
+import anyio.lowlevel
 import attrs
 import pytest
 import torch
@@ -44,6 +46,9 @@ class Run:
 
     nranks: int
     checkpoints: Path
+    # The event loop, for the hooks that run in the losses (on the ranks' compute threads).
+    token: anyio.lowlevel.EventLoopToken = attrs.field(factory=anyio.lowlevel.current_token)
+    loop_thread: threading.Thread = attrs.field(factory=threading.current_thread)
     scopes: list[anyio.CancelScope] = attrs.field(init=False)
     errors: dict[int, BaseException] = attrs.field(factory=dict)
     results: dict[int, Any] = attrs.field(factory=dict)
@@ -58,13 +63,17 @@ class Run:
     def fault(self) -> None:
         self.fault_at = time.monotonic()
 
+    def on_loop(self, function: Callable[[], object]) -> None:
+        """Call ``function`` on the event loop, from any thread."""
+        if threading.current_thread() is self.loop_thread:
+            function()
+        else:
+            anyio.from_thread.run_sync(function, token=self.token)
+
     def vanish(self, rank: int) -> None:
         """Cancel ``rank``'s task, from any thread."""
         self.fault()
-        try:
-            anyio.from_thread.run_sync(self.scopes[rank].cancel)
-        except RuntimeError:  # on the event loop thread itself
-            self.scopes[rank].cancel()
+        self.on_loop(self.scopes[rank].cancel)
 
     def took(self, rank: int) -> float:
         assert self.fault_at is not None
@@ -72,7 +81,7 @@ class Run:
 
 
 Hook = Callable[[Run, int, str, int, int], None]
-"""``(run, rank, phase, epoch, batch)``: called in each loss (a worker thread)."""
+"""``(run, rank, phase, epoch, batch)``: called in each loss (a rank's compute thread)."""
 
 
 async def run_ranks(
@@ -317,7 +326,7 @@ async def test_an_epoch_that_outlasts_stop_timeout_is_abandoned(tmp_path: Path) 
     def hook(run: Run, rank: int, current: str, epoch: int, batch: int) -> None:
         if rank == 1 and current == "train" and epoch == 1 and run.fault_at is None:
             run.fault()
-            anyio.from_thread.run_sync(stop.set)
+            run.on_loop(stop.set)
             time.sleep(3)  # the epoch cannot end within stop_timeout
 
     run = Run(2, tmp_path)

@@ -1,14 +1,31 @@
-"""The clique: the tensor channel of a run, an explicit torch.distributed process group.
+"""The clique: the tensor channel of a run.
 
-The root serves the rendezvous store with :func:`serve_rendezvous` and publishes the
-:class:`~lampdist.CliqueId` it yields; every rank opens the clique with :func:`open_clique`
-and awaits collectives on the :class:`Clique` without blocking its event loop.
+Across processes it is an explicit torch.distributed process group: the root serves the
+rendezvous store with :func:`serve_rendezvous` and publishes the :class:`~lampdist.CliqueId`
+it yields; every rank opens the clique with :func:`open_clique`. The ranks of one process
+share an in-process clique instead (:func:`in_process`). Either way a rank awaits its
+collectives on the :class:`Clique` without blocking its event loop, or waits for them on its
+compute thread.
 """
 
 from .._clique_id import CliqueId as CliqueId
 from ._bridge import PendingCollective as PendingCollective
 from ._clique import Clique as Clique
 from ._clique import open_clique as open_clique
+from ._cliques import Cliques as Cliques
+from ._cliques import InProcess as InProcess
+from ._cliques import ProcessGroups as ProcessGroups
+from ._cliques import in_process as in_process
 from ._rendezvous import serve_rendezvous as serve_rendezvous
 
-__all__ = ["Clique", "CliqueId", "PendingCollective", "open_clique", "serve_rendezvous"]
+__all__ = [
+    "Clique",
+    "CliqueId",
+    "Cliques",
+    "InProcess",
+    "PendingCollective",
+    "ProcessGroups",
+    "in_process",
+    "open_clique",
+    "serve_rendezvous",
+]

@@ -24,7 +24,7 @@ import attrs
 from .._errors import CliqueTimeout, CollectiveFailed, ConfigError, LampdistError
 from .._signal import Signal
 
-__all__ = ["PendingCollective", "Then"]
+__all__ = ["PendingCollective", "Then", "on_event_loop_thread"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,8 @@ _POLL_FIRST = 10e-6
 _POLL_MAX = 100e-6
 
 
-def _on_event_loop_thread() -> bool:
+def on_event_loop_thread() -> bool:
+    """Whether the calling thread runs an asyncio or trio event loop."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -149,7 +150,7 @@ class PendingCollective:
         when either passes, :class:`~lampdist.CollectiveFailed` when the collective failed, and
         :class:`~lampdist.ConfigError` when called on an event loop thread.
         """
-        if _on_event_loop_thread():
+        if on_event_loop_thread():
             raise ConfigError(
                 "wait_blocking() would block the event loop; use 'await pending' there",
                 rank=self.rank,

@@ -1,4 +1,4 @@
-"""The clique: an explicit torch.distributed process group as an async context manager."""
+"""The clique: a rank's collectives as an async context manager (a process group here)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import functools
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from datetime import timedelta
-from typing import Any, cast
+from typing import cast
 
 import anyio
 import anyio.from_thread
@@ -15,17 +14,13 @@ import anyio.to_thread
 import attrs
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import (  # torch.distributed does not re-export these two
-    AllgatherOptions,
-    ReduceScatterOptions,
-)
 
 from .._clique_id import CliqueId
 from .._errors import ConfigError, MismatchError
 from ._backends import prefer_nccl_cleanup
-from ._bridge import PendingCollective, Then
-from ._gather import GATHER_MAX_BYTES, GatherReduce
+from ._bridge import PendingCollective
 from ._group import Group
+from ._transport import GroupTransport, Transport
 
 __all__ = ["Clique", "open_clique"]
 
@@ -36,14 +31,15 @@ _SETUP = "clique setup"
 
 @attrs.define(eq=False)
 class Clique:
-    """One rank's handle on an open clique: awaitable collectives over an explicit process group.
+    """One rank's handle on an open clique: awaitable collectives over its transport.
 
-    Get one from :func:`open_clique`. Every collective sums (``reduce``, ``all_reduce``,
-    ``reduce_scatter``) or copies in place, treats each tensor of a sequence as a collective
-    of its own (pass flat buffers for speed), and must be issued in the same order on every
-    rank. The ``async`` methods wait without blocking the event loop; the ``start_*`` methods
-    start the same collectives from any thread (autograd hooks included) and return a
-    :class:`PendingCollective` to await later.
+    Get one from :func:`open_clique` (a process group: ranks in several processes) or from
+    the in-process cliques of ``lampdist.local_data_parallel_training_loop``. Every collective
+    sums (``reduce``, ``all_reduce``, ``reduce_scatter``) or copies in place, treats each
+    tensor of a sequence as a collective of its own (pass flat buffers for speed), and must be
+    issued in the same order on every rank. The ``async`` methods wait without blocking the
+    event loop; the ``start_*`` methods start the same collectives from any thread (a rank's
+    compute thread, autograd hooks) and return a :class:`PendingCollective` to wait for later.
 
     Every collective raises :class:`~lampdist.ConfigError` for tensors that are not
     contiguous, not on :attr:`device` or of the wrong size,
@@ -60,14 +56,9 @@ class Clique:
     device: torch.device
     """The device every tensor must live on."""
     backend: str
-    """``"nccl"`` for a CUDA device, ``"gloo"`` for the CPU."""
-    _group: Group = attrs.field(alias="group", repr=False)
-    # Gloo's reduce of small tensors (see ``_gather``); None on NCCL.
-    _gather_reduce: GatherReduce | None = attrs.field(init=False, repr=False)
-
-    @_gather_reduce.default
-    def _default_gather_reduce(self) -> GatherReduce | None:
-        return GatherReduce(self.rank, self.nranks) if self.backend == "gloo" else None
+    """``"nccl"`` or ``"gloo"`` for a process group; ``"local"`` for the ranks of one
+    process (``"local-nccl"`` when they are on several GPUs)."""
+    _transport: Transport = attrs.field(alias="transport", repr=False)
 
     async def broadcast(self, tensors: Sequence[torch.Tensor], root: int = 0) -> None:
         """Copy ``root``'s tensors into every other rank's tensors, in place."""
@@ -97,19 +88,7 @@ class Clique:
 
     async def barrier(self) -> None:
         """Wait until every rank has reached the barrier (on CUDA: and its GPU work before it)."""
-        if self.backend == "gloo":
-
-            def issue(pg: Any, works: list[Any]) -> None:
-                works.append(pg.barrier(dist.BarrierOptions()))
-
-            await self._group.start("barrier", issue)
-        else:
-            device = self.device
-
-            def issue(pg: Any, works: list[Any]) -> None:
-                works.append(pg.allreduce([torch.zeros(1, device=device)]))
-
-            await self._group.start("barrier", issue, wait_for_device=True)
+        await self._transport.barrier()
 
     def abort(self, reason: str) -> None:
         """Break the clique on purpose; callable from any thread.
@@ -117,100 +96,39 @@ class Clique:
         Every pending and later collective of this rank raises
         :class:`~lampdist.CollectiveFailed` (a thread in ``wait_blocking`` wakes at once), the
         other ranks' collectives fail with an error that names this rank and ``reason``, and
-        on NCCL the communicator is aborted. It blocks briefly (it posts a notice on the
-        clique's store), so call it from a worker thread in async code. Leave the ``async
-        with`` block afterwards.
+        on NCCL the communicator is aborted. It may block briefly (a process group posts a
+        notice on the clique's store), so call it from a worker thread in async code. Leave
+        the ``async with`` block afterwards.
         """
-        self._group._announce_abort(reason)
+        self._transport.abort(reason)
 
     def start_broadcast(self, tensors: Sequence[torch.Tensor], root: int = 0) -> PendingCollective:
         """Start :meth:`broadcast` and return at once; callable from any thread."""
         checked = self._tensors("broadcast", tensors)
         self._check_root("broadcast", root)
-        timeout = self._op_timeout
-
-        def issue(pg: Any, works: list[Any]) -> None:
-            for tensor in checked:
-                options = dist.BroadcastOptions()
-                options.rootRank, options.rootTensor, options.timeout = root, 0, timeout
-                works.append(pg.broadcast([tensor], options))
-
-        return self._group.start("broadcast", issue)
+        return self._transport.broadcast(checked, root)
 
     def start_reduce(self, tensors: Sequence[torch.Tensor], root: int = 0) -> PendingCollective:
         """Start :meth:`reduce` and return at once; callable from any thread."""
         checked = self._tensors("reduce", tensors)
         self._check_root("reduce", root)
-        timeout = self._op_timeout
-        gather = self._gather_reduce
-
-        def issue(pg: Any, works: list[Any]) -> None:
-            for tensor in checked:
-                if gather is not None and tensor.nbytes <= GATHER_MAX_BYTES:
-                    gather.issue(pg, tensor, root, timeout, works)
-                    continue
-                options = dist.ReduceOptions()
-                options.rootRank, options.rootTensor, options.timeout = root, 0, timeout
-                works.append(pg.reduce([tensor], options))
-
-        return self._group.start("reduce", issue)
+        return self._transport.reduce(checked, root)
 
     def start_all_reduce(self, tensors: Sequence[torch.Tensor]) -> PendingCollective:
         """Start :meth:`all_reduce` and return at once; callable from any thread."""
-        checked = self._tensors("all_reduce", tensors)
-        timeout = self._op_timeout
-
-        def issue(pg: Any, works: list[Any]) -> None:
-            for tensor in checked:
-                options = dist.AllreduceOptions()
-                options.timeout = timeout
-                works.append(pg.allreduce([tensor], options))
-
-        return self._group.start("all_reduce", issue)
+        return self._transport.all_reduce(self._tensors("all_reduce", tensors))
 
     def start_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> PendingCollective:
         """Start :meth:`reduce_scatter` and return at once; callable from any thread."""
         self._pair("reduce_scatter", output, input, gather=False)
-        timeout = self._op_timeout
-        if self.backend == "gloo":
-            # Gloo's reduce-scatter gives no future to follow: sum a copy of the whole input
-            # and take this rank's chunk once the sum is complete (on Gloo's thread).
-            nranks, rank = self.nranks, self.rank
-
-            def issue(pg: Any, works: list[Any]) -> None:
-                scratch = input.clone()
-                options = dist.AllreduceOptions()
-                options.timeout = timeout
-                mine = scratch.view(nranks, -1)[rank].view(output.shape)
-                works.append(Then(pg.allreduce([scratch], options), lambda: output.copy_(mine)))
-
-        else:
-
-            def issue(pg: Any, works: list[Any]) -> None:
-                options = ReduceScatterOptions()
-                options.timeout = timeout
-                works.append(pg._reduce_scatter_base(output, input, options))
-
-        return self._group.start("reduce_scatter", issue)
+        return self._transport.reduce_scatter(output, input)
 
     def start_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> PendingCollective:
         """Start :meth:`all_gather` and return at once; callable from any thread."""
         self._pair("all_gather", output, input, gather=True)
-        timeout = self._op_timeout
-
-        def issue(pg: Any, works: list[Any]) -> None:
-            options = AllgatherOptions()
-            options.timeout = timeout
-            works.append(pg._allgather_base(output, input, options))
-
-        return self._group.start("all_gather", issue)
+        return self._transport.all_gather(output, input)
 
     # -- argument checks -----------------------------------------------------------------
-
-    @property
-    def _op_timeout(self) -> timedelta:
-        seconds = self._group.collective_timeout
-        return timedelta(days=365) if seconds is None else timedelta(seconds=seconds)
 
     def _check_root(self, phase: str, root: int) -> None:
         if not 0 <= root < self.nranks:
@@ -381,7 +299,10 @@ async def _open(
         check_cancelled=anyio.from_thread.check_cancelled,
     )
     group = await anyio.to_thread.run_sync(connect, limiter=limiter)
-    clique = Clique(rank=rank, nranks=nranks, device=device, backend=group.backend, group=group)
+    transport = GroupTransport.create(group)
+    clique = Clique(
+        rank=rank, nranks=nranks, device=device, backend=group.backend, transport=transport
+    )
     try:
         try:
             yield clique
@@ -390,5 +311,4 @@ async def _open(
             raise
         await group.aclose(None, limiter=limiter)
     finally:
-        if clique._gather_reduce is not None:
-            clique._gather_reduce.clear()  # the root's gather buffers
+        transport.close()

@@ -41,7 +41,7 @@ from ._backends import (
     translate,
 )
 from ._backends import describe as _describe
-from ._bridge import Failure, PendingCollective
+from ._bridge import Failure, PendingCollective, on_event_loop_thread
 from ._tether import GOODBYE, Tether
 
 __all__ = ["Group", "Issue"]
@@ -90,6 +90,8 @@ class Group:
     _wake_reader: socket.socket | None = attrs.field(default=None, init=False, repr=False)
     _wake_writer: socket.socket | None = attrs.field(default=None, init=False, repr=False)
     _goodbye: bool = attrs.field(default=False, init=False, repr=False)
+    # Whether collectives started on an event loop thread go to the issuing thread (NCCL).
+    _hand_off: bool = attrs.field(default=False, init=False, repr=False)
     # Guards the NCCL communicator's end: one abort or one shutdown, never both at once
     # (the watcher may abort while the teardown shuts down).
     _end_lock: threading.RLock = attrs.field(factory=threading.RLock, init=False, repr=False)
@@ -201,24 +203,28 @@ class Group:
             target=self._watch, daemon=True, name=f"lampdist-clique-watch-{self.rank}"
         )
         self._threads.append(watcher)
-        if threaded:
-            self._queue = queue.SimpleQueue()
-            enqueuer = threading.Thread(
-                target=self._run_enqueuer, daemon=True, name=f"lampdist-clique-enqueue-{self.rank}"
-            )
-            self._threads.append(enqueuer)
-        for thread in self._threads:
-            thread.start()
+        self._hand_off = threaded
+        watcher.start()
 
     # -- collectives ---------------------------------------------------------------------
 
     def start(self, name: str, issue: Issue, *, wait_for_device: bool = False) -> PendingCollective:
-        """Start a collective from any thread; raise at once if the clique is closed or broken."""
+        """Start a collective from any thread; raise at once if the clique is closed or broken.
+
+        The calling thread issues it (a rank's compute thread, autograd's thread for a
+        gradient bucket), except on an event loop thread with NCCL: an NCCL call can wait on
+        the CUDA driver (for a GPU that another rank of the process keeps busy), which must
+        not stall the loop, so the issuing thread does it there.
+        """
         pending = PendingCollective(
             name=name, rank=self.rank, owner=self, timeout=self.collective_timeout
         )
-        # The caller's stream: the collective must see the work queued on it before this call.
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        hand_off = self._hand_off and on_event_loop_thread()
+        # The caller's stream: the collective must see the work queued on it before this
+        # call (the issuing thread's own current stream is another one).
+        stream = None
+        if self.device.type == "cuda" and (hand_off or wait_for_device):
+            stream = torch.cuda.current_stream(self.device)
         with self._lock:
             if self._closing:
                 raise CliqueError(
@@ -227,19 +233,28 @@ class Group:
             failure = self._failure
             if failure is None:
                 self._pending.add(pending)
-                if self._queue is not None:  # under the lock: never behind the stop sentinel
-                    self._queue.put((pending, issue, stream, wait_for_device))
+                if hand_off:  # under the lock: never behind the stop sentinel
+                    self._issuing_queue().put((pending, issue, stream, wait_for_device))
         if failure is not None:
             kind, message = failure
             raise kind(message, rank=self.rank, phase=name)
-        if self._queue is None:
-            self._enqueue(pending, issue, None, wait_for_device)
+        if not hand_off:
+            self._enqueue(pending, issue, stream, wait_for_device)
         return pending
 
-    def _run_enqueuer(self) -> None:
-        # NCCL: one thread per rank enqueues, so several ranks of one process never share a
-        # thread (NCCL calls may block until the peers' calls arrive), and the thread that
-        # starts a collective (autograd's, for gradient buckets) hands the NCCL call off.
+    def _issuing_queue(self) -> queue.SimpleQueue[Any]:
+        """The issuing thread's queue, starting the thread on first use (under the lock)."""
+        if self._queue is None:
+            self._queue = queue.SimpleQueue()
+            issuer = threading.Thread(
+                target=self._run_issuer, daemon=True, name=f"lampdist-clique-issue-{self.rank}"
+            )
+            self._threads.append(issuer)
+            issuer.start()
+        return self._queue
+
+    def _run_issuer(self) -> None:
+        # One thread per rank, so several ranks of one process never share it.
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         items = self._queue

@@ -1,10 +1,19 @@
-"""One pass on the clique: batches, flat parameter buffers, training steps and validation."""
+"""One pass on the clique: batches, flat parameter buffers, training steps and validation.
 
-from ._batches import BatchReader as BatchReader
-from ._batches import LoadedBatch as LoadedBatch
-from ._batches import open_batches as open_batches
+The pass driver (:class:`RankRunner`, on the event loop) starts each pass on the rank's
+compute thread (:class:`ComputeThread`), where the step kernel (:class:`StepKernel`) runs it
+as a plain loop over the batches that the loading thread puts into a :class:`BatchFeed`.
+"""
+
+from ._compute import ComputeThread as ComputeThread
+from ._compute import open_compute_thread as open_compute_thread
 from ._device import host_to_device as host_to_device
+from ._feed import BatchFeed as BatchFeed
+from ._feed import LoadedBatch as LoadedBatch
+from ._feed import PassStopped as PassStopped
+from ._feed import open_feed as open_feed
 from ._flat import FlatModel as FlatModel
+from ._kernel import StepKernel as StepKernel
 from ._model import SupervisedModel as SupervisedModel
 from ._model import count_examples as count_examples
 from ._options import OnPassEvent as OnPassEvent
@@ -13,23 +22,29 @@ from ._options import PassResult as PassResult
 from ._options import StepOn as StepOn
 from ._options import TrainingOptions as TrainingOptions
 from ._pass import RankRunner as RankRunner
+from ._progress import Progress as Progress
 from ._stepper import LossScale as LossScale
 from ._stepper import Stepper as Stepper
 
 __all__ = [
-    "BatchReader",
+    "BatchFeed",
+    "ComputeThread",
     "FlatModel",
     "LoadedBatch",
     "LossScale",
     "OnPassEvent",
     "PassEvent",
     "PassResult",
+    "PassStopped",
+    "Progress",
     "RankRunner",
+    "StepKernel",
     "StepOn",
     "Stepper",
     "SupervisedModel",
     "TrainingOptions",
     "count_examples",
     "host_to_device",
-    "open_batches",
+    "open_compute_thread",
+    "open_feed",
 ]

@@ -1,81 +1,78 @@
-"""A rank's compute calls (forward, backward, the optimizer step), one at a time, off the loop.
+"""A rank's compute thread: every torch operation of the rank runs on it, for the whole run.
 
-Inside a :meth:`Compute.session`, calls run one after another on one anyio worker thread, so
-model code may use ``anyio.from_thread`` and the same OS thread runs every call of a pass
-(which keeps OpenMP's thread team warm on the CPU). Handing a call to that thread and back
-costs a queue put and one wake-up of the event loop, about half of a fresh
-``anyio.to_thread.run_sync`` with a limiter, which matters at the thousands of steps a second
-of a small model. A call may wait for its peers (a training step waits for the gradient
-exchange inside its call): ``on_cancel`` then makes it stop waiting when the caller is
-cancelled, instead of the caller waiting out the collective's deadline.
+The event loop hands the thread a job (a whole pass, the model's layout, a snapshot) and
+awaits its end; it is never on the per-step path. One OS thread serves every job of a run
+because every thread that runs an intra-op-parallel torch op on the CPU keeps an OpenMP team,
+and while such a thread stays alive (as a pooled worker thread does) the other threads' ops
+slow down (docs/performance.md, and ``lampdist._openmp``). The thread ends with the run, and
+its team with it; the event loop's own idle team is given back when the thread starts.
+
+The thread is a plain thread, not an anyio worker thread: model code that must reach the
+event loop passes a token, ``anyio.from_thread.run_sync(f, token=token)`` with ``token =
+anyio.lowlevel.current_token()`` taken on the loop.
 """
 
 from __future__ import annotations
 
-import contextlib
 import queue
+import threading
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
 import attrs
+import torch
 
+from .._openmp import release_team
 from .._signal import loop_scheduler
 
-__all__ = ["Compute"]
+__all__ = ["ComputeThread", "open_compute_thread"]
 
 T = TypeVar("T")
 
 
 @attrs.define(eq=False)
-class _Call:
+class _Job:
     function: Callable[..., Any]
     args: tuple[Any, ...]
     done: anyio.Event = attrs.field(factory=anyio.Event)
     outcome: tuple[bool, Any] = (False, None)
 
 
-_Calls = queue.SimpleQueue[_Call | None]  # None ends the session's thread
+_Jobs = queue.SimpleQueue[_Job | None]  # None ends the thread
 
 
-def _serve(calls: _Calls, schedule: Callable[..., object]) -> None:
-    """The session's thread: run each call, then wake its waiter on the loop."""
-    while (call := calls.get()) is not None:
+def _serve(jobs: _Jobs, schedule: Callable[[Callable[[], object]], None], threads: int) -> None:
+    """The compute thread: run each job, then wake its waiter on the loop."""
+    # The intra-op thread count of the thread that opened this one (the user's setting); a
+    # loading thread lowers torch's process-wide default for a moment (see ``_feed``).
+    torch.set_num_threads(threads)
+    while (job := jobs.get()) is not None:
         try:
-            call.outcome = (True, call.function(*call.args))
+            job.outcome = (True, job.function(*job.args))
         except BaseException as exc:  # handed to the awaiting task, as to_thread does
-            call.outcome = (False, exc)
-        schedule(call.done.set)
+            job.outcome = (False, exc)
+        schedule(job.done.set)
+        del job
 
 
 @attrs.define(eq=False)
-class Compute:
-    """The compute calls of one rank."""
+class ComputeThread:
+    """The compute thread of one rank (see the module docstring). Open it with
+    :func:`open_compute_thread`."""
 
-    _calls: _Calls | None = attrs.field(default=None, init=False)
+    rank: int
+    intra_op_threads: int
+    """torch's intra-op thread count on this thread: that of the thread that opened it."""
+    _jobs: _Jobs = attrs.field(alias="jobs", repr=False)
+    _thread: threading.Thread = attrs.field(alias="thread", repr=False)
 
-    @contextlib.asynccontextmanager
-    async def session(self) -> AsyncIterator[None]:
-        """Serve :meth:`run` on one worker thread until the block ends (the thread ends
-        after the call it runs, if any: :meth:`run` never leaves a call running)."""
-        if self._calls is not None:
-            raise RuntimeError("a compute session is already open")
-        calls: _Calls = queue.SimpleQueue()
-        schedule = loop_scheduler()
-        async with anyio.create_task_group() as group:
-            group.start_soon(self._host, calls, schedule)
-            self._calls = calls
-            try:
-                yield
-            finally:
-                self._calls = None
-                calls.put(None)
-
-    @staticmethod
-    async def _host(calls: _Calls, schedule: Callable[..., object]) -> None:
-        await anyio.to_thread.run_sync(_serve, calls, schedule, limiter=anyio.CapacityLimiter(1))
+    def is_current(self) -> bool:
+        """Whether the caller runs on this compute thread."""
+        return threading.current_thread() is self._thread
 
     async def run(
         self,
@@ -83,28 +80,53 @@ class Compute:
         *args: Any,
         on_cancel: Callable[[], object] | None = None,
     ) -> T:
-        """``function(*args)`` on the session's thread; its exception is raised here.
+        """``function(*args)`` on the compute thread; its exception is raised here.
 
-        A started call runs to its end. When the caller is cancelled meanwhile, ``on_cancel``
-        (if given) runs in another worker thread to make the call end early, the call is
-        waited for, and then the cancellation is raised.
+        A started job runs to its end. When the caller is cancelled meanwhile, ``on_cancel``
+        (if given) runs in a worker thread to make the job end early (a pass checks between
+        steps; a collective in flight needs the clique aborted), the job is waited for, and
+        then the cancellation is raised. Raises :class:`RuntimeError` once the thread is
+        closed.
         """
-        calls = self._calls
-        if calls is None:
-            raise RuntimeError("Compute.run needs an open compute session")
+        if not self._thread.is_alive():
+            raise RuntimeError(f"rank {self.rank}: the compute thread is closed")
         await anyio.lowlevel.checkpoint_if_cancelled()
-        call = _Call(function, args)
-        calls.put(call)
+        job = _Job(function, args)
+        self._jobs.put(job)
         try:
-            await call.done.wait()
+            await job.done.wait()
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True):
                 if on_cancel is not None:
                     await anyio.to_thread.run_sync(on_cancel)
-                await call.done.wait()
+                await job.done.wait()
             raise
-        succeeded, value = call.outcome
+        succeeded, value = job.outcome
         if not succeeded:
             raise value
         result: T = value
         return result
+
+
+@asynccontextmanager
+async def open_compute_thread(rank: int) -> AsyncIterator[ComputeThread]:
+    """Start rank ``rank``'s compute thread; end it when the block ends (on every path: a
+    job never outlives the :meth:`ComputeThread.run` call that started it)."""
+    release_team()  # the caller's (the event loop's) idle OpenMP team: see ``_openmp``
+    jobs: _Jobs = queue.SimpleQueue()
+    schedule = loop_scheduler()
+    threads = torch.get_num_threads()
+    thread = threading.Thread(
+        target=_serve,
+        args=(jobs, schedule, threads),
+        name=f"lampdist-compute-{rank}",
+        daemon=True,
+    )
+    thread.start()
+    try:
+        yield ComputeThread(rank=rank, intra_op_threads=threads, jobs=jobs, thread=thread)
+    finally:
+        jobs.put(None)
+        with anyio.CancelScope(shield=True):
+            # No job runs now, so this is the time the thread takes to see the sentinel.
+            await anyio.to_thread.run_sync(thread.join)

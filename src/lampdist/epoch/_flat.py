@@ -10,6 +10,10 @@ the first float32 or float64 gradient buffer carries the step's meta values (exa
 sum, whether the rank has more batches: summed with the gradients), and the first parameter
 buffer carries the root's 16 control bytes (copied with the parameters). A model without such
 a buffer sends those values on their own.
+
+A rank alone in its clique exchanges nothing: it gets no gradient buffers (``gradients=False``)
+and autograd keeps the gradients as a plain loop's, set to ``None`` after each step, which saves
+a fill and a read of every gradient a step (see ``_kernel``).
 """
 
 from __future__ import annotations
@@ -48,10 +52,15 @@ class FlatModel:
     """What a parameter broadcast sends: the parameter buffers, the first with the control tail."""
     control_tail: torch.Tensor | None = None
     """The ``CONTROL_BYTES`` bytes behind the first parameter buffer, as uint8."""
+    flat_gradients: bool = True
+    """Whether the gradients live in ``gradient_buffers`` (else autograd owns them)."""
 
     @classmethod
-    def create(cls, module: torch.nn.Module, device: torch.device) -> FlatModel:
-        """Move ``module`` to ``device`` and lay its trainable parameters out flat."""
+    def create(
+        cls, module: torch.nn.Module, device: torch.device, *, gradients: bool = True
+    ) -> FlatModel:
+        """Move ``module`` to ``device`` and lay its trainable parameters out flat, and their
+        gradients too unless ``gradients`` is False (a rank alone exchanges none)."""
         module.to(device)
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
@@ -78,9 +87,11 @@ class FlatModel:
                 control_tail = storage.view(torch.uint8)[
                     start * size : start * size + CONTROL_BYTES
                 ]
-            carries_meta = meta_tail is None and dtype in _META_DTYPES
+            carries_meta = gradients and meta_tail is None and dtype in _META_DTYPES
             grad_storage = torch.zeros(
-                total + (META_SLOTS if carries_meta else 0), dtype=dtype, device=device
+                (total + (META_SLOTS if carries_meta else 0)) if gradients else 0,
+                dtype=dtype,
+                device=device,
             )
             grads = grad_storage[:total]
             if carries_meta:
@@ -90,15 +101,19 @@ class FlatModel:
                 n = parameter.numel()
                 flat[offset : offset + n].copy_(parameter.detach().reshape(-1))
                 parameter.data = flat[offset : offset + n].view_as(parameter)
-                parameter.grad = grads[offset : offset + n].view_as(parameter)
-                gradient_views.append(parameter.grad)
+                if gradients:
+                    parameter.grad = grads[offset : offset + n].view_as(parameter)
+                    gradient_views.append(parameter.grad)
+                else:
+                    parameter.grad = None
                 slots.append((buffer_index, offset, n))
                 offset += n
                 parameters.append(parameter)
             parameter_buffers.append(flat)
-            gradient_buffers.append(grads)
             parameter_storage.append(storage)
-            gradient_storage.append(grad_storage)
+            if gradients:
+                gradient_buffers.append(grads)
+                gradient_storage.append(grad_storage)
         frozen = [p for p in module.parameters() if not p.requires_grad]
         module_buffers = [b for b in module.buffers()] + frozen
         return cls(
@@ -113,10 +128,21 @@ class FlatModel:
             meta_tail=meta_tail,
             parameter_storage=parameter_storage,
             control_tail=control_tail,
+            flat_gradients=gradients,
         )
 
+    def gradients(self) -> list[torch.Tensor]:
+        """The gradients an optimizer step reads: the flat buffers, or autograd's tensors."""
+        if self.flat_gradients:
+            return self.gradient_buffers
+        return [p.grad for p in self.parameters if p.grad is not None]
+
     def zero_gradients(self) -> None:
-        """Zero every gradient and the meta tail in place (the views stay valid)."""
+        """Zero every gradient and the meta tail in place (the views stay valid); without
+        flat gradients, set them to ``None`` as ``zero_grad(set_to_none=True)`` does."""
+        if not self.flat_gradients:
+            for parameter in self.parameters:
+                parameter.grad = None
         for grads in self.gradient_storage:
             grads.zero_()
 

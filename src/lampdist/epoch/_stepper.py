@@ -34,7 +34,9 @@ class LossScale:
 
     def update(self, gradients: list[torch.Tensor]) -> bool:
         """Whether ``gradients`` are finite; adjusts the scale (one host sync)."""
-        finite = bool(torch.stack([g.isfinite().all() for g in gradients]).all().item())
+        finite = not gradients or bool(
+            torch.stack([g.isfinite().all() for g in gradients]).all().item()
+        )
         if not finite:
             self.scale /= 2.0
             self._clean_steps = 0
@@ -85,21 +87,25 @@ class Stepper:
         skip policy and fp16 loss scaling decide per step; the rest can step on the device)."""
         return self.options.non_finite_loss == "skip" or self.loss_scale.enabled
 
-    def step_on_device(self, examples: torch.Tensor) -> None:
-        """Average over ``examples`` (a device scalar, known to be > 0) and step, without
-        waiting for the device (runs in a worker thread)."""
+    def step_on_device(self, examples: torch.Tensor | None) -> None:
+        """Average over ``examples`` (a device scalar, known to be > 0; ``None`` when the
+        losses were averaged before backward) and step, without waiting for the device."""
         try:
-            for grads in self.flat.gradient_buffers:
-                grads.div_(examples)
+            if examples is not None:
+                for grads in self.flat.gradient_buffers:
+                    grads.div_(examples)
             if self.options.max_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(self.flat.parameters, self.options.max_grad_norm)
             self.optimizer.step()
         finally:
             self.flat.zero_gradients()
 
-    def step(self, examples: float, loss_sum: float, *, epoch: int, step: int) -> bool:
-        """Average the summed gradients over ``examples`` and step (runs in a worker
-        thread).
+    def step(
+        self, examples: float, loss_sum: float, *, epoch: int, step: int, averaged: bool = False
+    ) -> bool:
+        """Average the summed gradients over ``examples`` and step (``averaged``: the losses
+        were weighted by their share of ``examples`` before backward, so the gradients are
+        averages already).
 
         Returns whether the step's loss counts towards the pass's mean: a step skipped for a
         non-finite loss does not, one skipped for an fp16 overflow does. Raises
@@ -119,10 +125,12 @@ class Stepper:
                     )
                 logger.warning("%s: skipping a step whose loss is %s", where, loss_sum)
                 return False
-            divisor = examples * self.loss_scale.factor
-            for grads in self.flat.gradient_buffers:
-                grads.div_(divisor)
-            if self.loss_scale.enabled and not self.loss_scale.update(self.flat.gradient_buffers):
+            divisor = (1.0 if averaged else examples) * self.loss_scale.factor
+            gradients = self.flat.gradients()
+            if divisor != 1.0:
+                for grads in gradients:
+                    grads.div_(divisor)
+            if self.loss_scale.enabled and not self.loss_scale.update(gradients):
                 logger.info(
                     "epoch %d, step %d: fp16 gradients overflowed; skipping the step, "
                     "loss scale now %g",

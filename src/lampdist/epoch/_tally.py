@@ -4,6 +4,7 @@ On CUDA, reading a step's example count and loss right after the step would make
 wait for the device, so the next step could not be queued while this one runs. The tally
 instead copies each step's reduced ``meta`` into pinned host memory behind a CUDA event and
 reads it once the event has passed, a step or two later; only the pass's end waits for all.
+Everything here runs on the rank's compute thread.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import math
 from collections import deque
 
-import anyio.to_thread
 import attrs
 import torch
 
@@ -24,7 +24,9 @@ __all__ = ["Tally"]
 class _Readback:
     step: int
     host: torch.Tensor
+    """``[examples, loss sum, ...]``, or the loss sum alone when ``examples`` is given."""
     event: torch.cuda.Event | None
+    examples: int | None = None
 
     def ready(self) -> bool:
         return self.event is None or bool(self.event.query())  # type: ignore[no-untyped-call]  # torch.cuda.Event is untyped
@@ -59,13 +61,17 @@ class Tally:
     def submit(self, step: int, meta: torch.Tensor) -> None:
         """Queue the read-back of a step's reduced ``[examples, loss sum, ...]`` (it stepped)."""
         if meta.device.type == "cuda":
-            host = torch.empty(meta.shape, dtype=meta.dtype, pin_memory=True)
-            host.copy_(meta, non_blocking=True)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch
-            event.record(torch.cuda.current_stream(meta.device))
-            self._pending.append(_Readback(step, host, event))
+            self._pending.append(_Readback(step, *_to_host(meta)))
         else:
             self._pending.append(_Readback(step, meta.clone(), None))
+
+    def submit_loss(self, step: int, examples: int, loss_sum: torch.Tensor) -> None:
+        """Queue the read-back of a step's loss sum (a rank alone, which stepped) over
+        ``examples``; ``loss_sum`` must not change afterwards."""
+        if loss_sum.device.type == "cuda":
+            self._pending.append(_Readback(step, *_to_host(loss_sum), examples=examples))
+        else:
+            self._pending.append(_Readback(step, loss_sum, None, examples=examples))
 
     def poll(self) -> None:
         """Count every queued step whose values have reached the host.
@@ -75,16 +81,20 @@ class Tally:
         while self._pending and self._pending[0].ready():
             self._take(self._pending.popleft())
 
-    async def drain(self) -> None:
-        """Wait (off the event loop) for every queued read-back and count it."""
+    def drain(self) -> None:
+        """Wait for every queued read-back and count it (the compute thread; on CUDA an
+        aborted clique ends a collective that never finishes, and with it this wait)."""
         while self._pending:
             readback = self._pending.popleft()
             if readback.event is not None and not readback.ready():
-                await anyio.to_thread.run_sync(readback.event.synchronize)
+                readback.event.synchronize()
             self._take(readback)
 
     def _take(self, readback: _Readback) -> None:
-        examples, loss_sum = readback.host[0].item(), readback.host[1].item()
+        if readback.examples is None:
+            examples, loss_sum = readback.host[0].item(), readback.host[1].item()
+        else:
+            examples, loss_sum = readback.examples, readback.host.item()
         if not math.isfinite(loss_sum):
             raise NonFiniteLoss(
                 f"epoch {self.epoch}, step {readback.step}: the summed loss of the step is "
@@ -94,3 +104,12 @@ class Tally:
                 phase="train",
             )
         self.record(examples, loss_sum, counted=True)
+
+
+def _to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+    """A pinned copy of device ``values`` on its way, and the event that says it arrived."""
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch
+    event.record(torch.cuda.current_stream(values.device))
+    return host, event

@@ -116,7 +116,7 @@ def most_telling(error: BaseException) -> BaseException:
     return _most_telling(real) or error
 
 
-async def agree(
+def agree(
     clique: Clique,
     flat: FlatModel,
     options: TrainingOptions,
@@ -124,7 +124,8 @@ async def agree(
     validates: bool,
     phase: str = "agreement",
 ) -> None:
-    """Check on every rank that all ranks have the root's model layout and settings.
+    """Check on every rank that all ranks have the root's model layout and settings (on the
+    rank's compute thread: it waits for the peers and reads the result from the device).
 
     Raises :class:`MismatchError` on every rank, naming the ranks that differ and in what.
     """
@@ -133,10 +134,8 @@ async def agree(
         [_digest64(flat.fingerprint), _digest64(settings.encode())], torch.int64, clique.device
     )
     gathered = torch.zeros(2 * clique.nranks, dtype=torch.int64, device=clique.device)
-    await clique.all_gather(gathered, mine)
-    # Off the event loop: on CUDA this waits for the device, and in one process the other
-    # ranks need the loop to queue their part of the collective.
-    rows = await anyio.to_thread.run_sync(gathered.view(clique.nranks, 2).tolist)
+    clique.start_all_gather(gathered, mine).wait_blocking(None)
+    rows = gathered.view(clique.nranks, 2).tolist()
     model_ranks = [r for r, row in enumerate(rows) if row[0] != rows[0][0]]
     settings_ranks = [r for r, row in enumerate(rows) if row[1] != rows[0][1]]
     problems = []

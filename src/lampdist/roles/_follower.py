@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from functools import partial
 from typing import Literal
 
 import anyio
@@ -20,9 +21,19 @@ from .._errors import (
     PeerDisconnected,
     RankFailed,
 )
-from ..clique import open_clique
+from ..clique import Cliques, ProcessGroups
 from ..control import Command, CommandKind, FollowerChannel
-from ..epoch import FlatModel, RankRunner, StepOn, Stepper, SupervisedModel, TrainingOptions
+from ..epoch import (
+    ComputeThread,
+    FlatModel,
+    RankRunner,
+    StepKernel,
+    StepOn,
+    Stepper,
+    SupervisedModel,
+    TrainingOptions,
+    open_compute_thread,
+)
 from ._common import (
     CULPRIT_TIMEOUT,
     DERIVED,
@@ -66,6 +77,7 @@ async def follow_distributed_training(
     optimizer_factory: OptimizerFactory | None = None,
     max_grad_norm: float | None = None,
     non_finite_loss: Literal["raise", "skip"] = "raise",
+    cliques: Cliques | None = None,
     join_timeout: float | None = 300.0,
     setup_timeout: float | None = 300.0,
     collective_timeout: float | None = 600.0,
@@ -98,57 +110,58 @@ async def follow_distributed_training(
         max_grad_norm=max_grad_norm,
         non_finite_loss=non_finite_loss,
     )
-    # Off the event loop: the control channel must keep answering meanwhile.
-    flat = await anyio.to_thread.run_sync(FlatModel.create, model.module, torch_device)
-    stepper = None
-    if step_on == "every_rank":
-        if optimizer_factory is None:
-            raise ConfigError(
-                "step_on='every_rank' needs optimizer_factory on the followers too: pass the "
-                "root's",
-                rank=rank,
-                phase="configure",
-            )
-        stepper = await anyio.to_thread.run_sync(
-            create_stepper, rank, optimizer_factory, flat, options
+    if step_on == "every_rank" and optimizer_factory is None:
+        raise ConfigError(
+            "step_on='every_rank' needs optimizer_factory on the followers too: pass the root's",
+            rank=rank,
+            phase="configure",
         )
-    phase = Phase("join")
-    send, receive = anyio.create_memory_object_stream[Command](math.inf)
-    with single_error():
-        async with anyio.create_task_group() as group, receive:
-            group.start_soon(watch_peers, control.watch, phase)
-            try:
-                await _run(
-                    rank=rank,
-                    nranks=nranks,
-                    device=torch_device,
-                    control=control,
-                    model=model,
-                    flat=flat,
-                    options=options,
-                    stepper=stepper,
-                    train_batches=train_batches,
-                    validation_batches=validation_batches,
-                    commands=receive,
-                    join_timeout=join_timeout,
-                    setup_timeout=setup_timeout,
-                    collective_timeout=collective_timeout,
-                    phase=phase,
-                    send=send,
-                )
-            except Exception as exc:
-                leaf = most_telling(exc)
-                if isinstance(leaf, CliqueError | CliqueTimeout):
-                    culprit = await _find_culprit(receive, control, phase)
-                    if culprit is not None:
-                        raise culprit from leaf
-                if not phase.reported and _root_must_hear(leaf):
-                    # Only an original error: a failed or timed-out collective here is the
-                    # consequence of a failure elsewhere, and the root must not blame us.
-                    with anyio.CancelScope(shield=True):
-                        await _report(control, phase.name, exc)
-                raise
-            group.cancel_scope.cancel()
+    async with open_compute_thread(rank) as compute:
+        # On the compute thread: the control channel must keep answering meanwhile.
+        flat = await compute.run(FlatModel.create, model.module, torch_device)
+        stepper = None
+        if step_on == "every_rank":
+            assert optimizer_factory is not None
+            stepper = await compute.run(create_stepper, rank, optimizer_factory, flat, options)
+        phase = Phase("join")
+        send, receive = anyio.create_memory_object_stream[Command](math.inf)
+        with single_error():
+            async with anyio.create_task_group() as group, receive:
+                group.start_soon(watch_peers, control.watch, phase)
+                try:
+                    await _run(
+                        rank=rank,
+                        nranks=nranks,
+                        device=torch_device,
+                        control=control,
+                        model=model,
+                        compute=compute,
+                        flat=flat,
+                        options=options,
+                        stepper=stepper,
+                        train_batches=train_batches,
+                        validation_batches=validation_batches,
+                        commands=receive,
+                        cliques=cliques or ProcessGroups(),
+                        join_timeout=join_timeout,
+                        setup_timeout=setup_timeout,
+                        collective_timeout=collective_timeout,
+                        phase=phase,
+                        send=send,
+                    )
+                except Exception as exc:
+                    leaf = most_telling(exc)
+                    if isinstance(leaf, CliqueError | CliqueTimeout):
+                        culprit = await _find_culprit(receive, control, phase)
+                        if culprit is not None:
+                            raise culprit from leaf
+                    if not phase.reported and _root_must_hear(leaf):
+                        # Only an original error: a failed or timed-out collective here is the
+                        # consequence of a failure elsewhere, and the root must not blame us.
+                        with anyio.CancelScope(shield=True):
+                            await _report(control, phase.name, exc)
+                    raise
+                group.cancel_scope.cancel()
 
 
 async def _report(control: FollowerChannel, phase: str, error: BaseException) -> None:
@@ -198,6 +211,7 @@ async def _run(
     device: torch.device,
     control: FollowerChannel,
     model: SupervisedModel,
+    compute: ComputeThread,
     flat: FlatModel,
     options: TrainingOptions,
     stepper: Stepper | None,
@@ -205,6 +219,7 @@ async def _run(
     validation_batches: BatchSource | None,
     commands: MemoryObjectReceiveStream[Command],
     send: anyio.abc.ObjectSendStream[Command],
+    cliques: Cliques,
     join_timeout: float | None,
     setup_timeout: float | None,
     collective_timeout: float | None,
@@ -212,7 +227,7 @@ async def _run(
 ) -> None:
     clique_id = await control.join(send, timeout=join_timeout)
     phase.name = "clique setup"
-    async with open_clique(
+    async with cliques.open(
         nranks=nranks,
         rank=rank,
         device=device,
@@ -220,9 +235,10 @@ async def _run(
         setup_timeout=setup_timeout,
         collective_timeout=collective_timeout,
     ) as clique:
-        runner = RankRunner(
+        kernel = StepKernel(
             rank=rank, clique=clique, model=model, flat=flat, options=options, stepper=stepper
         )
+        runner = RankRunner(kernel=kernel, compute=compute)
         try:
             await _follow_commands(runner, commands, train_batches, validation_batches, phase)
         except Exception as exc:
@@ -251,10 +267,12 @@ async def _follow_commands(
     phase: Phase,
 ) -> None:
     phase.name = "agreement"
+    kernel = runner.kernel
     validates = validation_batches is not None
-    await agree(runner.clique, runner.flat, runner.options, validates=validates)
+    agreement = partial(agree, kernel.clique, kernel.flat, kernel.options, validates=validates)
+    await runner.run(agreement)
     await runner.sync_parameters()
-    if runner.options.step_on == "every_rank":
+    if kernel.options.step_on == "every_rank":
         await runner.sync_optimizer_state()
     phase.name = "wait for command"
     async for command in commands:

@@ -13,6 +13,7 @@ import torch
 
 from .._effects import BatchSource, CheckpointState
 from .._errors import ConfigError
+from ..clique import in_process
 from ..control import local_channels
 from ..epoch import OnPassEvent, StepOn, SupervisedModel
 from ..loop import LoopState, TrainingState
@@ -51,24 +52,24 @@ async def local_data_parallel_training_loop(
     """Train data-parallel over several devices of this process, one rank per entry.
 
     Each entry of ``models_with_data_streams`` is ``(model, train_batches,
-    validation_batches)`` for one rank; its device is the device of its model's parameters
-    (CPU devices work too, over Gloo, which makes this the quickest way to try a setup). The
-    first entry is the root. Every other argument is the root's (see
-    :func:`drive_distributed_training`). At the end every entry's module holds the same
-    weights: the best model if one was saved, else the final one. A failure in any rank
+    validation_batches)`` for one rank; its device is the device of its model's parameters:
+    every rank on the CPU (the quickest way to try a setup), or every rank on a GPU of its
+    own. The first entry is the root. Every other argument is the root's (see
+    :func:`drive_distributed_training`; ``setup_timeout`` bounds nothing here: the ranks share
+    an in-process clique, which needs no setup). At the end every entry's module holds the
+    same weights: the best model if one was saved, else the final one. A failure in any rank
     cancels the others and is re-raised (an ``ExceptionGroup`` only for several unrelated
     failures).
 
-    Several CUDA devices in one process share the CUDA driver's locks, which couples their
-    ranks: a driver call that waits for its GPU to drain while it holds a lock (the first launch
-    of a kernel under lazy module loading; also copies from pageable memory and allocations,
-    which touch the device's page tables) never returns when that GPU is running a collective
-    that another rank of this process has not joined yet, and that rank's next driver call needs
-    the same lock. NCCL's kernels wait for their peer GPUs, so this comes with driving several
-    GPUs from one process (NVIDIA/nccl#750, google/jax#11637). On 2 H200 that hung 6 of about 55
-    runs of a two-GPU test. ``CUDA_MODULE_LOADING=EAGER`` is no cure: with it a clique's
-    teardown after a collective timeout hung in 4 of 4 runs. A :class:`RuntimeWarning` says so;
-    for work that matters, run one process per GPU (:func:`lampdist.train` under torchrun).
+    The ranks' collectives go through an in-process clique (:func:`lampdist.clique.in_process`):
+    each starts once every rank has started it, for all ranks at once (one NCCL group over
+    the GPUs), so no GPU runs a collective that waits for a rank that has not launched its part.
+    A :class:`RuntimeWarning` for several GPUs stays until that design has been measured free
+    of hangs on several GPUs (see the reliability page); for work that matters, run one
+    process per GPU (:func:`lampdist.train` under torchrun).
+
+    Raises :class:`~lampdist.ConfigError` for CPU and GPU ranks mixed or two ranks on one GPU,
+    and the errors of :func:`drive_distributed_training`.
     """
     if not models_with_data_streams:
         raise ConfigError(
@@ -76,6 +77,7 @@ async def local_data_parallel_training_loop(
         )
     nranks = len(models_with_data_streams)
     devices = [_device_of(entry[0]) for entry in models_with_data_streams]
+    cliques = in_process(devices, collective_timeout=collective_timeout)
     warn_several_gpus_in_one_process(devices)
     root, followers = local_channels(nranks)
     root_model, root_train, root_valid = models_with_data_streams[0]
@@ -105,6 +107,7 @@ async def local_data_parallel_training_loop(
                             optimizer_factory=optimizer_factory,
                             max_grad_norm=max_grad_norm,
                             non_finite_loss=non_finite_loss,
+                            cliques=cliques,
                             setup_timeout=setup_timeout,
                             collective_timeout=collective_timeout,
                         )
@@ -134,6 +137,7 @@ async def local_data_parallel_training_loop(
                     step_on=step_on,
                     bucket_cap_mb=bucket_cap_mb,
                     on_event=on_event,
+                    cliques=cliques,
                     setup_timeout=setup_timeout,
                     collective_timeout=collective_timeout,
                 )
@@ -145,13 +149,10 @@ def warn_several_gpus_in_one_process(devices: Sequence[torch.device]) -> None:
     if len({device for device in devices if device.type == "cuda"}) < 2:
         return
     warnings.warn(
-        "several GPUs in one process: their ranks share the CUDA driver's locks, and a driver "
-        "call that waits for its GPU to drain (a kernel's first launch under lazy module "
-        "loading, a copy from pageable memory, an allocation) can deadlock against a "
-        "collective that another rank of the process has not joined yet (on 2 H200: 6 of "
-        "about 55 runs of a two-GPU test hung; CUDA_MODULE_LOADING=EAGER made a teardown "
-        "after a collective timeout hang instead). Run one process per GPU (lampdist.train "
-        "under torchrun) for work that matters.",
+        "several GPUs in one process: their in-process clique issues every collective for "
+        "all of them at once (one NCCL group), which removes the deadlock that ranks issuing "
+        "their own NCCL kernels ran into, but it has not yet been run on several GPUs. Run one "
+        "process per GPU (lampdist.train under torchrun) for work that matters.",
         RuntimeWarning,
         stacklevel=2,
     )

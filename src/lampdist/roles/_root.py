@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from functools import partial
 from typing import Any, Literal
 
 import anyio
@@ -19,16 +20,19 @@ from .._errors import (
     LampdistError,
     LampdistTimeout,
 )
-from ..clique import open_clique, serve_rendezvous
+from ..clique import Cliques, ProcessGroups, in_process
 from ..control import Command, CommandKind, RootChannel
 from ..epoch import (
+    ComputeThread,
     FlatModel,
     OnPassEvent,
     RankRunner,
+    StepKernel,
     StepOn,
     Stepper,
     SupervisedModel,
     TrainingOptions,
+    open_compute_thread,
 )
 from ..loop import LoopState, TrainingState, check_epochs_arguments, epochs
 from ..schedules import LearningRateSchedule, noop
@@ -79,6 +83,7 @@ async def drive_distributed_training(
     bucket_cap_mb: float | None = None,
     on_event: OnPassEvent | None = None,
     rendezvous_host: str = "127.0.0.1",
+    cliques: Cliques | None = None,
     join_timeout: float | None = 300.0,
     setup_timeout: float | None = 300.0,
     collective_timeout: float | None = 600.0,
@@ -142,63 +147,77 @@ async def drive_distributed_training(
         validation_loss_exponential_smoothing_factor,
         init_state.loop_state if init_state is not None else LoopState(),
     )
-    # Off the event loop: moving the model and the first use of torch.optim (which imports
-    # torch._dynamo) take seconds, and the control channel must keep answering meanwhile.
-    flat = await anyio.to_thread.run_sync(FlatModel.create, model.module, torch_device)
-    stepper = await anyio.to_thread.run_sync(create_stepper, 0, optimizer_factory, flat, options)
-    phase = Phase("join")
-    stopping = _Stopping(stop, stop_timeout)
-    with single_error():
-        async with anyio.create_task_group() as group:
-            group.start_soon(_watch, control, phase)
-            if stop is not None:
-                group.start_soon(stopping.enforce, phase)
-            try:
-                with stopping.scope:
-                    state = await _run(
-                        nranks=nranks,
-                        device=torch_device,
-                        control=control,
-                        model=model,
-                        flat=flat,
-                        stepper=stepper,
-                        options=options,
-                        schedule=schedule,
-                        train_batches=train_batches,
-                        validation_batches=validation_batches,
-                        max_epochs=max_epochs,
-                        checkpoint_state=checkpoint_state,
-                        validation_frequency=validation_frequency,
-                        return_min_validation_loss_model=return_min_validation_loss_model,
-                        init_state=init_state,
-                        learning_rate_schedule_init_state=learning_rate_schedule_init_state,
-                        smoothing=validation_loss_exponential_smoothing_factor,
-                        on_event=on_event,
-                        rendezvous_host=rendezvous_host,
-                        join_timeout=join_timeout,
-                        setup_timeout=setup_timeout,
-                        collective_timeout=collective_timeout,
-                        phase=phase,
-                        stopping=stopping,
-                    )
-                stopping.check_abandoned()
-            except Exception as exc:
-                leaf = most_telling(exc)
-                culprit = None
-                if isinstance(leaf, CliqueError | CliqueTimeout):
-                    culprit = await find_culprit(control.watch, phase)
-                if not phase.reported:
-                    with anyio.CancelScope(shield=True):
-                        await _abort_followers(control, phase, culprit or exc)
-                if culprit is not None:
-                    raise culprit from leaf
-                raise
-            except BaseException as exc:
-                if not phase.reported:
-                    with anyio.CancelScope(shield=True):
-                        await _abort_followers(control, phase, _why(exc, phase, stopping))
-                raise
-            group.cancel_scope.cancel()
+    if cliques is None:
+        # A root alone has nothing to exchange: an in-process clique of one rank, with no
+        # process group, store or thread behind it.
+        alone = nranks == 1
+        cliques = (
+            in_process([torch_device], collective_timeout=collective_timeout)
+            if alone
+            else ProcessGroups(rendezvous_host)
+        )
+    async with open_compute_thread(0) as compute:
+        # On the compute thread, with every other torch operation of this rank: moving the
+        # model and the first use of torch.optim (which imports torch._dynamo) take seconds,
+        # and the control channel must keep answering meanwhile.
+        # A root alone exchanges nothing: no gradient buffers (see FlatModel).
+        layout = partial(FlatModel.create, model.module, torch_device, gradients=nranks > 1)
+        flat = await compute.run(layout)
+        stepper = await compute.run(create_stepper, 0, optimizer_factory, flat, options)
+        phase = Phase("join")
+        stopping = _Stopping(stop, stop_timeout)
+        with single_error():
+            async with anyio.create_task_group() as group:
+                group.start_soon(_watch, control, phase)
+                if stop is not None:
+                    group.start_soon(stopping.enforce, phase)
+                try:
+                    with stopping.scope:
+                        state = await _run(
+                            nranks=nranks,
+                            device=torch_device,
+                            control=control,
+                            model=model,
+                            compute=compute,
+                            flat=flat,
+                            stepper=stepper,
+                            options=options,
+                            schedule=schedule,
+                            train_batches=train_batches,
+                            validation_batches=validation_batches,
+                            max_epochs=max_epochs,
+                            checkpoint_state=checkpoint_state,
+                            validation_frequency=validation_frequency,
+                            return_min_validation_loss_model=return_min_validation_loss_model,
+                            init_state=init_state,
+                            learning_rate_schedule_init_state=learning_rate_schedule_init_state,
+                            smoothing=validation_loss_exponential_smoothing_factor,
+                            on_event=on_event,
+                            cliques=cliques,
+                            join_timeout=join_timeout,
+                            setup_timeout=setup_timeout,
+                            collective_timeout=collective_timeout,
+                            phase=phase,
+                            stopping=stopping,
+                        )
+                    stopping.check_abandoned()
+                except Exception as exc:
+                    leaf = most_telling(exc)
+                    culprit = None
+                    if isinstance(leaf, CliqueError | CliqueTimeout):
+                        culprit = await find_culprit(control.watch, phase)
+                    if not phase.reported:
+                        with anyio.CancelScope(shield=True):
+                            await _abort_followers(control, phase, culprit or exc)
+                    if culprit is not None:
+                        raise culprit from leaf
+                    raise
+                except BaseException as exc:
+                    if not phase.reported:
+                        with anyio.CancelScope(shield=True):
+                            await _abort_followers(control, phase, _why(exc, phase, stopping))
+                    raise
+                group.cancel_scope.cancel()
     return state
 
 
@@ -318,6 +337,7 @@ async def _run(
     device: torch.device,
     control: RootChannel,
     model: SupervisedModel,
+    compute: ComputeThread,
     flat: FlatModel,
     stepper: Stepper,
     options: TrainingOptions,
@@ -332,7 +352,7 @@ async def _run(
     learning_rate_schedule_init_state: Any,
     smoothing: float,
     on_event: OnPassEvent | None,
-    rendezvous_host: str,
+    cliques: Cliques,
     join_timeout: float | None,
     setup_timeout: float | None,
     collective_timeout: float | None,
@@ -353,34 +373,30 @@ async def _run(
                 return None
             return _snapshot(resume.best_model_state, device)
 
-        best_model_state = await anyio.to_thread.run_sync(restore)
+        best_model_state = await compute.run(restore)
         loop_state = init_state.loop_state
     first_epoch = loop_state.epoch if loop_state is not None else 0
 
-    async with serve_rendezvous(nranks=nranks, host=rendezvous_host) as clique_id:
+    async with cliques.rendezvous(nranks) as clique_id:
         await control.publish_clique_id(clique_id)
         await control.wait_for_peers(nranks - 1, join_timeout)
         phase.name = "clique setup"
-        async with open_clique(
-            nranks=nranks,
+        async with cliques.open(
             rank=0,
+            nranks=nranks,
             device=device,
             clique_id=clique_id,
             setup_timeout=setup_timeout,
             collective_timeout=collective_timeout,
         ) as clique:
-            runner = RankRunner(
-                rank=0,
-                clique=clique,
-                model=model,
-                flat=flat,
-                options=options,
-                stepper=stepper,
-                on_event=on_event,
+            kernel = StepKernel(
+                rank=0, clique=clique, model=model, flat=flat, options=options, stepper=stepper
             )
+            runner = RankRunner(kernel=kernel, compute=compute, on_event=on_event)
             try:
                 phase.name = "agreement"
-                await agree(clique, flat, options, validates=validation_batches is not None)
+                validates = validation_batches is not None
+                await runner.run(partial(agree, clique, flat, options, validates=validates))
                 await runner.sync_parameters()
                 if options.step_on == "every_rank":
                     await runner.sync_optimizer_state()
@@ -420,15 +436,20 @@ async def _run(
 
                 async def save_best() -> None:
                     nonlocal best_model_state
-                    best_model_state = _snapshot(module.state_dict(), device)
+                    best_model_state = await compute.run(
+                        lambda: _snapshot(module.state_dict(), device)
+                    )
 
                 async def checkpoint(state: LoopState, lr_state: Any) -> None:
                     assert checkpoint_state is not None
                     phase.name = "checkpoint"
+                    model_state, optimizer_state = await compute.run(
+                        lambda: (module.state_dict(), optimizer.state_dict())
+                    )
                     training_state = TrainingState(
                         loop_state=state,
-                        model_state=module.state_dict(),
-                        optimizer_state=optimizer.state_dict(),
+                        model_state=model_state,
+                        optimizer_state=optimizer_state,
                         best_model_state=best_model_state,
                     )
                     try:
@@ -459,7 +480,7 @@ async def _run(
                 phase.name = "stop"
                 stopping.reached.set()
                 if best_model_state is not None:
-                    module.load_state_dict(best_model_state)
+                    await compute.run(module.load_state_dict, best_model_state)
                 await control.broadcast(
                     Command(kind=CommandKind.STOP, epoch=final.epoch, pass_index=pass_index)
                 )

@@ -1,0 +1,450 @@
+"""The step kernel: a rank's passes as plain loops on its compute thread.
+
+Every method of :class:`StepKernel` runs on the rank's compute thread (see ``_compute``), the
+thread that launches the kernels: take the next batch from the feed, forward, backward,
+exchange, step, publish progress, repeat. The event loop only starts a pass and awaits its
+end (see ``_pass``), so it never touches the device.
+
+A training step, on every rank: forward and backward over up to ``accumulate`` batches with
+each batch's mean loss weighted by its example count, so the flat gradient buffers hold sums.
+With ``step_on="root"`` the gradients are reduced to the root after backward (or, with
+``bucket_cap_mb``, bucket by bucket while the last backward still runs: see ``_buckets``),
+with the step's ``meta`` values (examples, loss sum, whether this rank has more batches)
+behind them (see ``_values``); the root divides by the clique's example count, steps and
+broadcasts the parameters, the module's buffers and its control values (a ``more`` flag, the
+loss scale) behind them. With ``step_on="every_rank"`` the same tensors are all-reduced and
+every rank steps. The pass ends when no rank has batches left. Either way the update equals
+one process stepping on the concatenation of every rank's batches of the step.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import time
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+
+import attrs
+import torch
+
+from .._errors import LampdistError, TrainingError
+from ..clique import Clique, PendingCollective
+from ._buckets import GradientBuckets
+from ._device import host_to_device
+from ._feed import BatchFeed, LoadedBatch, PassStopped
+from ._flat import FlatModel
+from ._model import SupervisedModel
+from ._options import PassEvent, PassResult, TrainingOptions
+from ._progress import Progress
+from ._stepper import LossScale, Stepper
+from ._tally import Tally
+from ._values import (
+    EXAMPLES,
+    control_receiver,
+    read_control,
+    read_meta,
+    write_control,
+    write_meta,
+)
+
+__all__ = ["StepKernel"]
+
+
+@attrs.define(eq=False)
+class StepKernel:
+    """One rank's passes on its compute thread. ``stepper`` is the root's optimizer, and
+    every rank's with ``step_on="every_rank"``; followers stepping on the root hold none.
+
+    Every method runs on the compute thread, which owns every field: the event loop reads
+    none of them while a pass runs.
+    """
+
+    rank: int
+    clique: Clique
+    model: SupervisedModel
+    flat: FlatModel
+    options: TrainingOptions
+    stepper: Stepper | None = None
+    loss_scale: LossScale = attrs.field()
+    _buckets: GradientBuckets | None = attrs.field(default=None, init=False)
+    _sent: PendingCollective | None = attrs.field(default=None, init=False)
+
+    @loss_scale.default
+    def _default_loss_scale(self) -> LossScale:
+        if self.stepper is not None:
+            return self.stepper.loss_scale
+        return LossScale(enabled=self.options.autocast_dtype == torch.float16)
+
+    @property
+    def device(self) -> torch.device:
+        """The rank's device."""
+        return self.clique.device
+
+    @property
+    def is_root(self) -> bool:
+        """Whether this is rank 0."""
+        return self.rank == 0
+
+    @property
+    def alone(self) -> bool:
+        """Whether the clique has this rank only (collectives are skipped)."""
+        return self.clique.nranks == 1
+
+    # -- between passes ----------------------------------------------------------------------
+
+    def sync_parameters(self) -> None:
+        """Broadcast the root's parameters and buffers so that every rank holds them."""
+        if not self.alone:
+            tensors = [*self.flat.parameter_buffers, *self.flat.module_buffers]
+            self.clique.start_broadcast(tensors).wait_blocking(None)
+
+    def sync_optimizer_state(self) -> None:
+        """Give every rank the root's optimizer state (for ``step_on="every_rank"``): its
+        bytes, their length first."""
+        assert self.stepper is not None
+        if self.alone:
+            return
+        optimizer, device = self.stepper.optimizer, self.device
+        payload = torch.zeros(0, dtype=torch.uint8, device=device)
+        length = torch.zeros(1, dtype=torch.int64, device=device)
+        if self.is_root:
+            buffer = io.BytesIO()
+            torch.save(optimizer.state_dict(), buffer)
+            payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+            payload = payload.to(device)
+            length = host_to_device([payload.numel()], torch.int64, device)
+        self.clique.start_broadcast([length]).wait_blocking(None)
+        if not self.is_root:
+            payload = torch.zeros(int(length.item()), dtype=torch.uint8, device=device)
+        self.clique.start_broadcast([payload]).wait_blocking(None)
+        if not self.is_root:
+            state = torch.load(
+                io.BytesIO(payload.cpu().numpy().tobytes()), map_location=device, weights_only=True
+            )
+            optimizer.load_state_dict(state)
+
+    # -- the training pass -------------------------------------------------------------------
+
+    def train_pass(
+        self,
+        feed: BatchFeed,
+        *,
+        epoch: int,
+        pass_index: int,
+        lr_factor: float,
+        progress: Progress | None,
+    ) -> PassResult:
+        """One training pass over ``feed``; the result covers the whole clique where this
+        rank steps. ``progress`` (the root's) gets an event after every step. Raises
+        :class:`PassStopped` between steps once the feed is stopped."""
+        if self.stepper is not None:
+            self.stepper.set_lr_factor(lr_factor)
+        self.model.module.train()
+        self.flat.zero_gradients()
+        started = time.perf_counter()
+        tally = Tally(rank=self.rank, epoch=epoch)
+        with self._attach_buckets():
+            planned = self._planned_steps(feed)
+            step = 0
+            more = True
+            while more:
+                if feed.stopped:
+                    raise PassStopped
+                if self.alone:
+                    more = self._solo_step(feed, epoch, step, tally)
+                else:
+                    more = self._train_step(feed, epoch, step, tally, planned)
+                step += 1
+                if planned is not None:
+                    more = step < planned
+                if self.stepper is not None:
+                    tally.poll()
+                    if not more:
+                        tally.drain()
+                if progress is not None:
+                    progress.publish(
+                        PassEvent(
+                            epoch=epoch,
+                            kind="train",
+                            pass_index=pass_index,
+                            step=tally.steps_read,
+                            batches=feed.batches_read,
+                            total_batches=feed.total,
+                            examples=tally.examples,
+                            loss=tally.loss,
+                            seconds=time.perf_counter() - started,
+                            done=not more,
+                        )
+                    )
+        self._settle_sent()
+        if self.stepper is None:
+            return PassResult(loss=math.nan, examples=0, steps=step)
+        if tally.examples == 0 and tally.skipped == 0:
+            raise TrainingError(
+                f"epoch {epoch}: the training pass saw no examples on any rank; "
+                "check train_batches",
+                rank=self.rank,
+                phase="train",
+            )
+        return PassResult(
+            loss=tally.loss, examples=tally.examples, steps=step, skipped_steps=tally.skipped
+        )
+
+    def _train_step(
+        self, feed: BatchFeed, epoch: int, step: int, tally: Tally, planned: int | None
+    ) -> bool:
+        """One training step over up to ``accumulate`` batches: forward and backward of each
+        (the last one starts the gradient buckets as it goes), then :meth:`_synchronise`.
+        Returns whether any rank has more batches (see there)."""
+        loss_sum: torch.Tensor | None = None
+        examples = 0
+        accumulate = self.options.accumulate_gradient_over_n_batches
+        for index in range(accumulate):
+            batch = feed.next()
+            if batch is None:
+                break
+            if batch.examples == 0:
+                continue
+            if index == accumulate - 1 and self._buckets is not None:
+                self._buckets.arm()  # the step's last backward: start buckets as they fill
+            loss = self._model_loss(batch, "train", epoch, weight=batch.examples)
+            loss_sum = loss if loss_sum is None else loss_sum + loss
+            examples += batch.examples
+        more = feed.has_next()  # after the backward: the next batch loaded meanwhile
+        if loss_sum is None:
+            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        # Behind the gradients unless alone (nothing is sent) or bucketing (the buckets'
+        # exchanges start before the meta values are known).
+        tail = not self.alone and self._buckets is None
+        meta = write_meta(self.flat, examples, loss_sum, more, tail=tail)
+        return self._synchronise(meta, examples, more, epoch, step, tally, planned)
+
+    def _solo_step(self, feed: BatchFeed, epoch: int, step: int, tally: Tally) -> bool:
+        """One training step of a rank alone in its clique: a plain loop's step.
+
+        With nothing to exchange, each batch's loss is weighted by its share of the step's
+        examples before backward (the step's batches are taken first), so the gradients are
+        the step's average as they come out of backward: no division pass, no gradient
+        buffers to fill, the gradients set to ``None`` after the step. Returns whether the
+        source has more batches."""
+        batches: list[LoadedBatch] = []
+        for _ in range(self.options.accumulate_gradient_over_n_batches):
+            batch = feed.next()
+            if batch is None:
+                break
+            if batch.examples > 0:
+                batches.append(batch)
+        examples = sum(batch.examples for batch in batches)
+        loss_sum: torch.Tensor | None = None
+        for batch in batches:
+            loss = self._model_loss(batch, "train", epoch, weight=batch.examples / examples)
+            loss_sum = loss if loss_sum is None else loss_sum + loss
+        more = feed.has_next()  # after the backward: the next batch loaded meanwhile
+        stepper = self.stepper
+        assert stepper is not None  # a rank alone is the root
+        if loss_sum is None:
+            tally.record(0, 0.0, counted=False)
+        elif stepper.needs_host_values:
+            value = loss_sum.item()
+            counted = stepper.step(examples, value, epoch=epoch, step=step, averaged=True)
+            tally.record(examples, value, counted=counted)
+        else:
+            stepper.step_on_device(None)
+            tally.submit_loss(step, examples, loss_sum)
+        return more
+
+    def _attach_buckets(self) -> AbstractContextManager[object]:
+        """The gradient buckets' hooks for one pass (none when alone or not bucketing)."""
+        cap = self.options.bucket_cap_mb
+        if self.alone or cap is None:
+            return nullcontext()
+        if self._buckets is None:
+            self._buckets = GradientBuckets.create(
+                self.rank, self.flat, self._start_gradient_exchange, bucket_cap_mb=cap
+            )
+        return self._buckets.attached()
+
+    def _start_gradient_exchange(self, tensors: Sequence[torch.Tensor]) -> PendingCollective:
+        """Start the sum of ``tensors`` over the clique: to every rank or to the root."""
+        if self.options.step_on == "every_rank":
+            return self.clique.start_all_reduce(tensors)
+        return self.clique.start_reduce(tensors, root=0)
+
+    def _settle_sent(self) -> None:
+        """Wait for the root's last parameter broadcast (its errors, if any, surface here)."""
+        sent, self._sent = self._sent, None
+        if sent is not None:
+            sent.wait_blocking(None)
+
+    def _planned_steps(self, feed: BatchFeed) -> int | None:
+        """The pass's step count when every rank's source has a length, else ``None`` (then
+        each step carries a flag saying whether any rank has more batches)."""
+        accumulate = self.options.accumulate_gradient_over_n_batches
+        local = -1 if feed.total is None else feed.total
+        if self.alone:
+            lengths = [local]
+        else:
+            mine = host_to_device([local], torch.int64, self.device)
+            gathered = torch.zeros(self.clique.nranks, dtype=torch.int64, device=self.device)
+            self.clique.start_all_gather(gathered, mine).wait_blocking(None)
+            lengths = [int(n) for n in gathered.tolist()]
+        if min(lengths) < 0:
+            return None
+        return max(1, *(-(-n // accumulate) for n in lengths))
+
+    def _synchronise(
+        self,
+        meta: torch.Tensor | None,
+        local_examples: int,
+        local_more: bool,
+        epoch: int,
+        step: int,
+        tally: Tally,
+        planned: int | None,
+    ) -> bool:
+        """Combine the step's gradients over the clique and step where the optimizer lives.
+
+        ``meta`` is the step's meta tensor when it travels on its own, ``None`` when it rides
+        behind the gradients (see ``_values``). Returns whether any rank has more batches
+        (only meaningful when ``planned`` is None).
+        A stepping rank reads the reduced values on the host before it steps only when it must:
+        the skip policy, fp16 loss scaling, no examples of its own (so that it cannot know the
+        clique had some), or no plan and no batch of its own left (so that it cannot know
+        whether another rank has one; with a batch left, ``local_more``, it knows that the
+        clique has). Otherwise it steps on the device and the tally reads the values back
+        later. A follower reads the root's control values for the same reason only.
+        """
+        learn_more = planned is None and not local_more
+        if not self.alone:
+            own = [] if meta is None else [meta]
+            if self._buckets is not None:
+                exchanges = self._buckets.start_remaining()
+                exchanges.append(self._start_gradient_exchange(own))
+            else:
+                exchanges = [self._start_gradient_exchange([*self.flat.gradient_storage, *own])]
+            self._settle_sent()
+            for exchange in exchanges:
+                exchange.wait_blocking(None)
+        if self.stepper is None:
+            self.flat.zero_gradients()  # the reduce left partial sums in them
+            return self._receive_parameters(read=learn_more)
+        stepper = self.stepper
+        must_read = learn_more or stepper.needs_host_values or local_examples == 0
+        values = read_meta(self.flat, meta)  # before the step zeroes the gradients' tail
+        if must_read:
+            examples, loss_sum, flag = values.tolist()
+            counted = stepper.step(examples, loss_sum, epoch=epoch, step=step)
+            tally.record(examples, loss_sum, counted=counted)
+            more = bool(flag > 0)
+        else:
+            stepper.step_on_device(values[EXAMPLES])
+            tally.submit(step, values)
+            more = True
+        if self.alone:
+            return more
+        if self.options.step_on == "every_rank":
+            if self.flat.module_buffers:
+                self.clique.start_broadcast(self.flat.module_buffers).wait_blocking(None)
+        else:
+            self._send_parameters(more)
+        return more
+
+    def _send_parameters(self, more: bool) -> None:
+        """Broadcast the stepped parameters. On CUDA the root's next forward only reads
+        them, so it need not wait, unless the broadcast carries module buffers (which a
+        forward in train mode may update in place); the next step's exchange waits for it at
+        the latest. On the CPU the root waits: the broadcast's threads would compete with its
+        forward."""
+        control = write_control(self.flat, more, self.loss_scale.scale, self.device)
+        own = [] if control is None else [control]
+        sent = self.clique.start_broadcast(
+            [*self.flat.parameter_storage, *self.flat.module_buffers, *own], root=0
+        )
+        if self.flat.module_buffers or self.device.type != "cuda":
+            sent.wait_blocking(None)
+        else:
+            self._sent = sent
+
+    def _receive_parameters(self, *, read: bool) -> bool:
+        """Receive the root's parameters; read its control values (a host sync on CUDA) only
+        when ``read`` or when fp16 loss scaling needs the scale."""
+        control = control_receiver(self.flat, self.device)
+        own = [] if control is None else [control]
+        if not self.alone:
+            self.clique.start_broadcast(
+                [*self.flat.parameter_storage, *self.flat.module_buffers, *own], root=0
+            ).wait_blocking(None)
+        if not read and not self.loss_scale.enabled:
+            return True
+        more, self.loss_scale.scale = read_control(self.flat, control).tolist()
+        return bool(more > 0)
+
+    # -- the validation pass -----------------------------------------------------------------
+
+    def validation_pass(self, feed: BatchFeed, *, epoch: int) -> PassResult:
+        """One validation pass in eval mode without gradients; one reduce at the end. The
+        root's result covers the whole clique; a follower's its own examples."""
+        self.model.module.eval()
+        loss_sum: torch.Tensor | None = None
+        examples = 0
+        while (batch := feed.next()) is not None:
+            if feed.stopped:
+                raise PassStopped
+            if batch.examples == 0:
+                continue
+            loss = self._model_loss(batch, "valid", epoch, weight=None)
+            loss_sum = loss if loss_sum is None else loss_sum + loss
+            examples += batch.examples
+        meta = host_to_device([examples, 0.0], torch.float64, self.device)
+        if loss_sum is not None:
+            meta[1] = loss_sum
+        if not self.alone:
+            self.clique.start_reduce([meta], root=0).wait_blocking(None)
+        if not self.is_root:
+            return PassResult(loss=math.nan, examples=examples, steps=0)
+        total_examples, total_loss = meta.tolist()
+        if total_examples == 0:
+            raise TrainingError(
+                f"epoch {epoch}: the validation pass saw no examples on any rank; "
+                "check validation_batches",
+                rank=self.rank,
+                phase="valid",
+            )
+        return PassResult(loss=total_loss / total_examples, examples=int(total_examples), steps=0)
+
+    # -- model code ---------------------------------------------------------------------------
+
+    def _model_loss(
+        self, batch: LoadedBatch, phase: str, epoch: int, *, weight: float | None
+    ) -> torch.Tensor:
+        """The batch's example-weighted loss in float64: the mean loss times the examples.
+        With ``weight``, first the backward of the mean loss times ``weight`` (times the fp16
+        loss scale); without, evaluated without gradients. User errors come back naming the
+        rank."""
+        try:
+            if weight is None:
+                with torch.no_grad(), self._autocast():
+                    loss = self.model.forward_loss(batch.inputs, batch.target)
+            else:
+                with self._autocast():
+                    loss = self.model.forward_loss(batch.inputs, batch.target)
+                weighted = loss * (weight * self.loss_scale.factor)
+                weighted.backward()  # type: ignore[no-untyped-call]  # torch's backward is untyped
+                if self.flat.flat_gradients:
+                    self.flat.ensure_gradient_views()
+        except LampdistError:
+            raise
+        except Exception as exc:
+            raise TrainingError(
+                f"epoch {epoch}: the model raised {type(exc).__name__}: {exc}",
+                rank=self.rank,
+                phase=phase,
+            ) from exc
+        return loss.detach().to(torch.float64) * batch.examples
+
+    def _autocast(self) -> torch.autocast:
+        dtype = self.options.autocast_dtype
+        return torch.autocast(
+            device_type=self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None
+        )

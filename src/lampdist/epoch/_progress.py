@@ -1,0 +1,89 @@
+"""Per-step progress from the compute thread to ``on_event`` on the event loop, coalesced.
+
+The compute thread publishes each step's :class:`PassEvent` and goes on at once. It wakes the
+event loop for the pass's first step, for its last (``done=True``), and otherwise at most
+every :data:`PROGRESS_INTERVAL` seconds, and never while a wake-up is outstanding; the loop
+delivers the newest event to ``on_event``. Events published in between (and while a slow or
+blocking ``on_event`` runs) are coalesced into the newest one: each event carries the pass's
+totals so far, so nothing is lost but intermediate snapshots, and training never waits for
+the loop. A wake-up per step would cost the loop, and the compute thread's hold on the GIL,
+tens of microseconds a step. The last event is always delivered, and the pass ends after it
+has been.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import anyio
+import attrs
+
+from .._signal import loop_scheduler
+from ._options import OnPassEvent, PassEvent
+
+__all__ = ["PROGRESS_INTERVAL", "Progress"]
+
+PROGRESS_INTERVAL = 0.05
+"""Seconds between wake-ups of the event loop for progress within a pass (20 a second)."""
+
+
+@attrs.define(eq=False)
+class Progress:
+    """The newest unread event of one pass (see the module docstring). Create it on the loop.
+
+    Invariant: ``_wake_pending`` is True from a wake-up's scheduling until the loop has taken
+    every event there is; only then may the compute thread schedule another. The pass's first
+    event waits in ``_first`` and the newest since in ``_latest``. The fields are
+    guarded by ``_lock`` (the compute thread publishes, the loop takes).
+    """
+
+    _schedule = attrs.field(factory=loop_scheduler, init=False, repr=False)
+    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
+    _first: PassEvent | None = attrs.field(default=None, init=False)
+    _published: bool = attrs.field(default=False, init=False)
+    _latest: PassEvent | None = attrs.field(default=None, init=False)
+    _wake_pending: bool = attrs.field(default=False, init=False)
+    _next_wake: float = attrs.field(default=0.0, init=False)  # monotonic; 0: the first event
+    _arrived: anyio.Event = attrs.field(factory=anyio.Event, init=False, repr=False)
+    delivered: int = attrs.field(default=0, init=False)
+    """How many events reached ``on_event`` (fewer than published when coalesced)."""
+
+    def publish(self, event: PassEvent) -> None:
+        """Make ``event`` the newest (the compute thread); never waits for the loop."""
+        now = time.monotonic()
+        with self._lock:
+            if self._published:
+                self._latest = event
+            else:  # the pass's first event is kept until it is delivered
+                self._first, self._published = event, True
+            if self._wake_pending or (now < self._next_wake and not event.done):
+                return
+            self._wake_pending = True
+            self._next_wake = now + PROGRESS_INTERVAL
+        self._schedule(self._wake)
+
+    def _wake(self) -> None:  # on the loop
+        self._arrived.set()
+
+    async def deliver(self, on_event: OnPassEvent) -> None:
+        """Deliver events to ``on_event`` until the pass's last one (the loop)."""
+        while True:
+            await self._arrived.wait()
+            self._arrived = anyio.Event()
+            event: PassEvent | None
+            with self._lock:
+                if self._first is not None:
+                    event, self._first = self._first, None
+                else:
+                    event, self._latest = self._latest, None
+                if self._latest is not None:
+                    self._arrived.set()  # the newest follows the first at once
+                else:
+                    self._wake_pending = False
+            if event is None:
+                continue
+            await on_event(event)
+            self.delivered += 1
+            if event.done:
+                return
