@@ -11,6 +11,12 @@ import anyio
 import attrs
 import torch
 
+# The first optimizer of a process imports torch._dynamo (seconds of imports, some of which
+# hold the GIL for 100-150 ms at a stretch). Imported here, with lampdist, before any event
+# loop runs, so that a run's first optimizer, built on its compute thread, never stalls the
+# host's event loop.
+import torch._dynamo  # isort: skip
+
 from .._errors import (
     CliqueTimeout,
     CollectiveFailed,
