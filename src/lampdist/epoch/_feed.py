@@ -29,8 +29,9 @@ from ._model import SupervisedModel, check_batch, move_to_device
 
 __all__ = ["AHEAD", "BatchFeed", "LoadedBatch", "PassStopped", "open_feed"]
 
-AHEAD = 2
-"""How many batches the loading thread may load ahead of the compute thread."""
+AHEAD = 4
+"""How many batches the loading thread may load ahead of the compute thread. It is woken to
+load more once half of them have been taken: every other step, not every step."""
 
 
 class PassStopped(BaseException):
@@ -54,7 +55,8 @@ class BatchFeed:
     """A bounded hand-off of batches between two threads.
 
     Invariant: at most ``ahead`` batches wait in ``_ready``; the producer (loading thread or
-    event loop) blocks or waits for room, the consumer (compute thread) for a batch. Once
+    event loop) blocks or waits for room, the consumer (compute thread) for a batch, and the
+    consumer wakes the producer only once ``_ready`` is down to half. Once
     :meth:`stop` is called, the consumer raises :class:`PassStopped` and the producer's puts
     return False.
     """
@@ -158,6 +160,8 @@ class BatchFeed:
                     raise self._error
                 return False
             self._peeked = self._ready.popleft()
+            if len(self._ready) > self.ahead // 2:
+                return True  # the producer may sleep on: no wake-up every step
             self._changed.notify_all()
             room, self._room = self._room, None
         if room is not None:

@@ -208,7 +208,7 @@ class StepKernel:
                 continue
             if index == accumulate - 1 and self._buckets is not None:
                 self._buckets.arm()  # the step's last backward: start buckets as they fill
-            loss = self._model_loss(batch, "train", epoch, weight=batch.examples)
+            loss = self._weighted_loss(batch, "train", epoch, weight=batch.examples)
             loss_sum = loss if loss_sum is None else loss_sum + loss
             examples += batch.examples
         more = feed.has_next()  # after the backward: the next batch loaded meanwhile
@@ -236,22 +236,31 @@ class StepKernel:
             if batch.examples > 0:
                 batches.append(batch)
         examples = sum(batch.examples for batch in batches)
-        loss_sum: torch.Tensor | None = None
-        for batch in batches:
-            loss = self._model_loss(batch, "train", epoch, weight=batch.examples / examples)
-            loss_sum = loss if loss_sum is None else loss_sum + loss
+        # The step's loss sum: a batch's mean loss times its examples on the host, or the
+        # float64 sum of several on the device.
+        losses = [
+            self._model_loss(batch, "train", epoch, weight=batch.examples / examples)
+            for batch in batches
+        ]
         more = feed.has_next()  # after the backward: the next batch loaded meanwhile
         stepper = self.stepper
         assert stepper is not None  # a rank alone is the root
-        if loss_sum is None:
+        if not losses:
             tally.record(0, 0.0, counted=False)
-        elif stepper.needs_host_values:
-            value = loss_sum.item()
+            return more
+        if len(losses) == 1:
+            loss_sum, factor = losses[0], float(examples)
+        else:
+            loss_sum, factor = losses[0].to(torch.float64) * batches[0].examples, 1.0
+            for loss, batch in zip(losses[1:], batches[1:], strict=True):
+                loss_sum = loss_sum + loss.to(torch.float64) * batch.examples
+        if stepper.needs_host_values:
+            value = loss_sum.item() * factor
             counted = stepper.step(examples, value, epoch=epoch, step=step, averaged=True)
             tally.record(examples, value, counted=counted)
         else:
             stepper.step_on_device(None)
-            tally.submit_loss(step, examples, loss_sum)
+            tally.submit_loss(step, examples, loss_sum, factor=factor)
         return more
 
     def _attach_buckets(self) -> AbstractContextManager[object]:
@@ -393,7 +402,7 @@ class StepKernel:
                 raise PassStopped
             if batch.examples == 0:
                 continue
-            loss = self._model_loss(batch, "valid", epoch, weight=None)
+            loss = self._weighted_loss(batch, "valid", epoch, weight=None)
             loss_sum = loss if loss_sum is None else loss_sum + loss
             examples += batch.examples
         meta = host_to_device([examples, 0.0], torch.float64, self.device)
@@ -418,10 +427,9 @@ class StepKernel:
     def _model_loss(
         self, batch: LoadedBatch, phase: str, epoch: int, *, weight: float | None
     ) -> torch.Tensor:
-        """The batch's example-weighted loss in float64: the mean loss times the examples.
-        With ``weight``, first the backward of the mean loss times ``weight`` (times the fp16
-        loss scale); without, evaluated without gradients. User errors come back naming the
-        rank."""
+        """The batch's mean loss, detached. With ``weight``, first the backward of the mean
+        loss times ``weight`` (times the fp16 loss scale); without, evaluated without
+        gradients. User errors come back naming the rank."""
         try:
             if weight is None:
                 with torch.no_grad(), self._autocast():
@@ -429,7 +437,8 @@ class StepKernel:
             else:
                 with self._autocast():
                     loss = self.model.forward_loss(batch.inputs, batch.target)
-                weighted = loss * (weight * self.loss_scale.factor)
+                factor = weight * self.loss_scale.factor
+                weighted = loss if factor == 1.0 else loss * factor
                 weighted.backward()  # type: ignore[no-untyped-call]  # torch's backward is untyped
                 if self.flat.flat_gradients:
                     self.flat.ensure_gradient_views()
@@ -441,10 +450,17 @@ class StepKernel:
                 rank=self.rank,
                 phase=phase,
             ) from exc
-        return loss.detach().to(torch.float64) * batch.examples
+        return loss.detach()
 
-    def _autocast(self) -> torch.autocast:
+    def _weighted_loss(
+        self, batch: LoadedBatch, phase: str, epoch: int, *, weight: float | None
+    ) -> torch.Tensor:
+        """:meth:`_model_loss` times the batch's examples, in float64 on the device."""
+        loss = self._model_loss(batch, phase, epoch, weight=weight)
+        return loss.to(torch.float64) * batch.examples
+
+    def _autocast(self) -> AbstractContextManager[object]:
         dtype = self.options.autocast_dtype
-        return torch.autocast(
-            device_type=self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None
-        )
+        if dtype is None:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)

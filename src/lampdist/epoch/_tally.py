@@ -27,6 +27,8 @@ class _Readback:
     """``[examples, loss sum, ...]``, or the loss sum alone when ``examples`` is given."""
     event: torch.cuda.Event | None
     examples: int | None = None
+    factor: float = 1.0
+    """What the loss read back is multiplied by (the examples of a mean loss)."""
 
     def ready(self) -> bool:
         return self.event is None or bool(self.event.query())  # type: ignore[no-untyped-call]  # torch.cuda.Event is untyped
@@ -65,13 +67,16 @@ class Tally:
         else:
             self._pending.append(_Readback(step, meta.clone(), None))
 
-    def submit_loss(self, step: int, examples: int, loss_sum: torch.Tensor) -> None:
-        """Queue the read-back of a step's loss sum (a rank alone, which stepped) over
-        ``examples``; ``loss_sum`` must not change afterwards."""
-        if loss_sum.device.type == "cuda":
-            self._pending.append(_Readback(step, *_to_host(loss_sum), examples=examples))
+    def submit_loss(
+        self, step: int, examples: int, loss: torch.Tensor, *, factor: float = 1.0
+    ) -> None:
+        """Queue the read-back of a step's loss sum, ``loss`` times ``factor``, over
+        ``examples`` (a rank alone, which stepped); ``loss`` must not change afterwards."""
+        if loss.device.type == "cuda":
+            host, event = _to_host(loss)
+            self._pending.append(_Readback(step, host, event, examples=examples, factor=factor))
         else:
-            self._pending.append(_Readback(step, loss_sum, None, examples=examples))
+            self._pending.append(_Readback(step, loss, None, examples=examples, factor=factor))
 
     def poll(self) -> None:
         """Count every queued step whose values have reached the host.
@@ -94,7 +99,7 @@ class Tally:
         if readback.examples is None:
             examples, loss_sum = readback.host[0].item(), readback.host[1].item()
         else:
-            examples, loss_sum = readback.examples, readback.host.item()
+            examples, loss_sum = readback.examples, readback.host.item() * readback.factor
         if not math.isfinite(loss_sum):
             raise NonFiniteLoss(
                 f"epoch {self.epoch}, step {readback.step}: the summed loss of the step is "
