@@ -204,6 +204,10 @@ class PendingCollective:
     def _time_out(self) -> CliqueTimeout:
         message = f"{self.name} did not complete within collective_timeout={self._timeout} s"
         self._owner._fail((CliqueTimeout, message))
+        with self._lock:  # the owner may have said more (which ranks never started it)
+            failure = self._failure
+        if failure is not None and failure[0] is CliqueTimeout:
+            message = failure[1]
         return CliqueTimeout(message, rank=self.rank, phase=self.name)
 
     def _finish(self) -> None:

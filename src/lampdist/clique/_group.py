@@ -92,6 +92,15 @@ class Group:
     _goodbye: bool = attrs.field(default=False, init=False, repr=False)
     # Whether collectives started on an event loop thread go to the issuing thread (NCCL).
     _hand_off: bool = attrs.field(default=False, init=False, repr=False)
+    # Set once a collective went to the issuing thread: every later one follows it there.
+    _handing_off: bool = attrs.field(default=False, init=False, repr=False)
+    # Inline issues decided and not finished yet; the issuing thread waits for them.
+    _inline_issues: int = attrs.field(default=0, init=False, repr=False)
+    _inline_done: threading.Condition = attrs.field(init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._inline_done = threading.Condition(self._lock)
+
     # Guards the NCCL communicator's end: one abort or one shutdown, never both at once
     # (the watcher may abort while the teardown shuts down).
     _end_lock: threading.RLock = attrs.field(factory=threading.RLock, init=False, repr=False)
@@ -214,12 +223,15 @@ class Group:
         The calling thread issues it (a rank's compute thread, autograd's thread for a
         gradient bucket), except on an event loop thread with NCCL: an NCCL call can wait on
         the CUDA driver (for a GPU that another rank of the process keeps busy), which must
-        not stall the loop, so the issuing thread does it there.
+        not stall the loop, so the issuing thread does it there. Collectives are issued in
+        the order their starts took ``_lock``: once one went to the issuing thread, every
+        later one goes there too, and the issuing thread waits for the inline issues decided
+        before it (``_inline_issues``).
         """
         pending = PendingCollective(
             name=name, rank=self.rank, owner=self, timeout=self.collective_timeout
         )
-        hand_off = self._hand_off and on_event_loop_thread()
+        hand_off = self._hand_off and (self._handing_off or on_event_loop_thread())
         # The caller's stream: the collective must see the work queued on it before this
         # call (the issuing thread's own current stream is another one).
         stream = None
@@ -233,13 +245,23 @@ class Group:
             failure = self._failure
             if failure is None:
                 self._pending.add(pending)
+                hand_off = hand_off or self._handing_off
                 if hand_off:  # under the lock: never behind the stop sentinel
+                    self._handing_off = True
                     self._issuing_queue().put((pending, issue, stream, wait_for_device))
+                else:
+                    self._inline_issues += 1
         if failure is not None:
             kind, message = failure
             raise kind(message, rank=self.rank, phase=name)
         if not hand_off:
-            self._enqueue(pending, issue, stream, wait_for_device)
+            try:
+                self._enqueue(pending, issue, stream, wait_for_device)
+            finally:
+                with self._lock:
+                    self._inline_issues -= 1
+                    if not self._inline_issues:
+                        self._inline_done.notify_all()
         return pending
 
     def _issuing_queue(self) -> queue.SimpleQueue[Any]:
@@ -261,6 +283,9 @@ class Group:
         if items is None:  # set before this thread starts
             return
         while (item := items.get()) is not None:
+            with self._lock:  # inline issues decided before this item came first
+                while self._inline_issues:
+                    self._inline_done.wait()
             self._enqueue(*item)
             del item
 

@@ -2,7 +2,8 @@
 
 Every collective is a rendezvous of the ranks: each hands its part (its tensors and, on
 CUDA, its current stream) to the :class:`LocalHub` in the same order, and the rank that
-completes the set issues the collective for all of them, on its own thread, at once:
+completes the set issues the collective for all of them at once, on its own thread (a rank's
+compute thread; a helper thread when that is an event loop's thread):
 
 - on the CPU, as sums and copies with torch ops, in rank order;
 - on several GPUs, as one NCCL group over every rank's GPU (``torch.cuda.nccl``, as
@@ -32,7 +33,7 @@ import torch
 
 from .._errors import CliqueError, CliqueTimeout, CollectiveFailed, ConfigError
 from ._backends import describe, translate
-from ._bridge import Failure, PendingCollective
+from ._bridge import Failure, PendingCollective, on_event_loop_thread
 from ._clique import Clique
 
 __all__ = ["LocalHub"]
@@ -237,7 +238,12 @@ class LocalHub:
             kind, message = failure
             raise kind(message, rank=rank, phase=name)
         if complete is not None:
-            self._issue(complete)
+            if on_event_loop_thread():  # the async API: sums and launches stay off the loop
+                threading.Thread(
+                    target=self._issue, args=(complete,), name="lampdist-local-issue", daemon=True
+                ).start()
+            else:
+                self._issue(complete)
         return pending
 
     def _refusal(self, rank: int, name: str) -> Failure | None:  # under the lock
