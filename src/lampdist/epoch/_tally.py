@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from typing import Any
 
 import attrs
 import torch
 
 from .._errors import NonFiniteLoss
 
-__all__ = ["Tally"]
+__all__ = ["ReadbackSlots", "Tally"]
 
 
 @attrs.define(eq=False)
@@ -44,6 +45,8 @@ class Tally:
     loss_sum: float = 0.0
     skipped: int = 0
     steps_read: int = 0
+    slots: ReadbackSlots | None = None
+    """Pinned buffers and CUDA events to reuse (the kernel's, across passes)."""
     _pending: deque[_Readback] = attrs.field(factory=deque)
 
     @property
@@ -63,7 +66,7 @@ class Tally:
     def submit(self, step: int, meta: torch.Tensor) -> None:
         """Queue the read-back of a step's reduced ``[examples, loss sum, ...]`` (it stepped)."""
         if meta.device.type == "cuda":
-            self._pending.append(_Readback(step, *_to_host(meta)))
+            self._pending.append(_Readback(step, *self._to_host(meta)))
         else:
             self._pending.append(_Readback(step, meta.clone(), None))
 
@@ -73,7 +76,7 @@ class Tally:
         """Queue the read-back of a step's loss sum, ``loss`` times ``factor``, over
         ``examples`` (a rank alone, which stepped); ``loss`` must not change afterwards."""
         if loss.device.type == "cuda":
-            host, event = _to_host(loss)
+            host, event = self._to_host(loss)
             self._pending.append(_Readback(step, host, event, examples=examples, factor=factor))
         else:
             self._pending.append(_Readback(step, loss, None, examples=examples, factor=factor))
@@ -95,11 +98,20 @@ class Tally:
                 readback.event.synchronize()
             self._take(readback)
 
+    def _to_host(self, values: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """A pinned copy of device ``values`` on its way, and the event that says it arrived."""
+        host, event = (self.slots or ReadbackSlots()).take(values)
+        host.copy_(values, non_blocking=True)
+        event.record(torch.cuda.current_stream(values.device))
+        return host, event
+
     def _take(self, readback: _Readback) -> None:
         if readback.examples is None:
-            examples, loss_sum = readback.host[0].item(), readback.host[1].item()
+            examples, loss_sum = readback.host.tolist()[:2]
         else:
             examples, loss_sum = readback.examples, readback.host.item() * readback.factor
+        if readback.event is not None and self.slots is not None:
+            self.slots.give_back(readback.host, readback.event)
         if not math.isfinite(loss_sum):
             raise NonFiniteLoss(
                 f"epoch {self.epoch}, step {readback.step}: the summed loss of the step is "
@@ -111,10 +123,21 @@ class Tally:
         self.record(examples, loss_sum, counted=True)
 
 
-def _to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
-    """A pinned copy of device ``values`` on its way, and the event that says it arrived."""
-    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-    host.copy_(values, non_blocking=True)
-    event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch
-    event.record(torch.cuda.current_stream(values.device))
-    return host, event
+@attrs.define(eq=False)
+class ReadbackSlots:
+    """Pinned host buffers and CUDA events for read-backs, reused from step to step (an
+    allocation and an event creation a step cost the host more than the copy)."""
+
+    _free: dict[tuple[tuple[int, ...], torch.dtype], list[tuple[torch.Tensor, Any]]] = attrs.field(
+        factory=dict
+    )
+
+    def take(self, like: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        free = self._free.get((tuple(like.shape), like.dtype))
+        if free:
+            return free.pop()
+        host = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+        return host, torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch
+
+    def give_back(self, host: torch.Tensor, event: Any) -> None:
+        self._free.setdefault((tuple(host.shape), host.dtype), []).append((host, event))
