@@ -29,6 +29,7 @@ __all__ = ["BenchmarkError", "Config", "Settings", "launch", "root_only"]
 HERE = Path(__file__).resolve().parent
 LOOPS = HERE / "_loops.py"
 SOURCE = HERE.parent / "src"
+SOURCE_KEY = "source"  # a variant key of the launcher's own: the lampdist source tree to run
 POLL_INTERVAL = 0.05
 LOG_TAIL = 4000
 
@@ -57,12 +58,20 @@ class Config:
     kind: Kind
     kwargs: dict[str, Any] = attrs.field(factory=dict)
 
+    @property
+    def source(self) -> Path:
+        """The lampdist source tree this configuration measures: the variant key
+        ``source:PATH`` (another checkout's ``src``, to compare two versions in one run), or
+        this checkout's ``src``."""
+        return Path(self.kwargs.get(SOURCE_KEY, SOURCE)).resolve()
+
     def rank_kwargs(self, rank: int) -> dict[str, Any]:
         """The keyword arguments rank ``rank``'s entry point receives."""
+        kwargs = {key: value for key, value in self.kwargs.items() if key != SOURCE_KEY}
         if self.kind == "lampdist" and rank > 0:
             skipped = root_only()
-            return {key: value for key, value in self.kwargs.items() if key not in skipped}
-        return dict(self.kwargs)
+            return {key: value for key, value in kwargs.items() if key not in skipped}
+        return kwargs
 
 
 @attrs.frozen(kw_only=True)
@@ -86,15 +95,16 @@ def free_port() -> int:
         return port
 
 
-def _environment(port: int) -> dict[str, str]:
+def _environment(port: int, source: Path) -> dict[str, str]:
     """The parent's environment (NCCL settings included) plus the rendezvous and the secret;
-    the checkout's ``src`` goes first on PYTHONPATH so the benchmark measures this lampdist."""
+    ``source`` (the checkout's ``src`` unless a variant names another lampdist source tree)
+    goes first on PYTHONPATH so the benchmark measures that lampdist."""
     env = dict(os.environ)
     env["MASTER_ADDR"] = "127.0.0.1"
     env["MASTER_PORT"] = str(port)
     env[SECRET_ENV] = secrets.token_hex(16)
-    if (SOURCE / "lampdist").is_dir():
-        paths = [str(SOURCE), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    if (source / "lampdist").is_dir():
+        paths = [str(source), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
         env["PYTHONPATH"] = os.pathsep.join(paths)
     return env
 
@@ -159,7 +169,7 @@ def launch(config: Config, settings: Settings, directory: Path) -> list[RankResu
     nranks = 1 if config.kind == "single" else settings.nranks
     directory.mkdir(parents=True)
     port = free_port()
-    env = _environment(port)
+    env = _environment(port, config.source)
     ready = directory / "ready"
     deadline = time.monotonic() + settings.timeout
     ranks: list[_Rank] = []

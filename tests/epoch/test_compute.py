@@ -118,3 +118,17 @@ async def test_an_already_cancelled_caller_does_not_start_the_job() -> None:
             await compute.run(ran.append, 1)
         assert scope.cancelled_caught
         assert await compute.run(len, ran) == 0
+
+
+async def test_a_device_the_thread_cannot_use_fails_every_job_with_its_error() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    errors: list[Exception] = []
+    async with open_compute_thread(0, torch.device("cuda", 0)) as compute:
+        for values in ([1], [2]):
+            try:
+                await compute.run(sum, values)
+            except Exception as exc:  # torch's own error for CUDA on a build without it
+                errors.append(exc)
+    assert len(errors) == 2
+    assert errors[0] is errors[1]  # the thread's setup error, for every job

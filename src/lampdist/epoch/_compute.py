@@ -45,16 +45,33 @@ class _Job:
 _Jobs = queue.SimpleQueue[_Job | None]  # None ends the thread
 
 
-def _serve(jobs: _Jobs, schedule: Callable[[Callable[[], object]], None], threads: int) -> None:
+def _serve(
+    jobs: _Jobs,
+    schedule: Callable[[Callable[[], object]], None],
+    threads: int,
+    device: torch.device | None,
+) -> None:
     """The compute thread: run each job, then wake its waiter on the loop."""
     # The intra-op thread count of the thread that opened this one (the user's setting); a
     # loading thread lowers torch's process-wide default for a moment (see ``_feed``).
-    torch.set_num_threads(threads)
+    failed: BaseException | None = None
+    try:
+        torch.set_num_threads(threads)
+        if device is not None:
+            # The current CUDA device is per thread: make the rank's current here, so that
+            # model code's "cuda" tensors, events and streams land on it (a new thread starts
+            # on GPU 0).
+            torch.cuda.set_device(device)
+    except BaseException as exc:  # every job raises it: the thread cannot run the rank
+        failed = exc
     while (job := jobs.get()) is not None:
-        try:
-            job.outcome = (True, job.function(*job.args))
-        except BaseException as exc:  # handed to the awaiting task, as to_thread does
-            job.outcome = (False, exc)
+        if failed is not None:
+            job.outcome = (False, failed)
+        else:
+            try:
+                job.outcome = (True, job.function(*job.args))
+            except BaseException as exc:  # handed to the awaiting task, as to_thread does
+                job.outcome = (False, exc)
         schedule(job.done.set)
         del job
 
@@ -109,16 +126,27 @@ class ComputeThread:
 
 
 @asynccontextmanager
-async def open_compute_thread(rank: int) -> AsyncIterator[ComputeThread]:
-    """Start rank ``rank``'s compute thread; end it when the block ends (on every path: a
-    job never outlives the :meth:`ComputeThread.run` call that started it)."""
+async def open_compute_thread(
+    rank: int, device: torch.device | None = None
+) -> AsyncIterator[ComputeThread]:
+    """Start rank ``rank``'s compute thread, with ``device`` its current CUDA device when it
+    is one; end it when the block ends (on every path: a job never outlives the
+    :meth:`ComputeThread.run` call that started it)."""
     release_team()  # the caller's (the event loop's) idle OpenMP team: see ``_openmp``
+    cuda = None
+    if device is not None and device.type == "cuda":
+        # "cuda" means the opener's current device (without waking CUDA up on this thread)
+        index: int | None = device.index
+        if index is None:
+            ready = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]  # untyped in torch
+            index = torch.cuda.current_device() if ready else 0
+        cuda = torch.device("cuda", index)
     jobs: _Jobs = queue.SimpleQueue()
     schedule = loop_scheduler()
     threads = torch.get_num_threads()
     thread = threading.Thread(
         target=_serve,
-        args=(jobs, schedule, threads),
+        args=(jobs, schedule, threads, cuda),
         name=f"lampdist-compute-{rank}",
         daemon=True,
     )

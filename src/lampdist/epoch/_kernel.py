@@ -38,7 +38,7 @@ from ._model import SupervisedModel
 from ._options import PassEvent, PassResult, TrainingOptions
 from ._progress import Progress
 from ._stepper import LossScale, Stepper
-from ._tally import ReadbackSlots, Tally
+from ._tally import ReadBack, Tally
 from ._values import (
     EXAMPLES,
     control_receiver,
@@ -69,7 +69,7 @@ class StepKernel:
     loss_scale: LossScale = attrs.field()
     _buckets: GradientBuckets | None = attrs.field(default=None, init=False)
     _sent: PendingCollective | None = attrs.field(default=None, init=False)
-    _slots: ReadbackSlots = attrs.field(factory=ReadbackSlots, init=False)
+    _read_back: ReadBack | None = attrs.field(default=None, init=False)
 
     @loss_scale.default
     def _default_loss_scale(self) -> LossScale:
@@ -144,7 +144,9 @@ class StepKernel:
         self.model.module.train()
         self.flat.zero_gradients()
         started = time.perf_counter()
-        tally = Tally(rank=self.rank, epoch=epoch, slots=self._slots)
+        if self._read_back is None and self.device.type == "cuda":
+            self._read_back = ReadBack(self.device)
+        tally = Tally(rank=self.rank, epoch=epoch, read_back=self._read_back)
         with self._attach_buckets():
             planned = self._planned_steps(feed)
             step = 0

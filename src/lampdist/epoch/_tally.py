@@ -2,14 +2,18 @@
 
 On CUDA, reading a step's example count and loss right after the step would make the host
 wait for the device, so the next step could not be queued while this one runs. The tally
-instead copies each step's reduced ``meta`` into pinned host memory behind a CUDA event and
-reads it once the event has passed, a step or two later; only the pass's end waits for all.
-Everything here runs on the rank's compute thread.
+instead copies each step's values into a small ring on the device (one copy kernel a step)
+and sends the ring to pinned host memory behind a CUDA event once it holds :data:`RING`
+steps or :data:`FLUSH_INTERVAL` seconds have passed; it counts them once the event has
+passed, and only the pass's end waits for all. A read-back a step cost the host more than the
+step's own small kernels (a pinned buffer, a copy and an event each). On the CPU the values
+are counted at once. Everything here runs on the rank's compute thread.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from typing import Any
 
@@ -18,21 +22,58 @@ import torch
 
 from .._errors import NonFiniteLoss
 
-__all__ = ["ReadbackSlots", "Tally"]
+__all__ = ["FLUSH_INTERVAL", "RING", "ReadBack", "Tally"]
+
+RING = 16
+"""Steps whose values go to the host in one copy, at most."""
+FLUSH_INTERVAL = 0.02
+"""Seconds after which the steps gathered so far go to the host even when the ring is not
+full (slow steps are read back step by step)."""
 
 
 @attrs.define(eq=False)
-class _Readback:
+class _Entry:
     step: int
-    host: torch.Tensor
-    """``[examples, loss sum, ...]``, or the loss sum alone when ``examples`` is given."""
-    event: torch.cuda.Event | None
-    examples: int | None = None
-    factor: float = 1.0
+    examples: int | None
+    """The step's examples when the host knows them, else ``None`` (read back with the loss)."""
+    factor: float
     """What the loss read back is multiplied by (the examples of a mean loss)."""
 
-    def ready(self) -> bool:
-        return self.event is None or bool(self.event.query())  # type: ignore[no-untyped-call]  # torch.cuda.Event is untyped
+
+@attrs.define(eq=False)
+class _Flight:
+    """Steps on their way to the host: ``host[:len(entries)]`` once ``event`` has passed."""
+
+    entries: list[_Entry]
+    host: torch.Tensor
+    event: Any
+
+
+@attrs.define(eq=False)
+class ReadBack:
+    """What a rank's tallies reuse from pass to pass on CUDA: the ring on the device, and
+    pinned host buffers with their events."""
+
+    device: torch.device
+    _ring: torch.Tensor | None = attrs.field(default=None, init=False)
+    _free: list[tuple[torch.Tensor, Any]] = attrs.field(factory=list, init=False)
+
+    @property
+    def ring(self) -> torch.Tensor:
+        """``RING`` rows of ``[examples, loss sum]`` in float64 on the device."""
+        if self._ring is None:
+            self._ring = torch.zeros(RING, 2, dtype=torch.float64, device=self.device)
+        return self._ring
+
+    def take(self) -> tuple[torch.Tensor, Any]:
+        """A pinned ``RING x 2`` buffer and a CUDA event, reused when one is free."""
+        if self._free:
+            return self._free.pop()
+        host = torch.empty(RING, 2, dtype=torch.float64, pin_memory=True)
+        return host, torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch
+
+    def give_back(self, host: torch.Tensor, event: Any) -> None:
+        self._free.append((host, event))
 
 
 @attrs.define(eq=False)
@@ -41,13 +82,15 @@ class Tally:
 
     rank: int
     epoch: int
+    read_back: ReadBack | None = None
+    """The kernel's ring and buffers (needed on CUDA)."""
     examples: int = 0
     loss_sum: float = 0.0
     skipped: int = 0
     steps_read: int = 0
-    slots: ReadbackSlots | None = None
-    """Pinned buffers and CUDA events to reuse (the kernel's, across passes)."""
-    _pending: deque[_Readback] = attrs.field(factory=deque)
+    _entries: list[_Entry] = attrs.field(factory=list, init=False)
+    _flights: deque[_Flight] = attrs.field(factory=deque, init=False)
+    _flushed: float = attrs.field(factory=time.monotonic, init=False)
 
     @property
     def loss(self) -> float:
@@ -64,80 +107,84 @@ class Tally:
             self.skipped += 1
 
     def submit(self, step: int, meta: torch.Tensor) -> None:
-        """Queue the read-back of a step's reduced ``[examples, loss sum, ...]`` (it stepped)."""
-        if meta.device.type == "cuda":
-            self._pending.append(_Readback(step, *self._to_host(meta)))
-        else:
-            self._pending.append(_Readback(step, meta.clone(), None))
+        """Count a step's reduced ``[examples, loss sum, ...]`` (it stepped), once it has
+        reached the host."""
+        if meta.device.type != "cuda":
+            examples, loss_sum = meta.tolist()[:2]
+            self._count(_Entry(step, None, 1.0), examples, loss_sum)
+            return
+        self._ring_row(meta.device).copy_(meta[:2])
+        self._entries.append(_Entry(step, None, 1.0))
 
     def submit_loss(
         self, step: int, examples: int, loss: torch.Tensor, *, factor: float = 1.0
     ) -> None:
-        """Queue the read-back of a step's loss sum, ``loss`` times ``factor``, over
-        ``examples`` (a rank alone, which stepped); ``loss`` must not change afterwards."""
-        if loss.device.type == "cuda":
-            host, event = self._to_host(loss)
-            self._pending.append(_Readback(step, host, event, examples=examples, factor=factor))
-        else:
-            self._pending.append(_Readback(step, loss, None, examples=examples, factor=factor))
+        """Count a step's loss sum, ``loss`` times ``factor``, over ``examples`` (a rank alone,
+        which stepped), once it has reached the host."""
+        if loss.device.type != "cuda":
+            self._count(_Entry(step, examples, factor), examples, loss.item())
+            return
+        self._ring_row(loss.device)[1].copy_(loss)
+        self._entries.append(_Entry(step, examples, factor))
 
     def poll(self) -> None:
-        """Count every queued step whose values have reached the host.
+        """Send the gathered steps to the host when due, and count every step whose values
+        have arrived.
 
         Raises :class:`NonFiniteLoss` naming the first step whose loss was not finite.
         """
-        while self._pending and self._pending[0].ready():
-            self._take(self._pending.popleft())
+        if self._entries and (
+            len(self._entries) == RING or time.monotonic() - self._flushed >= FLUSH_INTERVAL
+        ):
+            self._flush()
+        while self._flights and self._flights[0].event.query():
+            self._take(self._flights.popleft())
 
     def drain(self) -> None:
-        """Wait for every queued read-back and count it (the compute thread; on CUDA an
-        aborted clique ends a collective that never finishes, and with it this wait)."""
-        while self._pending:
-            readback = self._pending.popleft()
-            if readback.event is not None and not readback.ready():
-                readback.event.synchronize()
-            self._take(readback)
+        """Wait for every step's values and count them (the compute thread; on CUDA an aborted
+        clique ends a collective that never finishes, and with it this wait)."""
+        self._flush()
+        while self._flights:
+            flight = self._flights.popleft()
+            flight.event.synchronize()
+            self._take(flight)
 
-    def _to_host(self, values: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """A pinned copy of device ``values`` on its way, and the event that says it arrived."""
-        host, event = (self.slots or ReadbackSlots()).take(values)
-        host.copy_(values, non_blocking=True)
-        event.record(torch.cuda.current_stream(values.device))
-        return host, event
+    def _ring_row(self, device: torch.device) -> torch.Tensor:
+        if self.read_back is None:
+            self.read_back = ReadBack(device)
+        return self.read_back.ring[len(self._entries)]
 
-    def _take(self, readback: _Readback) -> None:
-        if readback.examples is None:
-            examples, loss_sum = readback.host.tolist()[:2]
-        else:
-            examples, loss_sum = readback.examples, readback.host.item() * readback.factor
-        if readback.event is not None and self.slots is not None:
-            self.slots.give_back(readback.host, readback.event)
+    def _flush(self) -> None:
+        """Copy the ring's gathered rows to pinned memory behind an event (same stream as the
+        rows' copies, so the ring's next rows are written after this copy has read it)."""
+        if not self._entries or self.read_back is None:
+            return
+        count = len(self._entries)
+        host, event = self.read_back.take()
+        ring = self.read_back.ring
+        host[:count].copy_(ring[:count], non_blocking=True)
+        event.record(torch.cuda.current_stream(ring.device))
+        self._flights.append(_Flight(self._entries, host, event))
+        self._entries = []
+        self._flushed = time.monotonic()
+
+    def _take(self, flight: _Flight) -> None:
+        rows = flight.host[: len(flight.entries)].tolist()
+        if self.read_back is not None:
+            self.read_back.give_back(flight.host, flight.event)
+        for entry, (examples, loss_sum) in zip(flight.entries, rows, strict=True):
+            self._count(entry, examples, loss_sum)
+
+    def _count(self, entry: _Entry, examples: float, loss_sum: float) -> None:
+        if entry.examples is not None:
+            examples = entry.examples
+        loss_sum *= entry.factor
         if not math.isfinite(loss_sum):
             raise NonFiniteLoss(
-                f"epoch {self.epoch}, step {readback.step}: the summed loss of the step is "
-                f"{loss_sum}; pass non_finite_loss='skip' to skip such steps (with "
-                "non_finite_loss='raise' the check may lag the step by one or two steps)",
+                f"epoch {self.epoch}, step {entry.step}: the summed loss of the step is "
+                f"{loss_sum}; pass non_finite_loss='skip' to skip such steps (on CUDA, with "
+                f"non_finite_loss='raise' the check may lag the step by up to {RING} steps)",
                 rank=self.rank,
                 phase="train",
             )
         self.record(examples, loss_sum, counted=True)
-
-
-@attrs.define(eq=False)
-class ReadbackSlots:
-    """Pinned host buffers and CUDA events for read-backs, reused from step to step (an
-    allocation and an event creation a step cost the host more than the copy)."""
-
-    _free: dict[tuple[tuple[int, ...], torch.dtype], list[tuple[torch.Tensor, Any]]] = attrs.field(
-        factory=dict
-    )
-
-    def take(self, like: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        free = self._free.get((tuple(like.shape), like.dtype))
-        if free:
-            return free.pop()
-        host = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
-        return host, torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch
-
-    def give_back(self, host: torch.Tensor, event: Any) -> None:
-        self._free.setdefault((tuple(host.shape), host.dtype), []).append((host, event))

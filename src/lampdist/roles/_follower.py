@@ -116,7 +116,7 @@ async def follow_distributed_training(
             rank=rank,
             phase="configure",
         )
-    async with open_compute_thread(rank) as compute:
+    async with open_compute_thread(rank, torch_device) as compute:
         # On the compute thread: the control channel must keep answering meanwhile.
         flat = await compute.run(FlatModel.create, model.module, torch_device)
         stepper = None

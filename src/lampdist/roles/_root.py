@@ -156,7 +156,7 @@ async def drive_distributed_training(
             if alone
             else ProcessGroups(rendezvous_host)
         )
-    async with open_compute_thread(0) as compute:
+    async with open_compute_thread(0, torch_device) as compute:
         # On the compute thread, with every other torch operation of this rank: moving the
         # model and the first use of torch.optim (which imports torch._dynamo) take seconds,
         # and the control channel must keep answering meanwhile.
