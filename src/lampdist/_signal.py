@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import threading
 from collections.abc import Callable
 
@@ -16,7 +17,26 @@ import anyio
 import anyio.lowlevel
 import attrs
 
-__all__ = ["Signal", "loop_scheduler"]
+__all__ = ["Signal", "loop_scheduler", "on_event_loop_thread"]
+
+
+def on_event_loop_thread() -> bool:
+    """Whether the calling thread runs an asyncio or trio event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        return True
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            pass
+        else:
+            return True
+    return False
 
 
 def loop_scheduler() -> Callable[[Callable[[], object]], None]:

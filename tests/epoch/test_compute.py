@@ -12,7 +12,14 @@ import anyio.lowlevel
 import pytest
 import torch
 
-from lampdist.epoch import open_compute_thread
+from lampdist.clique import in_process
+from lampdist.epoch import (
+    FlatModel,
+    StepKernel,
+    SupervisedModel,
+    TrainingOptions,
+    open_compute_thread,
+)
 
 
 @pytest.fixture
@@ -132,3 +139,20 @@ async def test_a_device_the_thread_cannot_use_fails_every_job_with_its_error() -
                 errors.append(exc)
     assert len(errors) == 2
     assert errors[0] is errors[1]  # the thread's setup error, for every job
+
+
+async def test_the_step_kernel_refuses_to_run_on_the_event_loop() -> None:
+    module = torch.nn.Linear(2, 1)
+    model = SupervisedModel(module, torch.nn.functional.mse_loss)
+    async with in_process(["cpu"]).hub.open(0) as clique:
+        kernel = StepKernel(
+            rank=0,
+            clique=clique,
+            model=model,
+            flat=FlatModel.create(module, torch.device("cpu")),
+            options=TrainingOptions(),
+        )
+        with pytest.raises(RuntimeError, match="compute thread, not on an event loop"):
+            kernel.sync_parameters()
+        async with open_compute_thread(0) as compute:
+            await compute.run(kernel.sync_parameters)  # where it belongs

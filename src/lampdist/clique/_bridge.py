@@ -8,9 +8,7 @@ parking the event loop and a plain thread waits for with a timeout.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -22,7 +20,7 @@ import anyio.to_thread
 import attrs
 
 from .._errors import CliqueTimeout, CollectiveFailed, ConfigError, LampdistError
-from .._signal import Signal
+from .._signal import Signal, on_event_loop_thread
 
 __all__ = ["PendingCollective", "Then", "on_event_loop_thread"]
 
@@ -39,25 +37,6 @@ Failure = tuple[type[LampdistError], str]
 # Seconds between polls of a device event: doubling from the first to the last.
 _POLL_FIRST = 10e-6
 _POLL_MAX = 100e-6
-
-
-def on_event_loop_thread() -> bool:
-    """Whether the calling thread runs an asyncio or trio event loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        pass
-    else:
-        return True
-    trio = sys.modules.get("trio")
-    if trio is not None:
-        try:
-            trio.lowlevel.current_trio_token()
-        except RuntimeError:
-            pass
-        else:
-            return True
-    return False
 
 
 class _Owner(Protocol):

@@ -29,6 +29,7 @@ import attrs
 import torch
 
 from .._errors import LampdistError, TrainingError
+from .._signal import on_event_loop_thread
 from ..clique import Clique, PendingCollective
 from ._buckets import GradientBuckets
 from ._device import host_to_device
@@ -94,8 +95,17 @@ class StepKernel:
 
     # -- between passes ----------------------------------------------------------------------
 
+    def _check_thread(self) -> None:
+        """Refuse to run on an event loop: the kernel waits for peers and for the device."""
+        if on_event_loop_thread():
+            raise RuntimeError(
+                f"rank {self.rank}: the step kernel runs on the rank's compute thread, not on "
+                "an event loop; start passes through RankRunner"
+            )
+
     def sync_parameters(self) -> None:
         """Broadcast the root's parameters and buffers so that every rank holds them."""
+        self._check_thread()
         if not self.alone:
             tensors = [*self.flat.parameter_buffers, *self.flat.module_buffers]
             self.clique.start_broadcast(tensors).wait_blocking(None)
@@ -104,6 +114,7 @@ class StepKernel:
         """Give every rank the root's optimizer state (for ``step_on="every_rank"``): its
         bytes, their length first."""
         assert self.stepper is not None
+        self._check_thread()
         if self.alone:
             return
         optimizer, device = self.stepper.optimizer, self.device
@@ -139,6 +150,7 @@ class StepKernel:
         """One training pass over ``feed``; the result covers the whole clique where this
         rank steps. ``progress`` (the root's) gets an event after every step. Raises
         :class:`PassStopped` between steps once the feed is stopped."""
+        self._check_thread()
         if self.stepper is not None:
             self.stepper.set_lr_factor(lr_factor)
         self.model.module.train()
@@ -397,6 +409,7 @@ class StepKernel:
     def validation_pass(self, feed: BatchFeed, *, epoch: int) -> PassResult:
         """One validation pass in eval mode without gradients; one reduce at the end. The
         root's result covers the whole clique; a follower's its own examples."""
+        self._check_thread()
         self.model.module.eval()
         loss_sum: torch.Tensor | None = None
         examples = 0
