@@ -85,7 +85,9 @@ class TrainingOptions:
 
 @attrs.frozen(kw_only=True)
 class PassEvent:
-    """Progress of a pass, reported on the root after every step and at the end.
+    """Progress of a pass, reported on the root: during a training pass after its first step,
+    then the newest at most every 50 ms (events in between are coalesced, never waited for),
+    and always at the end of every pass.
 
     ``batches`` counts the root's own batches so far and ``total_batches`` is the root's batch
     count when its source has a length, else ``None``; ``examples`` counts the whole clique's
@@ -111,7 +113,8 @@ class PassEvent:
 
 
 OnPassEvent = Callable[[PassEvent], Awaitable[None]]
-"""``async (event) -> None``, awaited on the root after every step and pass."""
+"""``async (event) -> None``, called on the root's event loop with the progress of each pass
+(see :class:`PassEvent`); a pass's steps never wait for it."""
 
 
 @attrs.frozen(kw_only=True)

@@ -91,7 +91,8 @@ async def follow_distributed_training(
     receives the final (or best) weights into ``model.module`` and returns.
 
     ``accumulate_gradient_over_n_batches``, ``autocast_dtype``, ``step_on`` and
-    ``bucket_cap_mb`` must equal the root's.
+    ``bucket_cap_mb`` must equal the root's, and ``cliques`` must be the root's kind (process
+    groups by default; the in-process cliques shared with a root in this process).
     Raises :class:`~lampdist.MismatchError` when this rank disagrees with the root,
     :class:`~lampdist.RankFailed` when the root (rank 0) aborts the run, naming its error,
     :class:`~lampdist.PeerDisconnected` when the root vanishes, and the errors of this

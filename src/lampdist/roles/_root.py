@@ -105,8 +105,16 @@ async def drive_distributed_training(
     the best model (if ``return_min_validation_loss_model`` made one) or the final one.
 
     ``init_state`` and ``learning_rate_schedule_init_state`` resume a run; pass what
-    ``lampdist.checkpoint.load_latest`` returned. ``on_event`` receives a
-    :class:`~lampdist.PassEvent` after every step and pass.
+    ``lampdist.checkpoint.load_latest`` returned. ``on_event`` receives the root's
+    :class:`~lampdist.PassEvent` progress: a training pass's first step, then the newest at
+    most every 50 ms, and the end of every pass; the steps never wait for it.
+
+    Each pass runs as a plain loop on this rank's compute thread, which also builds the
+    model's layout and the optimizer; the event loop starts passes and awaits their ends.
+    ``cliques`` says where the clique comes from: process groups through a rendezvous store
+    served at ``rendezvous_host`` (:class:`lampdist.clique.ProcessGroups`, the default), or an
+    in-process clique shared with followers that are tasks of this process
+    (:func:`lampdist.clique.in_process`); a root alone (``nranks=1``) uses an in-process one.
 
     ``stop`` ends the run early and gracefully (set it from a signal handler, say): once it
     is set, the root starts no new epoch; the epoch in progress finishes, validates and is
