@@ -166,9 +166,8 @@ async def drive_distributed_training(
         )
     async with open_compute_thread(0, torch_device) as compute:
         # On the compute thread, with every other torch operation of this rank: moving the
-        # model and the first use of torch.optim (which imports torch._dynamo) take seconds,
-        # and the control channel must keep answering meanwhile.
-        # A root alone exchanges nothing: no gradient buffers (see FlatModel).
+        # model and building the optimizer can take seconds, and the control channel must
+        # keep answering meanwhile. A root alone exchanges nothing: no gradient buffers.
         layout = partial(FlatModel.create, model.module, torch_device, gradients=nranks > 1)
         flat = await compute.run(layout)
         stepper = await compute.run(create_stepper, 0, optimizer_factory, flat, options)
