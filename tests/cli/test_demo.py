@@ -40,7 +40,7 @@ def anyio_backend() -> str:
 
 def start_demo(*args: str, cwd: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "lampdist.cli", "demo", *args],
+        [sys.executable, "-m", "lampdist", "demo", *args],
         cwd=cwd,
         env=environment(LAMPDIST_SECRET="demo-test"),
         stdout=subprocess.PIPE,
@@ -52,7 +52,7 @@ def start_demo(*args: str, cwd: Path) -> subprocess.Popen[str]:
 async def test_demo_trains_writes_its_files_and_resumes(tmp_path: Path) -> None:
     out = tmp_path / "run"
     first = await anyio.run_process(
-        [sys.executable, "-m", "lampdist.cli", "demo", "--epochs", "2", "--out", str(out)],
+        [sys.executable, "-m", "lampdist", "demo", "--epochs", "2", "--out", str(out)],
         cwd=tmp_path,
         env=environment(),
         check=False,

@@ -30,7 +30,7 @@ examples:
   lampdist demo                                  2 ranks in this process, on the CPU
   lampdist demo --device cuda                    one rank per GPU
   lampdist demo --resume                         continue the run in --out
-  torchrun --nproc-per-node 2 -m lampdist.cli demo         one process per rank
+  torchrun --nproc-per-node 2 -m lampdist demo             one process per rank
   lampdist demo --role root --nranks 2 --port 29400        ranks started by hand
   lampdist demo --role follower --rank 1 --nranks 2 --port 29400
   (several processes need LAMPDIST_SECRET, the same in each)
