@@ -17,8 +17,8 @@ import trustme
 from torch._C._distributed_c10d import TCPStore
 
 import lampdist
+from lampdist._roles import Interrupted, run_until_signal
 from lampdist.launch import LaunchEnv, PortExchange, first_slurm_host, from_env
-from lampdist.roles import Interrupted, run_until_signal
 
 TORCHRUN = {
     "RANK": "1",

@@ -13,6 +13,8 @@ from ._effects import CheckpointState as CheckpointState
 from ._effects import SaveBestModel as SaveBestModel
 from ._effects import TrainEpoch as TrainEpoch
 from ._effects import ValidationEpoch as ValidationEpoch
+from ._epoch import PassEvent as PassEvent
+from ._epoch import SupervisedModel as SupervisedModel
 from ._errors import AuthenticationError as AuthenticationError
 from ._errors import BadBatch as BadBatch
 from ._errors import CheckpointError as CheckpointError
@@ -33,20 +35,17 @@ from ._errors import PeerDisconnected as PeerDisconnected
 from ._errors import ProtocolError as ProtocolError
 from ._errors import RankFailed as RankFailed
 from ._errors import TrainingError as TrainingError
+from ._loop import epochs as epochs
+from ._roles import drive_distributed_training as drive_distributed_training
+from ._roles import follow_distributed_training as follow_distributed_training
+from ._roles import local_data_parallel_training_loop as local_data_parallel_training_loop
+from ._roles import train as train
+from ._state import CurvePoint as CurvePoint
+from ._state import LoopState as LoopState
+from ._state import TrainingState as TrainingState
+from ._version import __version__ as __version__
 from .clique import Clique as Clique
 from .clique import open_clique as open_clique
-from .epoch import PassEvent as PassEvent
-from .epoch import SupervisedModel as SupervisedModel
-from .loop import CurvePoint as CurvePoint
-from .loop import LoopState as LoopState
-from .loop import TrainingState as TrainingState
-from .loop import epochs as epochs
-from .roles import drive_distributed_training as drive_distributed_training
-from .roles import follow_distributed_training as follow_distributed_training
-from .roles import local_data_parallel_training_loop as local_data_parallel_training_loop
-from .roles import train as train
-
-__version__ = "0.1.0.dev0"
 
 __all__ = [
     "AuthenticationError",

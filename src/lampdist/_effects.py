@@ -7,10 +7,9 @@ awaited, and it can be called again for the next epoch (a coroutine object could
 from __future__ import annotations
 
 from collections.abc import AsyncIterable, Awaitable, Iterable
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
-if TYPE_CHECKING:  # the loop imports these effect types: no import cycle at run time
-    from .loop._state import LoopState, TrainingState
+from ._state import LoopState, TrainingState
 
 __all__ = [
     "Batch",

@@ -31,14 +31,19 @@ import anyio.from_thread
 import anyio.to_thread
 import attrs
 
-from ._checkpoint._format import FORMAT_VERSION
-from ._checkpoint._read import read_latest
-from ._checkpoint._rng import capture_rng_states, restore_rng_states
-from ._checkpoint._schedule_state import rebuild_schedule_state, schedule_state_from_json
-from ._checkpoint._write import NO_SCHEDULE, write_checkpoint
+from ._checkpoint import (
+    FORMAT_VERSION,
+    NO_SCHEDULE,
+    capture_rng_states,
+    read_latest,
+    rebuild_schedule_state,
+    restore_rng_states,
+    schedule_state_from_json,
+    write_checkpoint,
+)
 from ._effects import CheckpointState
 from ._errors import ConfigError
-from .loop._state import TrainingState
+from ._state import TrainingState
 from .schedules import LearningRateSchedule
 
 __all__ = ["FORMAT_VERSION", "load_latest", "to_directory"]

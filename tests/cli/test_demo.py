@@ -19,11 +19,11 @@ import torch
 from rich.console import Console
 
 from lampdist import ConfigError
+from lampdist._epoch import PassEvent
 from lampdist.cli._demo import DemoOptions, choose_launch, run_demo
 from lampdist.cli._demo import _prepare as prepare
 from lampdist.cli._progress import PassCounter, read_metrics
 from lampdist.cli._summary import summary_lines
-from lampdist.epoch import PassEvent
 
 ROOT_DIR = Path(__file__).resolve().parents[2]
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import lampdist
+from lampdist._epoch import FlatModel, TrainingOptions
+from lampdist._epoch._buckets import GradientBuckets, plan_buckets
 from lampdist.clique import Clique, PendingCollective, open_clique, serve_rendezvous
-from lampdist.epoch import FlatModel, TrainingOptions
-from lampdist.epoch._buckets import GradientBuckets, plan_buckets
 
 from ..roles.reference import make_shards, mse, reference_training
 
@@ -212,7 +212,7 @@ def sgd(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
 
 @pytest.mark.parametrize("step_on", ["root", "every_rank"])
 async def test_unused_and_shared_parameters_train_exactly_with_tiny_buckets(
-    step_on: lampdist.epoch.StepOn,
+    step_on: lampdist._epoch.StepOn,
 ) -> None:
     train = make_shards([[5, 7, 3], [6, 2, 4]], seed=1)
     valid = make_shards([[5], [3]], seed=2)

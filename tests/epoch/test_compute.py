@@ -12,14 +12,14 @@ import anyio.lowlevel
 import pytest
 import torch
 
-from lampdist.clique import in_process
-from lampdist.epoch import (
+from lampdist._epoch import (
     FlatModel,
     StepKernel,
     SupervisedModel,
     TrainingOptions,
     open_compute_thread,
 )
+from lampdist.clique import in_process
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import lampdist
-from lampdist.epoch import (
+from lampdist._epoch import (
     BatchFeed,
     PassStopped,
     SupervisedModel,

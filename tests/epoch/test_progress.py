@@ -8,7 +8,7 @@ import threading
 import anyio
 import pytest
 
-from lampdist.epoch import PassEvent, Progress
+from lampdist._epoch import PassEvent, Progress
 
 
 @pytest.fixture

@@ -9,16 +9,16 @@ import pytest
 import torch
 
 import lampdist
-from lampdist.clique import Clique
-from lampdist.epoch import FlatModel
-from lampdist.epoch._flat import CONTROL_BYTES, META_SLOTS
-from lampdist.epoch._values import (
+from lampdist._epoch import FlatModel
+from lampdist._epoch._flat import CONTROL_BYTES, META_SLOTS
+from lampdist._epoch._values import (
     control_receiver,
     read_control,
     read_meta,
     write_control,
     write_meta,
 )
+from lampdist.clique import Clique
 
 from ..clique._helpers import run_ranks
 from ..roles.reference import Batch, make_model, make_shards, mse, reference_training
@@ -149,7 +149,7 @@ def float32_shards(sizes: Sequence[Sequence[int]], seed: int) -> list[list[Batch
 
 
 @pytest.mark.parametrize("step_on", ["root", "every_rank"])
-async def test_float32_model_trains_like_one_process(step_on: lampdist.epoch.StepOn) -> None:
+async def test_float32_model_trains_like_one_process(step_on: lampdist._epoch.StepOn) -> None:
     sizes = [[5, 7, 3, 9, 2], [6, 6], []]
     train = float32_shards(sizes, seed=1)
     valid = float32_shards([[5, 3]] * 3, seed=2)

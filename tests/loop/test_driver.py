@@ -12,8 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lampdist
-from lampdist import schedules
-from lampdist.loop import CurvePoint, LoopState, epochs
+from lampdist import CurvePoint, LoopState, epochs, schedules
 from lampdist.schedules import LearningRateSchedule
 
 moderate = settings(max_examples=100, deadline=None)
@@ -354,7 +353,7 @@ async def test_an_effect_error_propagates_and_nothing_after_it_runs() -> None:
 
 async def test_one_info_line_per_epoch_carries_the_epoch(caplog: pytest.LogCaptureFixture) -> None:
     effects = Effects((0.5,) * 4, (0.25,) * 4)
-    with caplog.at_level(logging.INFO, logger="lampdist.loop"):
+    with caplog.at_level(logging.INFO, logger="lampdist._loop"):
         await epochs(
             max_epochs=4,
             train_epoch=effects.train,

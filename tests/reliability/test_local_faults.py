@@ -91,7 +91,7 @@ async def run_ranks(
     stop: anyio.Event | None = None,
     stop_timeout: float | None = 30.0,
     collective_timeout: float = COLLECTIVE_TIMEOUT,
-    on_event: lampdist.epoch.OnPassEvent | None = None,
+    on_event: lampdist._epoch.OnPassEvent | None = None,
     checkpoint_wrapper: Callable[[lampdist.CheckpointState], lampdist.CheckpointState]
     | None = None,
     epochs: int = _training.EPOCHS,

@@ -73,7 +73,7 @@ ONE_PARAMETER_PER_BUCKET = 1e-9  # megabytes: every parameter gets a bucket of i
 async def test_matches_single_process_reference(
     case: str,
     optimizer_factory: OptimizerFactory,
-    step_on: lampdist.epoch.StepOn,
+    step_on: lampdist._epoch.StepOn,
     sized: bool,
     bucket_cap_mb: float | None,
 ) -> None:
@@ -220,7 +220,7 @@ async def test_mixed_precision_trains_and_keeps_ranks_equal(
     def big_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return mse(output, target) * 1e4
 
-    caplog.set_level("INFO", logger="lampdist.epoch")
+    caplog.set_level("INFO", logger="lampdist._epoch")
     shards = make_shards([[8] * 10, [8] * 10], seed=9)
     modules = [make_model().float() for _ in shards]
     before = [p.detach().clone() for p in modules[0].parameters()]

@@ -36,7 +36,7 @@ async def train(
     stop_after: int | None = None,
     resume: tuple[lampdist.TrainingState, Any] | None = None,
     schedule: schedules.LearningRateSchedule[Any],
-    step_on: lampdist.epoch.StepOn = "root",
+    step_on: lampdist._epoch.StepOn = "root",
 ) -> tuple[list[torch.nn.Module], lampdist.LoopState | None, list[tuple[Any, Any]]]:
     shards = make_shards([[6, 5, 7], [4, 8]], seed=11)
     valid = make_shards([[6], [5]], seed=12)
@@ -87,7 +87,7 @@ async def train(
     ids=["reduce_on_plateau", "decrement", "best-model-before-interruption"],
 )
 async def test_interrupted_and_resumed_equals_uninterrupted(
-    schedule: schedules.LearningRateSchedule[Any], step_on: lampdist.epoch.StepOn
+    schedule: schedules.LearningRateSchedule[Any], step_on: lampdist._epoch.StepOn
 ) -> None:
     whole, whole_state, whole_saved = await train(max_epochs=6, schedule=schedule, step_on=step_on)
     _, stopped, partial_saved = await train(

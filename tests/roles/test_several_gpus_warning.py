@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from lampdist.roles._local import warn_several_gpus_in_one_process
+from lampdist._roles._local import warn_several_gpus_in_one_process
 
 TWO_GPUS = [torch.device("cuda", 0), torch.device("cuda", 1)]
 

@@ -29,7 +29,8 @@ from typing import Any
 import attrs
 
 from .._errors import CheckpointVersionError
-from ..loop._state import CurvePoint, LoopState
+from .._state import CurvePoint, LoopState
+from .._version import __version__
 
 __all__ = [
     "BEST_MODEL",
@@ -164,8 +165,6 @@ def parse_manifest(data: bytes, *, where: str) -> Manifest:
     if hashlib.sha256(_manifest_body(version, files)).hexdigest() != checksum:
         raise Damaged("manifest checksum mismatch")
     if version > FORMAT_VERSION:
-        from .. import __version__
-
         raise CheckpointVersionError(
             f"checkpoint {where} has format version {version}, but lampdist {__version__} "
             f"reads versions up to {FORMAT_VERSION}: upgrade lampdist to resume from it",

@@ -12,7 +12,7 @@ import attrs
 import torch
 
 from .._errors import CheckpointError
-from ..loop._state import TrainingState
+from .._state import TrainingState
 from ._files import hash_file
 from ._format import (
     BEST_MODEL,

@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 
 from .._errors import CheckpointError
-from ..loop._state import TrainingState
+from .._state import TrainingState
 from ._block_writer import PlannedFile, Source, write_planned
 from ._files import fsync_directory, write_file, writer_lock
 from ._format import (

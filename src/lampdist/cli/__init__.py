@@ -109,7 +109,7 @@ def _configure_logging(console: Console, *, verbose: bool) -> None:
 
 
 def _demo(args: argparse.Namespace, console: Console) -> int:
-    from ..roles import Interrupted
+    from .._roles import Interrupted
     from ._demo import DemoOptions, run_demo
     from ._summary import print_summary
 

@@ -18,11 +18,11 @@ import torch
 from rich.console import Console
 
 from .. import checkpoint
+from .._epoch import OnPassEvent, SupervisedModel
 from .._errors import ConfigError
-from ..epoch import OnPassEvent, SupervisedModel
+from .._roles import local_data_parallel_training_loop, run_until_signal, train
+from .._state import LoopState, TrainingState
 from ..launch import LaunchEnv, from_env
-from ..loop import LoopState, TrainingState
-from ..roles import local_data_parallel_training_loop, run_until_signal, train
 from ._data import Digits, accuracy, batch_source, create_model, cross_entropy, load_digits
 from ._plot import plot_learning_curve
 from ._progress import MetricsFile, PassCounter, on_pass_event, open_reporter, read_metrics
@@ -107,7 +107,7 @@ async def run_demo(
     """Run the demo as this process's part: every rank here, or one rank of a launched run.
 
     Returns the result on the root, ``None`` on a follower. Raises
-    :class:`~lampdist.roles.Interrupted` after SIGTERM or SIGINT, and the errors of the run.
+    :class:`~lampdist._roles.Interrupted` after SIGTERM or SIGINT, and the errors of the run.
     """
     _check(options)
     launch = choose_launch(options, environ)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..loop import CurvePoint
+from .._state import CurvePoint
 
 __all__ = ["plot_learning_curve"]
 

@@ -12,6 +12,17 @@ import torch
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from .._effects import BatchSource
+from .._epoch import (
+    ComputeThread,
+    FlatModel,
+    RankRunner,
+    StepKernel,
+    StepOn,
+    Stepper,
+    SupervisedModel,
+    TrainingOptions,
+    open_compute_thread,
+)
 from .._errors import (
     CliqueError,
     CliqueTimeout,
@@ -23,17 +34,6 @@ from .._errors import (
 )
 from ..clique import Cliques, ProcessGroups
 from ..control import Command, CommandKind, FollowerChannel
-from ..epoch import (
-    ComputeThread,
-    FlatModel,
-    RankRunner,
-    StepKernel,
-    StepOn,
-    Stepper,
-    SupervisedModel,
-    TrainingOptions,
-    open_compute_thread,
-)
 from ._common import (
     CULPRIT_TIMEOUT,
     DERIVED,

@@ -1,7 +1,7 @@
 """The pass driver: the event loop's side of a rank's passes.
 
 :class:`RankRunner` opens a pass's batch feed, hands the whole pass to the rank's compute
-thread (:class:`~lampdist.epoch._kernel.StepKernel` runs it there), delivers its progress to
+thread (:class:`~lampdist._epoch._kernel.StepKernel` runs it there), delivers its progress to
 ``on_event`` and awaits its end. Per pass the loop wakes up once for the result (and once per
 progress event it delivers); it is never on the per-step path. Cancelling a pass stops it
 between steps and aborts the clique, which frees a collective in flight.

@@ -17,7 +17,7 @@ import attrs
 from .. import schedules
 from .._effects import CheckpointLoopState, SaveBestModel, TrainEpoch, ValidationEpoch
 from .._errors import ConfigError
-from ._state import CurvePoint, LoopState
+from .._state import CurvePoint, LoopState
 
 __all__ = ["epochs"]
 

@@ -12,17 +12,7 @@ import attrs
 import torch
 
 from .._effects import BatchSource, CheckpointState
-from .._errors import (
-    CheckpointError,
-    CliqueError,
-    CliqueTimeout,
-    ConfigError,
-    LampdistError,
-    LampdistTimeout,
-)
-from ..clique import Cliques, ProcessGroups, in_process
-from ..control import Command, CommandKind, RootChannel
-from ..epoch import (
+from .._epoch import (
     ComputeThread,
     FlatModel,
     OnPassEvent,
@@ -34,7 +24,18 @@ from ..epoch import (
     TrainingOptions,
     open_compute_thread,
 )
-from ..loop import LoopState, TrainingState, check_epochs_arguments, epochs
+from .._errors import (
+    CheckpointError,
+    CliqueError,
+    CliqueTimeout,
+    ConfigError,
+    LampdistError,
+    LampdistTimeout,
+)
+from .._loop import check_epochs_arguments, epochs
+from .._state import LoopState, TrainingState
+from ..clique import Cliques, ProcessGroups, in_process
+from ..control import Command, CommandKind, RootChannel
 from ..schedules import LearningRateSchedule, noop
 from ._common import (
     OptimizerFactory,

@@ -17,6 +17,7 @@ import torch
 # host's event loop.
 import torch._dynamo  # isort: skip
 
+from .._epoch import FlatModel, Stepper, TrainingOptions, host_to_device
 from .._errors import (
     CliqueTimeout,
     CollectiveFailed,
@@ -27,7 +28,6 @@ from .._errors import (
     RankFailed,
 )
 from ..clique import Clique
-from ..epoch import FlatModel, Stepper, TrainingOptions, host_to_device
 
 __all__ = [
     "CULPRIT_TIMEOUT",

@@ -12,11 +12,11 @@ import anyio
 import torch
 
 from .._effects import BatchSource, CheckpointState
+from .._epoch import OnPassEvent, StepOn, SupervisedModel
 from .._errors import ConfigError
+from .._state import LoopState, TrainingState
 from ..clique import in_process
 from ..control import local_channels
-from ..epoch import OnPassEvent, StepOn, SupervisedModel
-from ..loop import LoopState, TrainingState
 from ..schedules import LearningRateSchedule
 from ._common import OptimizerFactory, single_error
 from ._follower import follow_distributed_training

@@ -14,11 +14,11 @@ import anyio
 import torch
 
 from .._effects import BatchSource, CheckpointState
+from .._epoch import OnPassEvent, StepOn, SupervisedModel
 from .._errors import Interrupted
+from .._state import LoopState, TrainingState
 from ..control import FollowerChannel, RootChannel
-from ..epoch import OnPassEvent, StepOn, SupervisedModel
 from ..launch import LaunchEnv, from_env
-from ..loop import LoopState, TrainingState
 from ..schedules import LearningRateSchedule
 from ._common import OptimizerFactory, single_error
 from ._follower import follow_distributed_training

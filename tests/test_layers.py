@@ -1,0 +1,57 @@
+"""The package's layers: imports point down only, and no module imports another package's
+private modules (a package's ``__init__`` is its face)."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import lampdist
+
+ROOT = Path(lampdist.__file__).parent
+
+LAYERS = [
+    {"_errors", "_version"},
+    {"_clique_id", "_signal", "_openmp", "_store", "_state"},
+    {"_effects", "schedules"},
+    {"control", "clique", "_checkpoint", "_loop"},
+    {"launch", "checkpoint", "_epoch"},
+    {"_roles"},
+    {"cli"},
+    {"__init__", "__main__"},
+]
+LAYER = {name: index for index, names in enumerate(LAYERS) for name in names}
+
+
+def imports(path: Path) -> Iterator[tuple[list[str], list[str]]]:
+    """(the importing module's parts, each imported module's parts) under ``lampdist``."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    package = parts if parts[-1] == "__init__" else parts[:-1]
+    if parts[-1] == "__init__":
+        package = parts[:-1]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ImportFrom) or not node.level:
+            continue
+        base = package[: len(package) - (node.level - 1)]
+        if node.module:
+            yield parts, base + node.module.split(".")
+        else:  # from .. import name: each name is a module
+            for alias in node.names:
+                yield parts, [*base, alias.name]
+
+
+def test_imports_point_down_and_stay_off_other_packages_private_modules() -> None:
+    wrong = []
+    for path in ROOT.rglob("*.py"):
+        for parts, target in imports(path):
+            top = parts[0]
+            if not target or target[0] == top:
+                continue
+            if target[0] not in LAYER or top not in LAYER:
+                wrong.append(f"{'.'.join(parts)} -> {'.'.join(target)}: layer unknown")
+            elif LAYER[target[0]] >= LAYER[top] and top not in ("__init__", "__main__"):
+                wrong.append(f"{'.'.join(parts)} imports {'.'.join(target)}: not below it")
+            if any(part.startswith("_") for part in target[1:]):
+                wrong.append(f"{'.'.join(parts)} imports {'.'.join(target)}: a private module")
+    assert wrong == []
