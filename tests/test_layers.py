@@ -14,9 +14,10 @@ ROOT = Path(lampdist.__file__).parent
 LAYERS = [
     {"_errors", "_version"},
     {"_clique_id", "_signal", "_openmp", "_store", "_state"},
-    {"_effects", "schedules"},
+    {"_effects", "schedules", "_model"},
     {"control", "clique", "_checkpoint", "_loop"},
-    {"launch", "checkpoint", "_epoch"},
+    {"launch", "checkpoint", "_options"},
+    {"_epoch"},
     {"_roles"},
     {"cli"},
     {"__init__", "__main__"},

@@ -13,8 +13,6 @@ from ._effects import CheckpointState as CheckpointState
 from ._effects import SaveBestModel as SaveBestModel
 from ._effects import TrainEpoch as TrainEpoch
 from ._effects import ValidationEpoch as ValidationEpoch
-from ._epoch import PassEvent as PassEvent
-from ._epoch import SupervisedModel as SupervisedModel
 from ._errors import AuthenticationError as AuthenticationError
 from ._errors import BadBatch as BadBatch
 from ._errors import CheckpointError as CheckpointError
@@ -36,6 +34,15 @@ from ._errors import ProtocolError as ProtocolError
 from ._errors import RankFailed as RankFailed
 from ._errors import TrainingError as TrainingError
 from ._loop import epochs as epochs
+from ._model import SupervisedModel as SupervisedModel
+from ._options import LoopOptions as LoopOptions
+from ._options import ModelWithData as ModelWithData
+from ._options import OnPassEvent as OnPassEvent
+from ._options import PassEvent as PassEvent
+from ._options import StepOn as StepOn
+from ._options import StepOptions as StepOptions
+from ._options import Timeouts as Timeouts
+from ._roles import OptimizerFactory as OptimizerFactory
 from ._roles import drive_distributed_training as drive_distributed_training
 from ._roles import follow_distributed_training as follow_distributed_training
 from ._roles import local_data_parallel_training_loop as local_data_parallel_training_loop
@@ -44,6 +51,7 @@ from ._state import CurvePoint as CurvePoint
 from ._state import LoopState as LoopState
 from ._state import TrainingState as TrainingState
 from ._version import __version__ as __version__
+from .checkpoint import Resumed as Resumed
 from .clique import Clique as Clique
 from .clique import open_clique as open_clique
 
@@ -66,15 +74,23 @@ __all__ = [
     "JoinTimeout",
     "LampdistError",
     "LampdistTimeout",
+    "LoopOptions",
     "LoopState",
     "MismatchError",
+    "ModelWithData",
     "NonFiniteLoss",
+    "OnPassEvent",
+    "OptimizerFactory",
     "PassEvent",
     "PeerDisconnected",
     "ProtocolError",
     "RankFailed",
+    "Resumed",
     "SaveBestModel",
+    "StepOn",
+    "StepOptions",
     "SupervisedModel",
+    "Timeouts",
     "TrainEpoch",
     "TrainingError",
     "TrainingState",

@@ -33,28 +33,44 @@ import attrs
 
 from ._checkpoint import (
     FORMAT_VERSION,
-    NO_SCHEDULE,
+    RngStates,
     capture_rng_states,
     read_latest,
-    rebuild_schedule_state,
-    restore_rng_states,
-    schedule_state_from_json,
     write_checkpoint,
 )
 from ._effects import CheckpointState
 from ._errors import ConfigError
 from ._state import TrainingState
-from .schedules import LearningRateSchedule
 
-__all__ = ["FORMAT_VERSION", "load_latest", "to_directory"]
+__all__ = ["FORMAT_VERSION", "Resumed", "load_latest", "to_directory"]
 
 
-def to_directory(
-    path: str | os.PathLike[str],
-    *,
-    keep: int = 3,
-    schedule: LearningRateSchedule[Any] | None = None,
-) -> CheckpointState:
+@attrs.frozen(kw_only=True)
+class Resumed:
+    """Where a checkpointed run left off: what :func:`load_latest` returns and every training
+    entry point takes as ``resume=``.
+
+    ``training_state`` holds the loop state (its ``epoch`` is the next one to run), the model,
+    optimizer and best-model state dicts. ``schedule_state`` is the learning-rate schedule's
+    state as stored, in JSON form: the resumed run rebuilds it against its own schedule
+    (:func:`lampdist.schedules.state_from_json`), so any schedule whose state is plain JSON or
+    made of attrs or dataclass values resumes. ``rng_states`` (only with
+    ``load_latest(restore_rng=True)``) are restored on the root just before training goes on.
+    """
+
+    training_state: TrainingState
+    schedule_state: Any = None
+    rng_states: RngStates | None = attrs.field(default=None, repr=False)
+    path: Path | None = None
+    """The checkpoint directory it was read from."""
+
+    @property
+    def epoch(self) -> int:
+        """The next epoch to run."""
+        return self.training_state.loop_state.epoch
+
+
+def to_directory(path: str | os.PathLike[str], *, keep: int = 3) -> CheckpointState:
     """A ``checkpoint_state`` effect that writes one atomic checkpoint into ``path`` per call.
 
     Each call writes the loop state (learning curve included), the schedule state, the
@@ -70,8 +86,8 @@ def to_directory(
 
     Give each run its own directory: the effect owns it, and refuses (CheckpointError) to
     write an epoch older than the newest checkpoint there, which would otherwise shadow it.
-    With ``schedule`` given, each call also checks that ``load_latest(schedule=...)`` can
-    rebuild the schedule state.
+    (The training entry points check before each checkpoint that the schedule state comes
+    back from its JSON form as it was, so that a resumed run gets the same state.)
 
     Raises ConfigError for ``keep < 1`` and, when awaited, CheckpointError when the state
     cannot be checkpointed (a value that neither the tensor file nor
@@ -80,8 +96,7 @@ def to_directory(
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ConfigError(f"keep must be an int >= 1, not {keep!r}", phase="checkpoint")
-    schedule_init = NO_SCHEDULE if schedule is None else schedule.init
-    return _DirectoryCheckpoint(directory=Path(path), keep=keep, schedule_init=schedule_init)
+    return _DirectoryCheckpoint(directory=Path(path), keep=keep)
 
 
 @attrs.frozen(kw_only=True)
@@ -90,7 +105,6 @@ class _DirectoryCheckpoint:
 
     directory: Path
     keep: int
-    schedule_init: Any = attrs.field(repr=False)
 
     async def __call__(self, training_state: TrainingState, lr_state: Any, /) -> None:
         rng = capture_rng_states()  # on the caller's thread, at the moment of the call
@@ -101,31 +115,24 @@ class _DirectoryCheckpoint:
             lr_state,
             rng,
             keep=self.keep,
-            schedule_init=self.schedule_init,
             check=anyio.from_thread.check_cancelled,
         )
         await anyio.to_thread.run_sync(write)
 
 
 def load_latest(
-    path: str | os.PathLike[str],
-    *,
-    map_location: Any = None,
-    schedule: LearningRateSchedule[Any] | None = None,
-    restore_rng: bool = False,
-) -> tuple[TrainingState, Any] | None:
-    """The newest intact checkpoint in ``path`` as ``(training_state, lr_state)``, or None.
+    path: str | os.PathLike[str], *, map_location: Any = None, restore_rng: bool = False
+) -> Resumed | None:
+    """The newest intact checkpoint in ``path`` as a :class:`Resumed`, or ``None``.
 
-    The result plugs into the training entry points' ``init_state`` and
-    ``learning_rate_schedule_init_state``. ``None`` means there is no checkpoint yet (the
-    directory is missing, empty, or holds only scratch of an interrupted first write).
-    ``map_location`` places tensors as ``torch.load``'s does (a device, a string, a dict
-    of locations, or a function of a storage and its location). ``lr_state`` is the stored
-    schedule state as plain JSON values (a dict for an attrs state); pass ``schedule`` to get
-    an instance of the type of ``schedule.init`` back instead. With ``restore_rng=True`` the
-    global RNG states saved with the checkpoint are restored as well (on the root, just
-    before training resumes), so a resumed run draws the same random numbers as an
-    uninterrupted one.
+    Pass the result as ``resume=`` to any training entry point; ``None`` means there is no
+    checkpoint yet (the directory is missing, empty, or holds only scratch of an interrupted
+    first write), and ``resume=None`` starts a new run. ``map_location`` places tensors as
+    ``torch.load``'s does (a device, a string, a dict of locations, or a function of a storage
+    and its location). With ``restore_rng=True`` the global RNG states saved with the
+    checkpoint (torch CPU and CUDA, python ``random``, numpy) come with it, and the run restores
+    them on the root just before training goes on, so that it draws the same random numbers
+    as an uninterrupted one.
 
     A damaged newest checkpoint (truncated, a flipped byte, a missing file, a malformed
     tensor file: every file is checked against the block checksums in its manifest) is
@@ -135,18 +142,18 @@ def load_latest(
     ...))``).
 
     Raises CheckpointVersionError when a checkpoint was written in a newer format (upgrade
-    lampdist), CheckpointError when there are checkpoints but none is intact, when a file
-    cannot be loaded (e.g. a bad ``map_location``, a tensor file of the other byte order) or
-    the schedule state does not fit
-    ``schedule``.
+    lampdist), and CheckpointError when there are checkpoints but none is intact, or when a
+    file cannot be loaded (e.g. a bad ``map_location``, a tensor file of the other byte order).
     """
     loaded = read_latest(Path(path), map_location=map_location)
     if loaded is None:
         return None
-    if schedule is None:
-        lr_state = schedule_state_from_json(loaded.lr_state_json)
-    else:
-        lr_state = rebuild_schedule_state(schedule.init, loaded.lr_state_json)
-    if restore_rng:
-        restore_rng_states(loaded.rng)
-    return loaded.training_state, lr_state
+    stored = loaded.lr_state_json
+    return Resumed(
+        training_state=loaded.training_state,
+        schedule_state=stored["value"]
+        if isinstance(stored, dict) and "value" in stored
+        else stored,
+        rng_states=loaded.rng if restore_rng else None,
+        path=loaded.path,
+    )

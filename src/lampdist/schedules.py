@@ -2,8 +2,9 @@
 
 A schedule tells the epoch driver, before each epoch, by what factor to multiply the
 optimizer's base learning rate. A factor of 0 or less stops training. Schedules are frozen
-values; the state they thread from epoch to epoch is a frozen value made only of numbers, so
-a checkpoint can store it as JSON (:func:`state_to_json`, :func:`state_from_json`)::
+values; the state they thread from epoch to epoch is a value made of numbers (an attrs or
+dataclass value, or plain JSON), so a checkpoint can store it as JSON and rebuild it against
+the run's schedule (:func:`state_to_json`, :func:`state_from_json`)::
 
     schedule = schedules.warmup(5, schedules.cosine(95, min_factor=0.01))
     state = schedule.init
@@ -14,6 +15,7 @@ Nothing here does I/O or touches torch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import typing
@@ -417,15 +419,16 @@ _NON_FINITE = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
 
 
 def state_to_json(state: object) -> object:
-    """Turn a schedule state into plain JSON data (``None``, numbers, strings, dicts).
+    """Turn a schedule state into plain JSON data (``None``, booleans, numbers, strings, lists,
+    dicts).
 
-    Attrs values become dicts of their fields; non-finite floats become the strings
-    ``"Infinity"``, ``"-Infinity"`` and ``"NaN"`` so the result passes strict JSON encoders.
+    Attrs and dataclass values become dicts of their fields; non-finite floats become the
+    strings ``"Infinity"``, ``"-Infinity"`` and ``"NaN"`` so the result passes strict JSON
+    encoders; dicts with string keys, lists and tuples are converted item by item.
     Checkpoints call it; :func:`state_from_json` reverses it. Raises
-    :class:`~lampdist.ConfigError` for a state holding anything but numbers, ``None`` and
-    attrs values of those.
+    :class:`~lampdist.ConfigError` for anything else in a state (a tensor, an object).
     """
-    if state is None or (isinstance(state, int) and not isinstance(state, bool)):
+    if state is None or isinstance(state, bool | int | str):
         return state
     if isinstance(state, float):
         if math.isfinite(state):
@@ -434,27 +437,30 @@ def state_to_json(state: object) -> object:
     cls: Any = type(state)
     if attrs.has(cls):
         return {f.name: state_to_json(getattr(state, f.name)) for f in attrs.fields(cls)}
+    if dataclasses.is_dataclass(state):
+        return {f.name: state_to_json(getattr(state, f.name)) for f in dataclasses.fields(state)}
+    if isinstance(state, dict) and all(isinstance(key, str) for key in state):
+        return {key: state_to_json(value) for key, value in state.items()}
+    if isinstance(state, list | tuple):
+        return [state_to_json(value) for value in state]
     raise _fail(
-        f"a schedule state must hold only numbers, None and attrs values, got {state!r}; "
-        "keep schedule states made of numbers"
+        f"a schedule state must be made of None, booleans, numbers, strings, lists, dicts and "
+        f"attrs or dataclass values of those, got {state!r}"
     )
 
 
 def state_from_json(schedule: LearningRateSchedule[S], data: object) -> S:
     """Rebuild the state of ``schedule`` from what :func:`state_to_json` returned.
 
-    The schedule knows its state type: a warm-up rebuilds its wrapped schedule's state; any
-    other schedule's state is rebuilt from the type annotations of ``type(schedule.init)``.
-    Raises :class:`~lampdist.ConfigError` if ``data`` does not fit the schedule's state (for
-    example a checkpoint written with another schedule).
+    The state is rebuilt after ``schedule.init``: its type, the type annotations of its
+    fields, and, for fields typed by a type variable (a wrapped schedule's state, as in
+    :class:`WarmupState`), the type of the initial state's own field. Attrs and dataclass
+    states come back as instances, tuples as tuples, plain JSON as it is. Raises
+    :class:`~lampdist.ConfigError` if ``data`` does not fit the schedule's state (for example
+    a checkpoint written with another schedule).
     """
-    candidate: object = schedule  # mypy cannot see a _Warmup as a LearningRateSchedule[S]
-    if isinstance(candidate, _Warmup):
-        if not isinstance(data, dict) or set(data) != {"inner"}:
-            raise _mismatch(schedule, data)
-        inner = state_from_json(candidate.schedule, data["inner"])
-        return typing.cast(S, WarmupState(inner=inner))
-    return typing.cast(S, _structure(type(schedule.init), data, schedule))
+    init = schedule.init
+    return typing.cast(S, _structure(type(init), init, data, schedule))
 
 
 def _mismatch(schedule: object, data: object) -> ConfigError:
@@ -464,7 +470,20 @@ def _mismatch(schedule: object, data: object) -> ConfigError:
     )
 
 
-def _structure(cls: Any, data: object, schedule: object) -> object:
+def _fields(cls: type) -> list[tuple[str, str]]:
+    """(stored name, constructor keyword) of each field an instance is built from."""
+    if attrs.has(cls):
+        return [(f.name, f.alias or f.name) for f in attrs.fields(cls) if f.init]
+    return [(f.name, f.name) for f in dataclasses.fields(cls) if f.init]
+
+
+def _structure(cls: Any, template: object, data: object, schedule: object) -> object:
+    """``data`` as a value of type ``cls``; ``template`` (the initial state's value at this
+    place, or None) stands in for a type variable or ``Any``."""
+    if isinstance(cls, TypeVar) or cls is Any or cls is object:
+        if template is None:
+            return data
+        cls = type(template)
     if cls is NoneType or cls is None:
         if data is not None:
             raise _mismatch(schedule, data)
@@ -477,10 +496,34 @@ def _structure(cls: Any, data: object, schedule: object) -> object:
             if option is NoneType:
                 continue
             try:
-                return _structure(option, data, schedule)
+                return _structure(option, template, data, schedule)
             except ConfigError:
                 continue
         raise _mismatch(schedule, data)
+    origin = typing.get_origin(cls)
+    if origin is tuple or origin is list or cls in (tuple, list):
+        if not isinstance(data, list):
+            raise _mismatch(schedule, data)
+        args = typing.get_args(cls)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(args) != len(data):
+                raise _mismatch(schedule, data)
+            pairs = zip(args, data, strict=True)
+            items = [_structure(arg, None, item, schedule) for arg, item in pairs]
+        else:
+            item_type = args[0] if args else Any
+            items = [_structure(item_type, None, item, schedule) for item in data]
+        return tuple(items) if (origin or cls) is tuple else items
+    if origin is dict or cls is dict:
+        if not isinstance(data, dict):
+            raise _mismatch(schedule, data)
+        args = typing.get_args(cls)
+        value_type = args[1] if len(args) == 2 else Any
+        return {key: _structure(value_type, None, item, schedule) for key, item in data.items()}
+    if cls is bool or cls is str:
+        if not isinstance(data, cls):
+            raise _mismatch(schedule, data)
+        return data
     if cls is int:
         if not isinstance(data, int) or isinstance(data, bool):
             raise _mismatch(schedule, data)
@@ -491,14 +534,22 @@ def _structure(cls: Any, data: object, schedule: object) -> object:
         if not isinstance(data, int | float) or isinstance(data, bool):
             raise _mismatch(schedule, data)
         return float(data)
-    if isinstance(cls, type) and attrs.has(cls):
+    if isinstance(cls, type) and (attrs.has(cls) or dataclasses.is_dataclass(cls)):
         hints = typing.get_type_hints(cls)
-        fields = attrs.fields(cls)
-        if not isinstance(data, dict) or set(data) != {f.name for f in fields}:
+        fields = _fields(cls)
+        if not isinstance(data, dict) or set(data) != {name for name, _ in fields}:
             raise _mismatch(schedule, data)
-        values = {f.name: _structure(hints[f.name], data[f.name], schedule) for f in fields}
+        values = {
+            keyword: _structure(
+                hints.get(name, Any),
+                getattr(template, name) if isinstance(template, cls) else None,
+                data[name],
+                schedule,
+            )
+            for name, keyword in fields
+        }
         return cls(**values)
     raise _fail(
-        f"cannot rebuild a schedule state of type {cls!r}; "
-        "give state fields the types int, float, None or attrs classes of those"
+        f"cannot rebuild a schedule state of type {cls!r}; give a state the types None, bool, "
+        "int, float, str, tuple, list, dict or attrs or dataclass classes of those"
     )

@@ -22,8 +22,9 @@ from typing import Any
 
 import attrs
 
-from .._errors import CheckpointError
+from .._errors import CheckpointError, ConfigError
 from .._state import TrainingState
+from ..schedules import state_to_json
 from ._block_writer import PlannedFile, Source, write_planned
 from ._files import fsync_directory, write_file, writer_lock
 from ._format import (
@@ -45,11 +46,10 @@ from ._format import (
     manifest_to_bytes,
 )
 from ._rng import RngStates
-from ._schedule_state import rebuild_schedule_state, schedule_state_to_json
 from ._tensor_file import encode
 from ._torch_io import check_weights_only_loadable, save_tensors
 
-__all__ = ["NO_SCHEDULE", "committed_checkpoints", "write_checkpoint"]
+__all__ = ["committed_checkpoints", "write_checkpoint"]
 
 _log = logging.getLogger("lampdist.checkpoint")
 
@@ -57,9 +57,6 @@ _THREADS = max(2, min(8, os.cpu_count() or 1))
 """Threads checksumming and writing blocks while the writer thread plans them."""
 _WINDOW = 2 * _THREADS
 """Blocks in flight at once."""
-
-NO_SCHEDULE: Any = object()
-"""Marks "no schedule given" (``None`` could be a schedule's initial state)."""
 
 
 def committed_checkpoints(directory: Path) -> list[tuple[CheckpointName, Path]]:
@@ -84,7 +81,6 @@ def write_checkpoint(
     rng: RngStates,
     *,
     keep: int,
-    schedule_init: Any,
     check: Callable[[], None],
 ) -> Path:
     """Commit one checkpoint of ``training_state`` into ``directory``; its path.
@@ -96,7 +92,7 @@ def write_checkpoint(
     epoch = training_state.loop_state.epoch
     if epoch < 0:
         raise CheckpointError(f"cannot checkpoint a negative epoch {epoch}", phase="checkpoint")
-    state_json = _state_json(training_state, lr_state, rng, schedule_init)
+    state_json = _state_json(training_state, lr_state, rng)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with writer_lock(directory):
@@ -188,33 +184,27 @@ def _write_files(
     return records
 
 
-def _state_json(
-    training_state: TrainingState, lr_state: Any, rng: RngStates, schedule_init: Any
-) -> bytes:
-    schedule_json = schedule_state_to_json(lr_state)
-    if schedule_init is not NO_SCHEDULE:
-        try:
-            rebuilt = rebuild_schedule_state(schedule_init, schedule_json)
-            fits = type(rebuilt) is type(lr_state)
-            fits = fits and schedule_state_to_json(rebuilt) == schedule_json
-        except CheckpointError:
-            fits = False
-        if not fits:
-            raise CheckpointError(
-                f"the learning-rate schedule state {lr_state!r} does not fit the schedule "
-                f"given to to_directory (its initial state is {schedule_init!r}), so "
-                "load_latest could not rebuild it: pass the schedule the training runs with",
-                phase="checkpoint",
-            )
+def _state_json(training_state: TrainingState, lr_state: Any, rng: RngStates) -> bytes:
+    try:
+        schedule_json = state_to_json(lr_state)
+    except ConfigError as exc:
+        raise CheckpointError(
+            f"cannot checkpoint the learning-rate schedule state: {exc.message}",
+            phase="checkpoint",
+        ) from exc
     return dump_json(
         {
             "format_version": FORMAT_VERSION,
             "loop_state": loop_state_to_json(training_state.loop_state),
-            "lr_state": schedule_json,
+            "lr_state": {"type": _type_name(type(lr_state)), "value": schedule_json},
             "has_best_model": training_state.best_model_state is not None,
             "rng": rng.to_json(),
         }
     )
+
+
+def _type_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _remove_scratch(directory: Path) -> None:

@@ -14,15 +14,9 @@ from ._feed import PassStopped as PassStopped
 from ._feed import open_feed as open_feed
 from ._flat import FlatModel as FlatModel
 from ._kernel import StepKernel as StepKernel
-from ._model import SupervisedModel as SupervisedModel
-from ._model import count_examples as count_examples
-from ._options import OnPassEvent as OnPassEvent
-from ._options import PassEvent as PassEvent
-from ._options import PassResult as PassResult
-from ._options import StepOn as StepOn
-from ._options import TrainingOptions as TrainingOptions
 from ._pass import RankRunner as RankRunner
 from ._progress import Progress as Progress
+from ._result import PassResult as PassResult
 from ._stepper import LossScale as LossScale
 from ._stepper import Stepper as Stepper
 
@@ -32,18 +26,12 @@ __all__ = [
     "FlatModel",
     "LoadedBatch",
     "LossScale",
-    "OnPassEvent",
-    "PassEvent",
     "PassResult",
     "PassStopped",
     "Progress",
     "RankRunner",
     "StepKernel",
-    "StepOn",
     "Stepper",
-    "SupervisedModel",
-    "TrainingOptions",
-    "count_examples",
     "host_to_device",
     "open_compute_thread",
     "open_feed",

@@ -24,8 +24,8 @@ import torch
 
 from .._effects import BatchSource
 from .._errors import BadBatch, LampdistError, TrainingError
+from .._model import SupervisedModel, check_batch, move_to_device
 from .._signal import Signal
-from ._model import SupervisedModel, check_batch, move_to_device
 
 __all__ = ["AHEAD", "BatchFeed", "LoadedBatch", "PassStopped", "open_feed"]
 

@@ -29,15 +29,16 @@ import attrs
 import torch
 
 from .._errors import LampdistError, TrainingError
+from .._model import SupervisedModel
+from .._options import PassEvent, StepOptions
 from .._signal import on_event_loop_thread
 from ..clique import Clique, PendingCollective
 from ._buckets import GradientBuckets
 from ._device import host_to_device
 from ._feed import BatchFeed, LoadedBatch, PassStopped
 from ._flat import FlatModel
-from ._model import SupervisedModel
-from ._options import PassEvent, PassResult, TrainingOptions
 from ._progress import Progress
+from ._result import PassResult
 from ._stepper import LossScale, Stepper
 from ._tally import ReadBack, Tally
 from ._values import (
@@ -65,7 +66,7 @@ class StepKernel:
     clique: Clique
     model: SupervisedModel
     flat: FlatModel
-    options: TrainingOptions
+    options: StepOptions
     stepper: Stepper | None = None
     loss_scale: LossScale = attrs.field()
     _buckets: GradientBuckets | None = attrs.field(default=None, init=False)

@@ -21,12 +21,13 @@ import torch
 
 from .._effects import BatchSource
 from .._openmp import release_team
+from .._options import OnPassEvent, PassEvent
 from ..clique import Clique
 from ._compute import ComputeThread
 from ._feed import BatchFeed, open_feed
 from ._kernel import StepKernel
-from ._options import OnPassEvent, PassEvent, PassResult
 from ._progress import Progress
+from ._result import PassResult
 
 __all__ = ["RankRunner"]
 

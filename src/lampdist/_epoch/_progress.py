@@ -19,8 +19,8 @@ import time
 import anyio
 import attrs
 
+from .._options import OnPassEvent, PassEvent
 from .._signal import loop_scheduler
-from ._options import OnPassEvent, PassEvent
 
 __all__ = ["PROGRESS_INTERVAL", "Progress"]
 

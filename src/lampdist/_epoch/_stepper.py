@@ -9,8 +9,8 @@ import attrs
 import torch
 
 from .._errors import NonFiniteLoss
+from .._options import StepOptions
 from ._flat import FlatModel
-from ._options import TrainingOptions
 
 __all__ = ["LossScale", "Stepper"]
 
@@ -58,13 +58,13 @@ class Stepper:
     rank: int
     optimizer: torch.optim.Optimizer
     flat: FlatModel
-    options: TrainingOptions
+    options: StepOptions
     loss_scale: LossScale
     base_lrs: list[float]
 
     @classmethod
     def create(
-        cls, rank: int, optimizer: torch.optim.Optimizer, flat: FlatModel, options: TrainingOptions
+        cls, rank: int, optimizer: torch.optim.Optimizer, flat: FlatModel, options: StepOptions
     ) -> Stepper:
         """A stepper for ``optimizer``, whose current learning rates are the base ones."""
         return cls(

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import anyio
 import attrs
@@ -17,30 +18,42 @@ import torch
 # host's event loop.
 import torch._dynamo  # isort: skip
 
-from .._epoch import FlatModel, Stepper, TrainingOptions, host_to_device
+from .._checkpoint import RngStates, restore_rng_states
+from .._epoch import FlatModel, Stepper, host_to_device
 from .._errors import (
+    CheckpointError,
     CliqueTimeout,
     CollectiveFailed,
     ConfigError,
     LampdistError,
+    LampdistTimeout,
     MismatchError,
     PeerDisconnected,
     RankFailed,
 )
+from .._options import StepOptions
+from ..checkpoint import Resumed
 from ..clique import Clique
+from ..schedules import LearningRateSchedule, state_from_json, state_to_json
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "CULPRIT_TIMEOUT",
     "DERIVED",
     "OptimizerFactory",
     "Phase",
+    "Stopping",
     "agree",
     "check_rank",
+    "check_schedule_state",
     "create_stepper",
     "describe",
     "find_culprit",
     "most_telling",
     "resolve_device",
+    "restore_rng",
+    "resumed_schedule_state",
     "single_error",
     "watch_peers",
 ]
@@ -72,7 +85,7 @@ OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimize
 
 
 def create_stepper(
-    rank: int, optimizer_factory: OptimizerFactory, flat: FlatModel, options: TrainingOptions
+    rank: int, optimizer_factory: OptimizerFactory, flat: FlatModel, options: StepOptions
 ) -> Stepper:
     """The optimizer of ``optimizer_factory`` over the flat parameters, wrapped to step."""
     optimizer = optimizer_factory(flat.parameters)
@@ -122,16 +135,10 @@ def most_telling(error: BaseException) -> BaseException:
     return _most_telling(real) or error
 
 
-def agree(
-    clique: Clique,
-    flat: FlatModel,
-    options: TrainingOptions,
-    *,
-    validates: bool,
-    phase: str = "agreement",
-) -> None:
-    """Check on every rank that all ranks have the root's model layout and settings (on the
-    rank's compute thread: it waits for the peers and reads the result from the device).
+def agree(clique: Clique, flat: FlatModel, options: StepOptions, validates: bool) -> None:
+    """Check on every rank that all ranks have the root's model layout and step options, and
+    validate alike (on the rank's compute thread: it waits for the peers and reads the
+    result from the device).
 
     Raises :class:`MismatchError` on every rank, naming the ranks that differ and in what.
     """
@@ -159,7 +166,7 @@ def agree(
         raise MismatchError(
             "; ".join(problems) + ": give every rank the same model and settings",
             rank=clique.rank,
-            phase=phase,
+            phase="agreement",
         )
 
 
@@ -236,3 +243,103 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]
             yield from _leaves(exc)
         else:
             yield exc
+
+
+@attrs.define(eq=False)
+class Stopping:
+    """A graceful stop: once ``stop`` is set, the run has ``timeout`` seconds to reach its
+    end (the root: the end of the epoch in progress; a follower: the root's STOP), after
+    which :meth:`enforce` cancels ``scope`` and the run is abandoned."""
+
+    stop: anyio.Event | None
+    timeout: float | None
+    rank: int
+    scope: anyio.CancelScope = attrs.field(factory=anyio.CancelScope)
+    reached: anyio.Event = attrs.field(factory=anyio.Event)
+    abandoned: str | None = None
+
+    def requested(self) -> bool:
+        return self.stop is not None and self.stop.is_set()
+
+    async def enforce(self, phase: Phase) -> None:
+        """Once stop is set, give the run ``timeout`` seconds to reach its end."""
+        assert self.stop is not None
+        await self.stop.wait()
+        waits_for = "the current epoch" if self.rank == 0 else "the root's STOP"
+        logger.info(
+            "stop requested in phase %r of epoch %d: %s has %s s to come",
+            phase.name,
+            phase.epoch,
+            waits_for,
+            self.timeout,
+            extra={"rank": self.rank, "epoch": phase.epoch},
+        )
+        with anyio.move_on_after(self.timeout):
+            await self.reached.wait()
+            return
+        self.abandoned = f"{phase.name!r} of epoch {phase.epoch}"
+        logger.warning(
+            "Timeouts.stop=%s s passed in phase %s: abandoning it",
+            self.timeout,
+            self.abandoned,
+            extra={"rank": self.rank, "epoch": phase.epoch},
+        )
+        self.scope.cancel()
+
+    def timeout_error(self) -> LampdistTimeout:
+        return LampdistTimeout(
+            f"stop was requested, but phase {self.abandoned} did not end within "
+            f"Timeouts.stop={self.timeout} s: abandoned it; resume from the last checkpoint",
+            rank=self.rank,
+            phase="stop",
+        )
+
+    def check_abandoned(self) -> None:
+        """Raise the stop timeout if :meth:`enforce` abandoned the run."""
+        if self.abandoned is not None:
+            raise self.timeout_error()
+
+
+def resumed_schedule_state(schedule: LearningRateSchedule[Any], resume: Resumed | None) -> Any:
+    """The schedule state to resume from, rebuilt against the run's own ``schedule``
+    (``None``, the schedule's ``init``, for a new run). Raises :class:`CheckpointError`
+    (phase ``'resume'``) when the stored state does not fit ``schedule``."""
+    if resume is None:
+        return None
+    try:
+        return state_from_json(schedule, resume.schedule_state)
+    except ConfigError as exc:
+        raise CheckpointError(
+            f"the checkpoint's learning-rate schedule state does not fit this run's schedule "
+            f"({exc.message}); resume with the schedule the run was checkpointed with",
+            rank=0,
+            phase="resume",
+        ) from exc
+
+
+def check_schedule_state(schedule: LearningRateSchedule[Any], state: Any, *, epoch: int) -> None:
+    """Raise :class:`CheckpointError` unless ``state`` comes back from its JSON form as it is
+    (a resumed run rebuilds it so), before it is checkpointed."""
+    try:
+        data = state_to_json(state)
+        back = state_to_json(state_from_json(schedule, data))
+    except ConfigError as exc:
+        raise CheckpointError(
+            f"epoch {epoch}: the learning-rate schedule state {state!r} cannot be checkpointed "
+            f"and resumed: {exc.message}",
+            rank=0,
+            phase="checkpoint",
+        ) from exc
+    if back != data:
+        raise CheckpointError(
+            f"epoch {epoch}: the learning-rate schedule state {state!r} would resume as "
+            f"{back!r}: give the state types that survive JSON (attrs or dataclass values of "
+            "numbers, or plain JSON with finite floats)",
+            rank=0,
+            phase="checkpoint",
+        )
+
+
+def restore_rng(states: RngStates) -> None:
+    """Restore the global RNG states saved with a checkpoint (the root, before it resumes)."""
+    restore_rng_states(states)

@@ -5,22 +5,18 @@ from __future__ import annotations
 import logging
 import math
 from functools import partial
-from typing import Literal
 
 import anyio
+import attrs
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from .._effects import BatchSource
 from .._epoch import (
     ComputeThread,
     FlatModel,
     RankRunner,
     StepKernel,
-    StepOn,
     Stepper,
-    SupervisedModel,
-    TrainingOptions,
     open_compute_thread,
 )
 from .._errors import (
@@ -32,6 +28,7 @@ from .._errors import (
     PeerDisconnected,
     RankFailed,
 )
+from .._options import ModelWithData, StepOptions, Timeouts
 from ..clique import Cliques, ProcessGroups
 from ..control import Command, CommandKind, FollowerChannel
 from ._common import (
@@ -39,6 +36,7 @@ from ._common import (
     DERIVED,
     OptimizerFactory,
     Phase,
+    Stopping,
     agree,
     check_rank,
     create_stepper,
@@ -67,32 +65,29 @@ async def follow_distributed_training(
     nranks: int,
     device: torch.device | str | int,
     control: FollowerChannel,
-    model: SupervisedModel,
-    train_batches: BatchSource,
-    validation_batches: BatchSource | None = None,
-    accumulate_gradient_over_n_batches: int = 1,
-    autocast_dtype: torch.dtype | None = None,
-    step_on: StepOn = "root",
-    bucket_cap_mb: float | None = None,
+    data: ModelWithData,
     optimizer_factory: OptimizerFactory | None = None,
-    max_grad_norm: float | None = None,
-    non_finite_loss: Literal["raise", "skip"] = "raise",
+    step: StepOptions = StepOptions(),
+    timeouts: Timeouts = Timeouts(),
+    stop: anyio.Event | None = None,
     cliques: Cliques | None = None,
-    join_timeout: float | None = 300.0,
-    setup_timeout: float | None = 300.0,
-    collective_timeout: float | None = 600.0,
 ) -> None:
     """Follow a data-parallel training run as rank ``rank`` (1..nranks-1) until the root stops it.
 
-    The follower joins through ``control`` (within ``join_timeout``), opens the clique on
+    The follower joins through ``control`` (within ``timeouts.join``), opens the clique on
     ``device`` with the clique id the root published, and for each command runs one training
-    or validation pass over its own batches. It holds no optimizer: each step sends its
-    example-weighted gradients to the root and receives the root's parameters. On STOP it
-    receives the final (or best) weights into ``model.module`` and returns.
+    or validation pass over ``data``'s batches on its compute thread. Stepping on the root
+    (lamp's design), it holds no optimizer: each step sends its example-weighted gradients
+    to the root and receives the root's parameters; with ``step.step_on="every_rank"`` it
+    steps its own, built by ``optimizer_factory``. On STOP it receives the final (or best)
+    weights into ``data.model.module`` and returns.
 
-    ``accumulate_gradient_over_n_batches``, ``autocast_dtype``, ``step_on`` and
-    ``bucket_cap_mb`` must equal the root's, and ``cliques`` must be the root's kind (process
-    groups by default; the in-process cliques shared with a root in this process).
+    ``step`` must equal the root's (checked when the ranks agree), and ``cliques`` must be
+    the root's kind (process groups by default; the in-process cliques shared with a root in
+    this process). ``stop`` asks for a graceful end: the follower goes on following until the
+    root's STOP, for at most ``timeouts.stop`` seconds, and then abandons the run with
+    :class:`~lampdist.LampdistTimeout` (phase ``'stop'``).
+
     Raises :class:`~lampdist.MismatchError` when this rank disagrees with the root,
     :class:`~lampdist.RankFailed` when the root (rank 0) aborts the run, naming its error,
     :class:`~lampdist.PeerDisconnected` when the root vanishes, and the errors of this
@@ -103,15 +98,7 @@ async def follow_distributed_training(
     if rank == 0:
         raise ConfigError("rank 0 is the root: call drive_distributed_training for it")
     torch_device = resolve_device(device)
-    options = TrainingOptions(
-        accumulate_gradient_over_n_batches=accumulate_gradient_over_n_batches,
-        autocast_dtype=autocast_dtype,
-        step_on=step_on,
-        bucket_cap_mb=bucket_cap_mb,
-        max_grad_norm=max_grad_norm,
-        non_finite_loss=non_finite_loss,
-    )
-    if step_on == "every_rank" and optimizer_factory is None:
+    if step.step_on == "every_rank" and optimizer_factory is None:
         raise ConfigError(
             "step_on='every_rank' needs optimizer_factory on the followers too: pass the root's",
             rank=rank,
@@ -119,37 +106,38 @@ async def follow_distributed_training(
         )
     async with open_compute_thread(rank, torch_device) as compute:
         # On the compute thread: the control channel must keep answering meanwhile.
-        flat = await compute.run(FlatModel.create, model.module, torch_device)
+        flat = await compute.run(FlatModel.create, data.model.module, torch_device)
         stepper = None
-        if step_on == "every_rank":
+        if step.step_on == "every_rank":
             assert optimizer_factory is not None
-            stepper = await compute.run(create_stepper, rank, optimizer_factory, flat, options)
+            stepper = await compute.run(create_stepper, rank, optimizer_factory, flat, step)
         phase = Phase("join")
+        stopping = Stopping(stop, timeouts.stop, rank=rank)
         send, receive = anyio.create_memory_object_stream[Command](math.inf)
+        follower = _Follower(
+            rank=rank,
+            nranks=nranks,
+            device=torch_device,
+            control=control,
+            data=data,
+            step=step,
+            timeouts=timeouts,
+            cliques=cliques or ProcessGroups(),
+            compute=compute,
+            flat=flat,
+            stepper=stepper,
+            phase=phase,
+            stopping=stopping,
+        )
         with single_error():
             async with anyio.create_task_group() as group, receive:
                 group.start_soon(watch_peers, control.watch, phase)
+                if stop is not None:
+                    group.start_soon(stopping.enforce, phase)
                 try:
-                    await _run(
-                        rank=rank,
-                        nranks=nranks,
-                        device=torch_device,
-                        control=control,
-                        model=model,
-                        compute=compute,
-                        flat=flat,
-                        options=options,
-                        stepper=stepper,
-                        train_batches=train_batches,
-                        validation_batches=validation_batches,
-                        commands=receive,
-                        cliques=cliques or ProcessGroups(),
-                        join_timeout=join_timeout,
-                        setup_timeout=setup_timeout,
-                        collective_timeout=collective_timeout,
-                        phase=phase,
-                        send=send,
-                    )
+                    with stopping.scope:
+                        await follower.run(receive, send)
+                    stopping.check_abandoned()
                 except Exception as exc:
                     leaf = most_telling(exc)
                     if isinstance(leaf, CliqueError | CliqueTimeout):
@@ -205,51 +193,97 @@ async def _find_culprit(
     return found
 
 
-async def _run(
-    *,
-    rank: int,
-    nranks: int,
-    device: torch.device,
-    control: FollowerChannel,
-    model: SupervisedModel,
-    compute: ComputeThread,
-    flat: FlatModel,
-    options: TrainingOptions,
-    stepper: Stepper | None,
-    train_batches: BatchSource,
-    validation_batches: BatchSource | None,
-    commands: MemoryObjectReceiveStream[Command],
-    send: anyio.abc.ObjectSendStream[Command],
-    cliques: Cliques,
-    join_timeout: float | None,
-    setup_timeout: float | None,
-    collective_timeout: float | None,
-    phase: Phase,
-) -> None:
-    clique_id = await control.join(send, timeout=join_timeout)
-    phase.name = "clique setup"
-    async with cliques.open(
-        nranks=nranks,
-        rank=rank,
-        device=device,
-        clique_id=clique_id,
-        setup_timeout=setup_timeout,
-        collective_timeout=collective_timeout,
-    ) as clique:
-        kernel = StepKernel(
-            rank=rank, clique=clique, model=model, flat=flat, options=options, stepper=stepper
+@attrs.define(eq=False)
+class _Follower:
+    """One run of a follower, from joining to STOP."""
+
+    rank: int
+    nranks: int
+    device: torch.device
+    control: FollowerChannel
+    data: ModelWithData
+    step: StepOptions
+    timeouts: Timeouts
+    cliques: Cliques
+    compute: ComputeThread
+    flat: FlatModel
+    stepper: Stepper | None
+    phase: Phase
+    stopping: Stopping
+
+    async def run(
+        self,
+        commands: MemoryObjectReceiveStream[Command],
+        send: anyio.abc.ObjectSendStream[Command],
+    ) -> None:
+        clique_id = await self.control.join(send, timeout=self.timeouts.join)
+        self.phase.name = "clique setup"
+        async with self.cliques.open(
+            nranks=self.nranks,
+            rank=self.rank,
+            device=self.device,
+            clique_id=clique_id,
+            setup_timeout=self.timeouts.setup,
+            collective_timeout=self.timeouts.collective,
+        ) as clique:
+            kernel = StepKernel(
+                rank=self.rank,
+                clique=clique,
+                model=self.data.model,
+                flat=self.flat,
+                options=self.step,
+                stepper=self.stepper,
+            )
+            runner = RankRunner(kernel=kernel, compute=self.compute)
+            try:
+                await self._follow_commands(runner, commands)
+            except Exception as exc:
+                # Report before the clique closes, so the root learns the cause before the
+                # collectives on other ranks fail.
+                if _root_must_hear(most_telling(exc)):
+                    with anyio.CancelScope(shield=True):
+                        await _report(self.control, self.phase.name, exc)
+                self.phase.reported = True
+                raise
+
+    async def _follow_commands(
+        self, runner: RankRunner, commands: MemoryObjectReceiveStream[Command]
+    ) -> None:
+        phase, data = self.phase, self.data
+        phase.name = "agreement"
+        validates = data.validation_batches is not None
+        await runner.run(partial(agree, runner.clique, self.flat, self.step, validates))
+        await runner.sync_parameters()
+        if self.step.step_on == "every_rank":
+            await runner.sync_optimizer_state()
+        phase.name = "wait for command"
+        async for command in commands:
+            if command.kind is CommandKind.STOP:
+                if command.error is not None:
+                    raise RankFailed(command.error, rank=0, phase="stop")
+                phase.name = "stop"
+                self.stopping.reached.set()
+                await runner.sync_parameters()
+                return
+            phase.epoch = command.epoch
+            if command.kind is CommandKind.TRAIN:
+                phase.name = "train"
+                await runner.train_pass(
+                    data.train_batches,
+                    epoch=command.epoch,
+                    pass_index=command.pass_index,
+                    lr_factor=command.lr_factor if command.lr_factor is not None else 1.0,
+                )
+            elif command.kind is CommandKind.VALID:
+                phase.name = "valid"
+                assert data.validation_batches is not None  # the agreement check ensures it
+                await runner.validation_pass(
+                    data.validation_batches, epoch=command.epoch, pass_index=command.pass_index
+                )
+            phase.name = "wait for command"
+        raise PeerDisconnected(
+            "the root closed the control channel without STOP", rank=0, phase=phase.name
         )
-        runner = RankRunner(kernel=kernel, compute=compute)
-        try:
-            await _follow_commands(runner, commands, train_batches, validation_batches, phase)
-        except Exception as exc:
-            # Report before the clique closes, so the root learns the cause before the
-            # collectives on other ranks fail.
-            if _root_must_hear(most_telling(exc)):
-                with anyio.CancelScope(shield=True):
-                    await _report(control, phase.name, exc)
-            phase.reported = True
-            raise
 
 
 def _root_must_hear(error: BaseException) -> bool:
@@ -258,46 +292,3 @@ def _root_must_hear(error: BaseException) -> bool:
     (the root's own MismatchError is the clearer error there)."""
     agreed = isinstance(error, MismatchError) and error.phase == "agreement"
     return not agreed and not isinstance(error, DERIVED)
-
-
-async def _follow_commands(
-    runner: RankRunner,
-    commands: MemoryObjectReceiveStream[Command],
-    train_batches: BatchSource,
-    validation_batches: BatchSource | None,
-    phase: Phase,
-) -> None:
-    phase.name = "agreement"
-    kernel = runner.kernel
-    validates = validation_batches is not None
-    agreement = partial(agree, kernel.clique, kernel.flat, kernel.options, validates=validates)
-    await runner.run(agreement)
-    await runner.sync_parameters()
-    if kernel.options.step_on == "every_rank":
-        await runner.sync_optimizer_state()
-    phase.name = "wait for command"
-    async for command in commands:
-        if command.kind is CommandKind.STOP:
-            if command.error is not None:
-                raise RankFailed(command.error, rank=0, phase="stop")
-            phase.name = "stop"
-            await runner.sync_parameters()
-            return
-        if command.kind is CommandKind.TRAIN:
-            phase.name = "train"
-            await runner.train_pass(
-                train_batches,
-                epoch=command.epoch,
-                pass_index=command.pass_index,
-                lr_factor=command.lr_factor if command.lr_factor is not None else 1.0,
-            )
-        elif command.kind is CommandKind.VALID:
-            phase.name = "valid"
-            assert validation_batches is not None  # the agreement check ensures it
-            await runner.validation_pass(
-                validation_batches, epoch=command.epoch, pass_index=command.pass_index
-            )
-        phase.name = "wait for command"
-    raise PeerDisconnected(
-        "the root closed the control channel without STOP", rank=0, phase=phase.name
-    )

@@ -18,10 +18,12 @@ import torch
 from rich.console import Console
 
 from .. import checkpoint
-from .._epoch import OnPassEvent, SupervisedModel
 from .._errors import ConfigError
+from .._model import SupervisedModel
+from .._options import LoopOptions, ModelWithData
 from .._roles import local_data_parallel_training_loop, run_until_signal, train
-from .._state import LoopState, TrainingState
+from .._state import LoopState
+from ..checkpoint import Resumed
 from ..launch import LaunchEnv, from_env
 from ._data import Digits, accuracy, batch_source, create_model, cross_entropy, load_digits
 from ._plot import plot_learning_curve
@@ -116,11 +118,13 @@ async def run_demo(
         shard = data.shard(launch.rank, launch.nranks)
         await train(
             launch=launch,
-            model=SupervisedModel(create_model(options.seed), cross_entropy),
+            data=ModelWithData(
+                model=SupervisedModel(create_model(options.seed), cross_entropy),
+                train_batches=_train_batches(shard, options, launch.rank),
+                validation_batches=_valid_batches(shard, options),
+            ),
             optimizer_factory=_optimizer(options.lr),
-            train_batches=_train_batches(shard, options, launch.rank),
-            validation_batches=_valid_batches(shard, options),
-            max_epochs=options.epochs,
+            loop=LoopOptions(max_epochs=options.epochs),
         )
         logger.info("rank %d: done", launch.rank)
         return None
@@ -187,8 +191,7 @@ async def _run_root(
     started = time.perf_counter()
     out = options.out.resolve()
     resumed = await _prepare(out, options.resume)
-    init_state, lr_state = resumed if resumed is not None else (None, None)
-    first_epoch = init_state.loop_state.epoch if init_state is not None else 0
+    first_epoch = resumed.epoch if resumed is not None else 0
     nranks = launch.nranks if launch is not None else len(devices)
     metrics = MetricsFile(out / METRICS)
     metrics.restart(first_epoch)
@@ -222,27 +225,27 @@ async def _run_root(
             out,
         )
     with open_reporter(console, epochs=options.epochs, total=counter.total) as reporter:
-        on_event = on_pass_event(reporter, counter, metrics, validation_accuracy)
-        settings: dict[str, Any] = {
-            "optimizer_factory": _optimizer(options.lr),
-            "max_epochs": options.epochs,
-            "checkpoint_state": checkpoint.to_directory(out / CHECKPOINTS, keep=3),
-            "return_min_validation_loss_model": range(options.epochs),
-            "init_state": init_state,
-            "learning_rate_schedule_init_state": lr_state,
-            "on_event": on_event,
-        }
+        loop = LoopOptions(
+            max_epochs=options.epochs,
+            checkpoint_state=checkpoint.to_directory(out / CHECKPOINTS, keep=3),
+            return_min_validation_loss_model=range(options.epochs),
+            on_event=on_pass_event(reporter, counter, metrics, validation_accuracy),
+        )
         if launch is not None:
             state = await train(
                 launch=launch,
-                model=SupervisedModel(module, cross_entropy),
-                train_batches=_train_batches(root_shard, options, 0),
-                validation_batches=_valid_batches(root_shard, options),
-                **settings,
+                data=ModelWithData(
+                    model=SupervisedModel(module, cross_entropy),
+                    train_batches=_train_batches(root_shard, options, 0),
+                    validation_batches=_valid_batches(root_shard, options),
+                ),
+                optimizer_factory=_optimizer(options.lr),
+                loop=loop,
+                resume=resumed,
             )
             assert state is not None  # train returns the loop state on the root
         else:
-            state = await _train_here(options, data, module, devices, on_event, settings)
+            state = await _train_here(options, data, module, devices, loop, resumed)
     final_accuracy = await anyio.to_thread.run_sync(
         accuracy, module, data.valid_inputs, data.valid_labels
     )
@@ -266,8 +269,8 @@ async def _train_here(
     data: Digits,
     root_module: torch.nn.Module,
     devices: Sequence[torch.device],
-    on_event: OnPassEvent,
-    settings: dict[str, Any],
+    loop: LoopOptions,
+    resumed: Resumed | None,
 ) -> LoopState:
     """Every rank in this process, over the in-process control channel."""
     nranks = len(devices)
@@ -276,19 +279,26 @@ async def _train_here(
         module = root_module if rank == 0 else create_model(options.seed).to(device)
         shard = data.shard(rank, nranks)
         entries.append(
-            (
-                SupervisedModel(module, cross_entropy),
-                _train_batches(shard, options, rank),
-                _valid_batches(shard, options),
+            ModelWithData(
+                model=SupervisedModel(module, cross_entropy),
+                train_batches=_train_batches(shard, options, rank),
+                validation_batches=_valid_batches(shard, options),
             )
         )
-    work = functools.partial(
-        local_data_parallel_training_loop, models_with_data_streams=entries, **settings
-    )
+
+    async def work(stop: anyio.Event) -> LoopState:
+        return await local_data_parallel_training_loop(
+            models_with_data_streams=entries,
+            optimizer_factory=_optimizer(options.lr),
+            loop=loop,
+            resume=resumed,
+            stop=stop,
+        )
+
     return await run_until_signal(work, rank=0)
 
 
-async def _prepare(out: Path, resume: bool) -> tuple[TrainingState, Any] | None:
+async def _prepare(out: Path, resume: bool) -> Resumed | None:
     """The checkpoint to resume from, if ``resume``; refuses to overwrite a run otherwise."""
     directory = out / CHECKPOINTS
     if resume:

@@ -8,7 +8,7 @@ from typing import Any
 import attrs
 import torch
 
-from .._errors import BadBatch
+from ._errors import BadBatch
 
 __all__ = ["SupervisedModel", "count_examples", "move_to_device"]
 

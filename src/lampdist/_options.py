@@ -1,0 +1,228 @@
+"""What the entry points take: option objects that travel together, and the progress events.
+
+Every entry point takes the same objects, so a setting declared once reaches every role:
+
+- :class:`StepOptions`: how every rank steps (what all ranks must agree on; checked at join);
+- :class:`LoopOptions`: the root's epoch loop (lamp's names: ``max_epochs``,
+  ``validation_frequency``, the schedule, smoothing, the best-model epochs, the checkpoint
+  effect) and its progress callback;
+- :class:`Timeouts`: the deadlines of joining, clique setup, each collective and a stop;
+- :class:`ModelWithData`: one rank's model and batch sources.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, Literal
+
+import attrs
+import torch
+
+from ._effects import BatchSource, CheckpointState
+from ._errors import ConfigError
+from ._loop import check_epochs_arguments
+from ._model import SupervisedModel
+from ._state import LoopState
+from .schedules import LearningRateSchedule, noop
+
+__all__ = [
+    "LoopOptions",
+    "ModelWithData",
+    "OnPassEvent",
+    "PassEvent",
+    "StepOn",
+    "StepOptions",
+    "Timeouts",
+]
+
+StepOn = Literal["root", "every_rank"]
+
+
+@attrs.frozen(kw_only=True)
+class StepOptions:
+    """How every rank steps; all ranks must pass equal ones (checked when they join).
+
+    ``step_on="root"`` (lamp's design) keeps the optimizer on the root: gradients are reduced
+    to it and the parameters broadcast back. ``step_on="every_rank"`` all-reduces the
+    gradients and every rank steps its own optimizer (followers need ``optimizer_factory``
+    too): one collective a step instead of two, the same updates.
+    ``accumulate_gradient_over_n_batches`` batches make one step. ``bucket_cap_mb`` cuts the
+    gradients into buckets of about that many megabytes whose exchange starts while backward
+    still runs (``None``: one exchange per flat buffer after backward). ``max_grad_norm``
+    clips the averaged gradients by their global norm; ``non_finite_loss`` says what a step
+    whose summed loss is not finite does (``"raise"`` :class:`~lampdist.NonFiniteLoss`, or
+    ``"skip"`` the step). ``autocast_dtype`` runs forward passes under ``torch.autocast``
+    (bfloat16, or float16 with dynamic loss scaling).
+
+    Raises :class:`~lampdist.ConfigError` for values out of range.
+    """
+
+    accumulate_gradient_over_n_batches: int = 1
+    autocast_dtype: torch.dtype | None = None
+    step_on: StepOn = "root"
+    bucket_cap_mb: float | None = None
+    max_grad_norm: float | None = None
+    non_finite_loss: Literal["raise", "skip"] = "raise"
+
+    def __attrs_post_init__(self) -> None:
+        accumulate = self.accumulate_gradient_over_n_batches
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise ConfigError(
+                f"accumulate_gradient_over_n_batches must be an int >= 1, got {accumulate!r}: "
+                "pass 1 to step after every batch",
+                phase="configure",
+            )
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ConfigError(
+                f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}", phase="configure"
+            )
+        if self.autocast_dtype not in (None, torch.bfloat16, torch.float16):
+            raise ConfigError(
+                "autocast_dtype must be torch.bfloat16, torch.float16 or None, "
+                f"got {self.autocast_dtype}",
+                phase="configure",
+            )
+        if self.non_finite_loss not in ("raise", "skip"):
+            raise ConfigError(
+                f"non_finite_loss must be 'raise' or 'skip', got {self.non_finite_loss!r}",
+                phase="configure",
+            )
+        cap = self.bucket_cap_mb
+        if cap is not None and (
+            isinstance(cap, bool) or not isinstance(cap, int | float) or not cap > 0
+        ):
+            raise ConfigError(
+                f"bucket_cap_mb must be > 0 megabytes or None, got {cap!r}: pass None to "
+                "exchange the gradients after backward",
+                phase="configure",
+            )
+        if self.step_on not in ("root", "every_rank"):
+            raise ConfigError(
+                f"step_on must be 'root' or 'every_rank', got {self.step_on!r}", phase="configure"
+            )
+
+    def describe(self) -> str:
+        """Every field, for the agreement check at join (ranks compare exactly this)."""
+        return ", ".join(
+            f"{field.name}={getattr(self, field.name)!r}" for field in attrs.fields(StepOptions)
+        )
+
+
+@attrs.frozen(kw_only=True)
+class PassEvent:
+    """Progress of a pass, reported on the root: during a training pass after its first step,
+    then the newest at most every 50 ms (events in between are coalesced, never waited for),
+    and always at the end of every pass.
+
+    ``batches`` counts the root's own batches so far and ``total_batches`` is the root's batch
+    count when its source has a length, else ``None``; ``examples`` counts the whole clique's
+    examples so far and ``loss`` is their example-weighted mean loss; ``done`` marks the last
+    event of the pass.
+    """
+
+    epoch: int
+    kind: Literal["train", "valid"]
+    pass_index: int
+    step: int
+    batches: int
+    total_batches: int | None
+    examples: int
+    loss: float
+    seconds: float
+    done: bool
+
+    @property
+    def examples_per_second(self) -> float:
+        """Examples of the whole clique per second of this pass so far."""
+        return self.examples / self.seconds if self.seconds > 0 else 0.0
+
+
+OnPassEvent = Callable[[PassEvent], Awaitable[None]]
+"""``async (event) -> None``, called on the root's event loop with the progress of each pass
+(see :class:`PassEvent`); a pass's steps never wait for it."""
+
+
+def _epoch_set(value: Iterable[int]) -> frozenset[int]:
+    return frozenset(value)
+
+
+@attrs.frozen(kw_only=True)
+class LoopOptions:
+    """The root's epoch loop; followers ignore it.
+
+    Epochs run up to ``max_epochs``; epoch ``e`` is validated when ``e %
+    validation_frequency == 0``, and the validation loss is smoothed exponentially with
+    ``validation_loss_exponential_smoothing_factor`` (1.0: no smoothing).
+    ``learning_rate_schedule`` sets each epoch's learning-rate factor (see
+    :mod:`lampdist.schedules`). With ``return_min_validation_loss_model`` (a set of epochs),
+    the model of the epoch with the lowest smoothed validation loss among them is kept, and
+    every rank ends holding it. ``checkpoint_state`` is awaited after every epoch
+    (:func:`lampdist.checkpoint.to_directory` builds one); ``on_event`` receives the root's
+    progress (:class:`PassEvent`). The rules are :func:`lampdist.epochs`'.
+
+    Raises :class:`~lampdist.ConfigError` for values out of range.
+    """
+
+    max_epochs: int
+    validation_frequency: int = 1
+    validation_loss_exponential_smoothing_factor: float = 1.0
+    learning_rate_schedule: LearningRateSchedule[Any] = attrs.field(factory=noop)
+    return_min_validation_loss_model: frozenset[int] = attrs.field(
+        default=frozenset(), converter=_epoch_set
+    )
+    checkpoint_state: CheckpointState | None = None
+    on_event: OnPassEvent | None = None
+
+    def __attrs_post_init__(self) -> None:
+        check_epochs_arguments(
+            self.max_epochs,
+            self.validation_frequency,
+            self.validation_loss_exponential_smoothing_factor,
+            LoopState(),
+        )
+
+
+def _seconds(name: str, *, zero: bool = False) -> Callable[[object, object, object], None]:
+    def check(_: object, __: object, value: object) -> None:
+        if value is None:
+            return
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not (value >= 0 if zero else value > 0)
+        ):
+            bound = ">= 0" if zero else "> 0"
+            raise ConfigError(
+                f"Timeouts.{name} must be {bound} seconds or None (no limit), got {value!r}",
+                phase="configure",
+            )
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class Timeouts:
+    """The deadlines of a run, in seconds (``None``: no limit).
+
+    ``join``: for the followers to join the root (and a follower to reach it); ``setup``: for
+    every rank to open the clique; ``collective``: for each collective, counted from its
+    start; ``stop``: once a stop is requested, for the epoch in progress to end and be
+    checkpointed (keep it below your scheduler's grace period). Raises
+    :class:`~lampdist.ConfigError` for a negative or zero value (``stop`` may be 0).
+    """
+
+    join: float | None = attrs.field(default=300.0, validator=_seconds("join"))
+    setup: float | None = attrs.field(default=300.0, validator=_seconds("setup"))
+    collective: float | None = attrs.field(default=600.0, validator=_seconds("collective"))
+    stop: float | None = attrs.field(default=30.0, validator=_seconds("stop", zero=True))
+
+
+@attrs.frozen(kw_only=True)
+class ModelWithData:
+    """One rank's model and its batch sources (an entry of lamp's
+    ``models_with_data_streams``): the training batches, and the validation batches when the
+    run validates (every rank, or none)."""
+
+    model: SupervisedModel
+    train_batches: BatchSource
+    validation_batches: BatchSource | None = None
