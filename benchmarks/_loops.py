@@ -283,16 +283,14 @@ async def run_lampdist(spec: RunSpec, workload: Workload, device: torch.device) 
             "127.0.0.1", spec.port, rank=spec.rank, secret=secret
         ) as follower:
             await lampdist.follow_distributed_training(
+                data=lampdist.ModelWithData(model=model, train_batches=source),
                 rank=spec.rank,
                 nranks=spec.nranks,
                 device=device,
                 control=follower,
-                model=model,
-                train_batches=source,
-                autocast_dtype=dtype,
-                # used when a variant has every rank step (step_on="every_rank")
                 optimizer_factory=lambda params: create_optimizer(params, device),
                 **kwargs,
+                step=lampdist.StepOptions(autocast_dtype=dtype),
             )
         return RankResult(
             rank=spec.rank,
@@ -334,16 +332,14 @@ async def run_lampdist(spec: RunSpec, workload: Workload, device: torch.device) 
         ) as root:
             mark_ready(spec.ready_file)
             await lampdist.drive_distributed_training(
+                data=lampdist.ModelWithData(model=model, train_batches=source),
                 nranks=spec.nranks,
                 device=device,
                 control=root,
-                model=model,
                 optimizer_factory=lambda params: create_optimizer(params, device),
-                train_batches=source,
-                max_epochs=1,
-                autocast_dtype=dtype,
-                on_event=on_event,
                 **kwargs,
+                loop=lampdist.LoopOptions(max_epochs=1, on_event=on_event),
+                step=lampdist.StepOptions(autocast_dtype=dtype),
             )
     finally:
         hook.remove()

@@ -124,7 +124,7 @@ def main() -> None:
         for measured in seconds.values():
             del measured[0]  # the warm-up round
         loaded = checkpoint.load_latest(root / "checkpoints")  # untimed: is it intact?
-        if loaded is None or loaded[0].loop_state.epoch != args.repeats:
+        if loaded is None or loaded.epoch != args.repeats:
             raise SystemExit("the last checkpoint did not load back")
         del loaded
     finally:

@@ -83,8 +83,7 @@ async def one_run(tick: float) -> dict[str, Any]:
         await lampdist.local_data_parallel_training_loop(
             models_with_data_streams=entries,
             optimizer_factory=lambda params: torch.optim.AdamW(params, lr=1e-4),
-            max_epochs=1,
-            on_event=on_event,
+            loop=lampdist.LoopOptions(max_epochs=1, on_event=on_event),
         )
         done.set()
     return {

@@ -43,8 +43,9 @@ async def main(epochs: int = 20) -> lampdist.LoopState:
     return await lampdist.local_data_parallel_training_loop(
         models_with_data_streams=ranks,
         optimizer_factory=sgd,
-        max_epochs=epochs,
-        return_min_validation_loss_model=range(epochs),
+        loop=lampdist.LoopOptions(
+            max_epochs=epochs, return_min_validation_loss_model=range(epochs)
+        ),
     )
 
 

@@ -98,8 +98,7 @@ async def train(job: Job) -> None:
     await lampdist.local_data_parallel_training_loop(
         models_with_data_streams=ranks,
         optimizer_factory=adam,
-        max_epochs=job.epochs,
-        on_event=on_event,
+        loop=lampdist.LoopOptions(max_epochs=job.epochs, on_event=on_event),
     )
 
 

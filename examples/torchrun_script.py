@@ -46,12 +46,14 @@ async def main(epochs: int) -> None:
     train = make_shard(env.rank, env.nranks)
     valid = make_shard(env.rank, env.nranks, examples=64, seed=1)
     state = await lampdist.train(
+        data=lampdist.ModelWithData(
+            model=lampdist.SupervisedModel(module, torch.nn.functional.mse_loss),
+            train_batches=lambda: train,
+            validation_batches=lambda: valid,
+        ),
         launch=env,
-        model=lampdist.SupervisedModel(module, torch.nn.functional.mse_loss),
         optimizer_factory=sgd,
-        train_batches=lambda: train,
-        validation_batches=lambda: valid,
-        max_epochs=epochs,
+        loop=lampdist.LoopOptions(max_epochs=epochs),
     )
     checksum = sum(float(p.detach().double().sum()) for p in module.parameters())
     result: dict[str, object] = {"rank": env.rank, "checksum": checksum}

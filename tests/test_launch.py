@@ -196,14 +196,16 @@ async def train_two_ranks(
 
     async def rank(r: int) -> None:
         results[r] = await lampdist.train(
+            data=lampdist.ModelWithData(
+                model=lampdist.SupervisedModel(modules[r], torch.nn.functional.mse_loss),
+                train_batches=lambda: shard(r),
+                validation_batches=(lambda: shard(10 + r)) if validate else None,
+            ),
             launch=launch(r),
-            model=lampdist.SupervisedModel(modules[r], torch.nn.functional.mse_loss),
             optimizer_factory=sgd,
-            train_batches=lambda: shard(r),
-            validation_batches=(lambda: shard(10 + r)) if validate else None,
-            max_epochs=max_epochs,
             stop_on_signals=False,
-            join_timeout=20,
+            loop=lampdist.LoopOptions(max_epochs=max_epochs),
+            timeouts=lampdist.Timeouts(join=20),
         )
 
     with anyio.fail_after(30):
@@ -276,14 +278,16 @@ async def test_train_over_tls() -> None:
 
     async def rank(r: int) -> None:
         results[r] = await lampdist.train(
+            data=lampdist.ModelWithData(
+                model=lampdist.SupervisedModel(torch.nn.Linear(3, 1), torch.nn.functional.mse_loss),
+                train_batches=lambda: shard(r),
+            ),
             launch=LaunchEnv(rank=r, nranks=2, port=port, secret="test"),
-            model=lampdist.SupervisedModel(torch.nn.Linear(3, 1), torch.nn.functional.mse_loss),
             optimizer_factory=sgd,
-            train_batches=lambda: shard(r),
-            max_epochs=1,
             ssl_context=server if r == 0 else client,
             stop_on_signals=False,
-            join_timeout=20,
+            loop=lampdist.LoopOptions(max_epochs=1),
+            timeouts=lampdist.Timeouts(join=20),
         )
 
     with anyio.fail_after(30):
@@ -298,41 +302,61 @@ async def test_train_with_one_rank_needs_no_network() -> None:
     module = torch.nn.Linear(3, 1)
     with anyio.fail_after(20):
         state = await lampdist.train(
+            data=lampdist.ModelWithData(
+                model=lampdist.SupervisedModel(module, torch.nn.functional.mse_loss),
+                train_batches=lambda: shard(0),
+            ),
             launch=LaunchEnv(rank=0, nranks=1),
-            model=lampdist.SupervisedModel(module, torch.nn.functional.mse_loss),
             optimizer_factory=sgd,
-            train_batches=lambda: shard(0),
-            max_epochs=1,
+            loop=lampdist.LoopOptions(max_epochs=1),
         )
     assert state is not None and state.epoch == 1
 
 
-async def test_a_signal_cancels_the_work_and_raises_interrupted() -> None:
+async def test_a_signal_asks_for_a_graceful_stop_and_raises_interrupted() -> None:
+    ended: list[str] = []
+
+    async def work(stop: anyio.Event) -> None:
+        await anyio.wait_all_tasks_blocked()  # the signal receiver is installed now
+        os.kill(os.getpid(), signal.SIGINT)
+        await stop.wait()  # the run drains its epoch and stops
+        ended.append("gracefully")
+
+    with anyio.fail_after(10), pytest.raises(Interrupted, match="stopped by SIGINT") as caught:
+        await run_until_signal(work, rank=3)
+    assert ended == ["gracefully"]
+    assert (caught.value.signum, caught.value.rank) == (signal.SIGINT, 3)
+
+
+async def test_a_second_signal_cancels_the_work() -> None:
     cleaned_up = anyio.Event()
 
-    async def work() -> None:
+    async def work(stop: anyio.Event) -> None:
         try:
-            await anyio.wait_all_tasks_blocked()  # the signal receiver is installed now
-            os.kill(os.getpid(), signal.SIGINT)
+            await anyio.wait_all_tasks_blocked()
+            os.kill(os.getpid(), signal.SIGTERM)
+            await stop.wait()
+            await anyio.wait_all_tasks_blocked()
+            os.kill(os.getpid(), signal.SIGTERM)  # a run that would not stop in time
             await anyio.sleep_forever()
         finally:
             cleaned_up.set()
 
-    with anyio.fail_after(10), pytest.raises(Interrupted, match="stopped by SIGINT") as caught:
-        await run_until_signal(work, rank=3)
+    with anyio.fail_after(10), pytest.raises(Interrupted, match="stopped by SIGTERM"):
+        await run_until_signal(work)
     assert cleaned_up.is_set()
-    assert (caught.value.signum, caught.value.rank) == (signal.SIGINT, 3)
 
 
 async def test_without_a_signal_the_result_comes_back() -> None:
-    async def work() -> int:
+    async def work(stop: anyio.Event) -> int:
+        assert not stop.is_set()
         return 42
 
     assert await run_until_signal(work) == 42
 
 
 async def test_the_error_of_the_work_comes_back_as_it_is() -> None:
-    async def work() -> None:
+    async def work(stop: anyio.Event) -> None:
         raise lampdist.ConfigError("bad", rank=2)
 
     with pytest.raises(lampdist.ConfigError, match="rank 2: bad"):

@@ -85,7 +85,7 @@ def seed_everything(epoch: int) -> None:
 async def _write_epochs(directory: str, stop_epoch: int, seed: int) -> None:
     pauses = random.Random(seed)
     resumed = checkpoint.load_latest(directory)
-    start = 1 if resumed is None else resumed[0].loop_state.epoch + 1
+    start = 1 if resumed is None else resumed.epoch + 1
     save = checkpoint.to_directory(directory, keep=2)
     for epoch in range(start, stop_epoch + 1):
         state, lr_state = expected_state(epoch)
@@ -102,14 +102,14 @@ def _warm_up() -> None:
     import anyio._backends._asyncio  # noqa: F401  (imported by anyio.run on first use)
 
     from lampdist._checkpoint._rng import capture_rng_states
-    from lampdist._checkpoint._write import NO_SCHEDULE, write_checkpoint
+    from lampdist._checkpoint._write import write_checkpoint
 
     with tempfile.TemporaryDirectory() as directory:
         for epoch in (1, 2):
             state, lr_state = expected_state(epoch)
             write_checkpoint(
                 Path(directory), state, lr_state, capture_rng_states(), keep=1,
-                schedule_init=NO_SCHEDULE, check=lambda: None,
+                check=lambda: None,
             )  # fmt: skip
         checkpoint.load_latest(directory)
     assert threading.active_count() == 1, "fork needs a single-threaded host"

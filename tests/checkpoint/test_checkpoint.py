@@ -28,14 +28,14 @@ import pytest
 import torch
 
 import lampdist
-from lampdist import CurvePoint, LoopState, TrainingState, checkpoint
+from lampdist import CurvePoint, LoopState, TrainingState, checkpoint, schedules
 from lampdist._checkpoint import _torch_io
 from lampdist._checkpoint._files import HashingWriter, hash_file, write_file
 from lampdist._checkpoint._format import BLOCK_BYTES
-from lampdist._checkpoint._rng import capture_rng_states
-from lampdist._checkpoint._write import NO_SCHEDULE, write_checkpoint
+from lampdist._checkpoint._rng import capture_rng_states, restore_rng_states
+from lampdist._checkpoint._write import write_checkpoint
 
-from .checkpoint_writer import CrashScheduleState, expected_state, seed_everything
+from .checkpoint_writer import expected_state, seed_everything
 
 # ---------------------------------------------------------------------------------------------
 # helpers
@@ -163,12 +163,13 @@ async def test_round_trip_restores_every_field_exactly(tmp_path: Path, optimizer
     lr_state = _ScheduleState(
         factor=0.3, inner=_Inner(count=3, best=2.5), maybe=_Inner(count=1), history=(0.5, 0.25)
     )
-    await checkpoint.to_directory(tmp_path, schedule=SCHEDULE)(state, lr_state)
+    await checkpoint.to_directory(tmp_path)(state, lr_state)
 
-    loaded = checkpoint.load_latest(tmp_path, schedule=SCHEDULE)
+    loaded = checkpoint.load_latest(tmp_path)
 
     assert loaded is not None
-    loaded_state, loaded_lr = loaded
+    loaded_state = loaded.training_state
+    loaded_lr = schedules.state_from_json(SCHEDULE, loaded.schedule_state)
     assert_identical(loaded_state, state)
     assert loaded_state == attrs.evolve(
         state,
@@ -208,8 +209,8 @@ async def test_round_trip_without_best_model_and_with_plain_schedule_states(tmp_
         await save(state, lr_state)
         loaded = checkpoint.load_latest(tmp_path / "deeper" / "dir")
         assert loaded is not None
-        assert_identical(loaded[0], state)
-        assert_identical(loaded[1], lr_state)
+        assert_identical(loaded.training_state, state)
+        assert_identical(loaded.schedule_state, lr_state)
 
 
 @pytest.mark.parametrize("kind", ["tensors", "torch.save", "torch.save with CRCs"])
@@ -233,7 +234,7 @@ async def test_files_larger_than_a_block_are_checked_block_by_block(
     assert len(manifest["files"]["files"][filename]["blocks"]) == 2
     loaded = checkpoint.load_latest(tmp_path)
     assert loaded is not None
-    assert_identical(loaded[0], state)
+    assert_identical(loaded.training_state, state)
     model_file = tmp_path / "epoch-000002" / filename
     data = bytearray(model_file.read_bytes())
     data[BLOCK_BYTES + 12345] ^= 0x10  # in the second block only
@@ -272,12 +273,12 @@ def test_block_checksums_are_right_when_hashing_lags_behind_writing(tmp_path: Pa
     assert hash_file(path, "sha256") == (len(content), expected)
 
 
-async def test_attrs_schedule_state_loads_as_dict_without_schedule(tmp_path: Path) -> None:
+async def test_an_attrs_schedule_state_is_stored_as_json(tmp_path: Path) -> None:
     lr_state = _ScheduleState(factor=0.5, inner=_Inner(count=2))
     await checkpoint.to_directory(tmp_path)(small_state(1), lr_state)
     loaded = checkpoint.load_latest(tmp_path)
     assert loaded is not None
-    assert loaded[1] == {
+    assert loaded.schedule_state == {
         "factor": 0.5,
         "inner": {"count": 2, "best": None},
         "maybe": None,
@@ -285,13 +286,10 @@ async def test_attrs_schedule_state_loads_as_dict_without_schedule(tmp_path: Pat
     }
 
 
-async def test_schedule_mismatch_is_refused_on_save_and_on_load(tmp_path: Path) -> None:
+async def test_a_schedule_state_that_is_not_json_is_refused(tmp_path: Path) -> None:
     with pytest.raises(lampdist.CheckpointError, match="schedule state"):
-        await checkpoint.to_directory(tmp_path, schedule=SCHEDULE)(small_state(1), 0.5)
+        await checkpoint.to_directory(tmp_path)(small_state(1), object())
     assert committed(tmp_path) == []
-    await checkpoint.to_directory(tmp_path)(small_state(1), CrashScheduleState(step=1, factor=1))
-    with pytest.raises(lampdist.CheckpointError, match="pass the schedule"):
-        checkpoint.load_latest(tmp_path, schedule=SCHEDULE)
 
 
 async def test_values_that_would_need_code_to_load_are_refused(tmp_path: Path) -> None:
@@ -307,16 +305,19 @@ async def test_values_that_would_need_code_to_load_are_refused(tmp_path: Path) -
     assert scratch(tmp_path) == []
 
 
-async def test_rng_states_are_restored_on_request(tmp_path: Path) -> None:
+async def test_rng_states_come_back_on_request(tmp_path: Path) -> None:
     saved = capture_rng_states()
     try:
         seed_everything(11)
         await checkpoint.to_directory(tmp_path)(small_state(1), None)
         after_save = (torch.rand(3), random.random(), np.random.rand())
         seed_everything(99)
-        checkpoint.load_latest(tmp_path)
-        assert torch.rand(3)[0] != after_save[0][0]  # without restore_rng nothing changes
-        checkpoint.load_latest(tmp_path, restore_rng=True)
+        plain = checkpoint.load_latest(tmp_path)
+        assert plain is not None and plain.rng_states is None
+        loaded = checkpoint.load_latest(tmp_path, restore_rng=True)
+        assert loaded is not None and loaded.rng_states is not None
+        assert torch.rand(3)[0] != after_save[0][0]  # loading restores nothing by itself
+        restore_rng_states(loaded.rng_states)  # what a resumed run does on the root
         resumed = (torch.rand(3), random.random(), np.random.rand())
         assert_identical(resumed[0], after_save[0])
         assert resumed[1:] == after_save[1:]
@@ -340,7 +341,7 @@ async def test_keeps_the_newest_and_rewrites_of_an_epoch_supersede(tmp_path: Pat
     assert committed(tmp_path) == ["epoch-000004", "epoch-000005.1"]
     loaded = checkpoint.load_latest(tmp_path)
     assert loaded is not None
-    assert_identical(loaded[0], rewritten)
+    assert_identical(loaded.training_state, rewritten)
     with pytest.raises(lampdist.CheckpointError, match="newer than the epoch 3"):
         await save(small_state(3), None)
     assert committed(tmp_path) == ["epoch-000004", "epoch-000005.1"]
@@ -405,8 +406,8 @@ async def _three_epochs(directory: Path) -> None:
 def _loaded_epoch(directory: Path) -> int:
     loaded = checkpoint.load_latest(directory)
     assert loaded is not None
-    assert_identical(loaded[0], small_state(loaded[0].loop_state.epoch))
-    return loaded[0].loop_state.epoch
+    assert_identical(loaded.training_state, small_state(loaded.training_state.loop_state.epoch))
+    return loaded.training_state.loop_state.epoch
 
 
 def _truncate(path: Path) -> None:
@@ -493,7 +494,7 @@ async def test_map_location_is_applied(tmp_path: Path) -> None:
     await _three_epochs(tmp_path)
     loaded = checkpoint.load_latest(tmp_path, map_location="meta")
     assert loaded is not None
-    assert loaded[0].model_state["w"].device.type == "meta"
+    assert loaded.training_state.model_state["w"].device.type == "meta"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -508,7 +509,7 @@ def test_an_abort_at_any_point_leaves_no_partial_checkpoint(tmp_path: Path) -> N
     state = small_state(2)
     write_checkpoint(
         tmp_path, small_state(1), None, capture_rng_states(), keep=3,
-        schedule_init=NO_SCHEDULE, check=lambda: None,
+        check=lambda: None,
     )  # fmt: skip
     points = 0
 
@@ -517,9 +518,7 @@ def test_an_abort_at_any_point_leaves_no_partial_checkpoint(tmp_path: Path) -> N
         points += 1
 
     probe = tmp_path / "probe"
-    write_checkpoint(
-        probe, state, None, capture_rng_states(), keep=3, schedule_init=NO_SCHEDULE, check=count
-    )
+    write_checkpoint(probe, state, None, capture_rng_states(), keep=3, check=count)
     assert points > 10
     for abort_at in range(1, points + 1):
         calls = 0
@@ -533,7 +532,7 @@ def test_an_abort_at_any_point_leaves_no_partial_checkpoint(tmp_path: Path) -> N
         with pytest.raises(_Abort):
             write_checkpoint(
                 tmp_path, state, None, capture_rng_states(), keep=3,
-                schedule_init=NO_SCHEDULE, check=abort,
+                check=abort,
             )  # fmt: skip
         assert committed(tmp_path) == ["epoch-000001"], abort_at
         assert scratch(tmp_path) == [], abort_at
@@ -550,7 +549,7 @@ def test_loading_while_a_writer_prunes_sees_whole_checkpoints(tmp_path: Path) ->
                 state, lr_state = expected_state(epoch)
                 write_checkpoint(
                     tmp_path, state, lr_state, capture_rng_states(), keep=1,
-                    schedule_init=NO_SCHEDULE, check=lambda: None,
+                    check=lambda: None,
                 )  # fmt: skip
         except BaseException as exc:  # reported by the test thread
             failures.append(exc)
@@ -562,9 +561,9 @@ def test_loading_while_a_writer_prunes_sees_whole_checkpoints(tmp_path: Path) ->
         while writer.is_alive() or seen < last:
             loaded = checkpoint.load_latest(tmp_path)
             if loaded is not None:
-                epoch = loaded[0].loop_state.epoch
+                epoch = loaded.training_state.loop_state.epoch
                 assert epoch >= seen
-                assert_identical(loaded[0], expected_state(epoch)[0])
+                assert_identical(loaded.training_state, expected_state(epoch)[0])
                 seen = epoch
             if failures:
                 break
@@ -679,7 +678,9 @@ def test_sigkilled_writers_never_leave_an_unloadable_or_mixed_checkpoint(
                 assert newest == 0, "a committed checkpoint became unloadable"
                 window = min(2 * window, 2.0)
                 continue
-            state, lr_state = loaded
+            state, lr_state = loaded.training_state, loaded.schedule_state
+            assert loaded.rng_states is not None
+            restore_rng_states(loaded.rng_states)
             epoch = state.loop_state.epoch
             assert epoch >= newest
             window = min(2 * window, 2.0) if epoch == newest else max(0.7 * window, 0.02)

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 import lampdist
 from lampdist import LoopState, checkpoint
+from lampdist._checkpoint import restore_rng_states
 from lampdist._checkpoint._format import BLOCK_BYTES
 
 from . import _format1
@@ -148,8 +149,8 @@ def test_tensor_files_round_trip_any_value_of_the_grammar(tmp_path: Path, value:
     assert (directory / "epoch-000001" / "model.tensors").exists()
     loaded = checkpoint.load_latest(directory)
     assert loaded is not None
-    _same(loaded[0].model_state, value)
-    _same(loaded[0].optimizer_state, {"v": value})
+    _same(loaded.training_state.model_state, value)
+    _same(loaded.training_state.optimizer_state, {"v": value})
 
 
 async def test_state_dict_metadata_and_many_small_tensors_round_trip(tmp_path: Path) -> None:
@@ -162,8 +163,8 @@ async def test_state_dict_metadata_and_many_small_tensors_round_trip(tmp_path: P
     path = await _save(tmp_path, model)
     loaded = checkpoint.load_latest(tmp_path)
     assert loaded is not None
-    assert_identical(loaded[0].model_state, model)
-    assert getattr(loaded[0].model_state, "_metadata", None) == {"": {"version": 2}}
+    assert_identical(loaded.training_state.model_state, model)
+    assert getattr(loaded.training_state.model_state, "_metadata", None) == {"": {"version": 2}}
     assert sorted(p.name for p in path.iterdir()) == [
         "best_model.tensors",
         "manifest.json",
@@ -192,12 +193,12 @@ async def test_values_outside_the_grammar_fall_back_to_torch_save(tmp_path: Path
     assert (path / "optimizer.tensors").exists()
     loaded = checkpoint.load_latest(tmp_path)
     assert loaded is not None
-    assert_identical(loaded[0].model_state["w"], model["w"])
+    assert_identical(loaded.training_state.model_state["w"], model["w"])
     if isinstance(odd, torch.Tensor):
-        assert type(loaded[0].model_state["odd"]) is type(odd)
-        assert torch.equal(loaded[0].model_state["odd"].to_dense(), odd.to_dense())
+        assert type(loaded.training_state.model_state["odd"]) is type(odd)
+        assert torch.equal(loaded.training_state.model_state["odd"].to_dense(), odd.to_dense())
     else:
-        assert loaded[0].model_state["odd"] == odd
+        assert loaded.training_state.model_state["odd"] == odd
 
 
 @pytest.mark.parametrize(
@@ -213,7 +214,7 @@ async def test_map_location_places_tensor_file_tensors(tmp_path: Path, map_locat
     await _save(tmp_path, {"w": torch.ones(2, 3)})
     loaded = checkpoint.load_latest(tmp_path, map_location=map_location)
     assert loaded is not None
-    weight = loaded[0].model_state["w"]
+    weight = loaded.training_state.model_state["w"]
     assert (weight.device.type, weight.shape, weight.dtype) == ("meta", (2, 3), torch.float32)
 
 
@@ -227,7 +228,7 @@ async def test_a_callable_map_location_gets_each_storage_and_location(tmp_path: 
 
     loaded = checkpoint.load_latest(tmp_path, map_location=keep_or_copy)
     assert loaded is not None
-    assert_identical(loaded[0].model_state["w"], torch.arange(6.0).reshape(2, 3))
+    assert_identical(loaded.training_state.model_state["w"], torch.arange(6.0).reshape(2, 3))
     assert set(locations) == {"cpu"}
 
     def broken(storage: Any, location: str) -> Any:
@@ -280,7 +281,7 @@ async def test_a_bad_tensor_file_is_skipped_as_damaged(
     with caplog.at_level(logging.WARNING, logger="lampdist.checkpoint"):
         loaded = checkpoint.load_latest(tmp_path)
     assert loaded is not None
-    assert loaded[0].loop_state.epoch == 1
+    assert loaded.training_state.loop_state.epoch == 1
     [record] = caplog.records
     assert "epoch-000002" in record.getMessage()
     shutil.rmtree(tmp_path / "epoch-000001")
@@ -296,7 +297,7 @@ async def test_a_truncated_tensor_file_is_skipped(tmp_path: Path) -> None:
         _rewrite(newest, "model.tensors", data[:cut])
         loaded = checkpoint.load_latest(tmp_path)
         assert loaded is not None
-        assert loaded[0].loop_state.epoch == 1, cut
+        assert loaded.training_state.loop_state.epoch == 1, cut
 
 
 async def test_a_tensor_file_of_the_other_byte_order_is_an_error(tmp_path: Path) -> None:
@@ -318,8 +319,10 @@ async def test_format_1_checkpoints_still_load_and_are_superseded(
     expected, expected_lr = _format1.expected()
     loaded = checkpoint.load_latest(tmp_path, restore_rng=True)
     assert loaded is not None
-    assert_identical(loaded[0], expected)
-    assert loaded[1] == attrs.asdict(expected_lr)
+    assert_identical(loaded.training_state, expected)
+    assert loaded.schedule_state == attrs.asdict(expected_lr)
+    assert loaded.rng_states is not None
+    restore_rng_states(loaded.rng_states)
     drawn = torch.rand(3)
     _format1.seed()
     assert_identical(drawn, torch.rand(3))
@@ -329,12 +332,12 @@ async def test_format_1_checkpoints_still_load_and_are_superseded(
     assert committed(tmp_path) == ["epoch-000007", "epoch-000008"]
     newest = checkpoint.load_latest(tmp_path)
     assert newest is not None
-    assert_identical(newest[0], state)
+    assert_identical(newest.training_state, state)
     (tmp_path / "epoch-000008" / "model.tensors").write_bytes(b"damaged")
     with caplog.at_level(logging.WARNING, logger="lampdist.checkpoint"):
         again = checkpoint.load_latest(tmp_path)
     assert again is not None
-    assert again[0].loop_state.epoch == 7
+    assert again.training_state.loop_state.epoch == 7
 
 
 async def test_a_format_1_checkpoint_with_a_flipped_bit_is_skipped(tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import lampdist
-from lampdist._epoch import FlatModel, TrainingOptions
+from lampdist import StepOptions
+from lampdist._epoch import FlatModel
 from lampdist._epoch._buckets import GradientBuckets, plan_buckets
 from lampdist.clique import Clique, PendingCollective, open_clique, serve_rendezvous
 
@@ -179,12 +180,12 @@ async def test_hooks_are_removed_when_the_pass_ends(clique: Clique) -> None:
 @pytest.mark.parametrize("cap", [0, -1.0, True, "25"])
 def test_bucket_cap_must_be_positive_megabytes_or_none(cap: object) -> None:
     with pytest.raises(lampdist.ConfigError, match="bucket_cap_mb must be > 0"):
-        TrainingOptions(bucket_cap_mb=cap)  # type: ignore[arg-type]  # the point of the test
+        StepOptions(bucket_cap_mb=cap)  # type: ignore[arg-type]  # the point of the test
 
 
 def test_the_bucket_cap_is_a_setting_every_rank_must_share() -> None:
-    assert "bucket_cap_mb=8" in TrainingOptions(bucket_cap_mb=8).describe()
-    assert "bucket_cap_mb=None" in TrainingOptions(bucket_cap_mb=None).describe()
+    assert "bucket_cap_mb=8" in StepOptions(bucket_cap_mb=8).describe()
+    assert "bucket_cap_mb=None" in StepOptions(bucket_cap_mb=None).describe()
 
 
 class WithUnused(torch.nn.Module):
@@ -212,7 +213,7 @@ def sgd(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
 
 @pytest.mark.parametrize("step_on", ["root", "every_rank"])
 async def test_unused_and_shared_parameters_train_exactly_with_tiny_buckets(
-    step_on: lampdist._epoch.StepOn,
+    step_on: lampdist.StepOn,
 ) -> None:
     train = make_shards([[5, 7, 3], [6, 2, 4]], seed=1)
     valid = make_shards([[5], [3]], seed=2)
@@ -222,13 +223,16 @@ async def test_unused_and_shared_parameters_train_exactly_with_tiny_buckets(
     with anyio.fail_after(60):
         await lampdist.local_data_parallel_training_loop(
             models_with_data_streams=[
-                (lampdist.SupervisedModel(m, mse), (lambda t=t: list(t)), (lambda v=v: list(v)))
+                lampdist.ModelWithData(
+                    model=lampdist.SupervisedModel(m, mse),
+                    train_batches=(lambda t=t: list(t)),
+                    validation_batches=(lambda v=v: list(v)),
+                )
                 for m, t, v in zip(modules, train, valid, strict=True)
             ],
             optimizer_factory=sgd,
-            max_epochs=2,
-            step_on=step_on,
-            bucket_cap_mb=1e-9,
+            loop=lampdist.LoopOptions(max_epochs=2),
+            step=lampdist.StepOptions(step_on=step_on, bucket_cap_mb=1e-9),
         )
     for module in modules:
         for (name, got), want in zip(

@@ -12,13 +12,8 @@ import anyio.lowlevel
 import pytest
 import torch
 
-from lampdist._epoch import (
-    FlatModel,
-    StepKernel,
-    SupervisedModel,
-    TrainingOptions,
-    open_compute_thread,
-)
+from lampdist import StepOptions, SupervisedModel
+from lampdist._epoch import FlatModel, StepKernel, open_compute_thread
 from lampdist.clique import in_process
 
 
@@ -150,7 +145,7 @@ async def test_the_step_kernel_refuses_to_run_on_the_event_loop() -> None:
             clique=clique,
             model=model,
             flat=FlatModel.create(module, torch.device("cpu")),
-            options=TrainingOptions(),
+            options=StepOptions(),
         )
         with pytest.raises(RuntimeError, match="compute thread, not on an event loop"):
             kernel.sync_parameters()

@@ -16,13 +16,8 @@ import pytest
 import torch
 
 import lampdist
-from lampdist._epoch import (
-    BatchFeed,
-    PassStopped,
-    SupervisedModel,
-    open_compute_thread,
-    open_feed,
-)
+from lampdist import SupervisedModel
+from lampdist._epoch import BatchFeed, PassStopped, open_compute_thread, open_feed
 
 
 @pytest.fixture

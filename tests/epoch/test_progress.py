@@ -8,7 +8,8 @@ import threading
 import anyio
 import pytest
 
-from lampdist._epoch import PassEvent, Progress
+from lampdist import PassEvent
+from lampdist._epoch import Progress
 
 
 @pytest.fixture

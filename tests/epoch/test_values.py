@@ -149,7 +149,7 @@ def float32_shards(sizes: Sequence[Sequence[int]], seed: int) -> list[list[Batch
 
 
 @pytest.mark.parametrize("step_on", ["root", "every_rank"])
-async def test_float32_model_trains_like_one_process(step_on: lampdist._epoch.StepOn) -> None:
+async def test_float32_model_trains_like_one_process(step_on: lampdist.StepOn) -> None:
     sizes = [[5, 7, 3, 9, 2], [6, 6], []]
     train = float32_shards(sizes, seed=1)
     valid = float32_shards([[5, 3]] * 3, seed=2)
@@ -166,12 +166,16 @@ async def test_float32_model_trains_like_one_process(step_on: lampdist._epoch.St
     with anyio.fail_after(60):
         state = await lampdist.local_data_parallel_training_loop(
             models_with_data_streams=[
-                (lampdist.SupervisedModel(module, mse), lambda t=t: list(t), lambda v=v: list(v))
+                lampdist.ModelWithData(
+                    model=lampdist.SupervisedModel(module, mse),
+                    train_batches=lambda t=t: list(t),
+                    validation_batches=lambda v=v: list(v),
+                )
                 for module, t, v in zip(modules, train, valid, strict=True)
             ],
             optimizer_factory=adamw,
-            max_epochs=2,
-            step_on=step_on,
+            loop=lampdist.LoopOptions(max_epochs=2),
+            step=lampdist.StepOptions(step_on=step_on),
         )
     for module in modules:
         for (name, got), want in zip(

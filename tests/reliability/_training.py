@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any
 
 import anyio
 import torch
@@ -22,14 +21,14 @@ EPOCHS = 3
 _references: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
 
-def entries(nranks: int) -> list[tuple[lampdist.SupervisedModel, Any, Any]]:
+def entries(nranks: int) -> list[lampdist.ModelWithData]:
     """The rank script's models and batches, for the in-process loop."""
     train, valid = rank_script.shards(nranks)
     return [
-        (
-            lampdist.SupervisedModel(make_model(seed=0 if r == 0 else 10 + r), mse),
-            functools.partial(list, train[r]),
-            functools.partial(list, valid[r]),
+        lampdist.ModelWithData(
+            model=lampdist.SupervisedModel(make_model(seed=0 if r == 0 else 10 + r), mse),
+            train_batches=functools.partial(list, train[r]),
+            validation_batches=functools.partial(list, valid[r]),
         )
         for r in range(nranks)
     ]
@@ -45,21 +44,18 @@ async def train_in_process(
     """Train in one process (from ``resume_from``'s latest checkpoint, if given) to ``epochs``
     and return the final weights."""
     streams = entries(nranks)
-    init_state, lr_state = None, None
-    if resume_from is not None:
-        loaded = checkpoint.load_latest(resume_from)
-        if loaded is not None:
-            init_state, lr_state = loaded
+    resumed = checkpoint.load_latest(resume_from) if resume_from is not None else None
     with anyio.fail_after(60):
         await lampdist.local_data_parallel_training_loop(
             models_with_data_streams=streams,
             optimizer_factory=rank_script.sgd,
-            max_epochs=epochs,
-            init_state=init_state,
-            learning_rate_schedule_init_state=lr_state,
-            checkpoint_state=checkpoint.to_directory(checkpoints) if checkpoints else None,
+            resume=resumed,
+            loop=lampdist.LoopOptions(
+                max_epochs=epochs,
+                checkpoint_state=checkpoint.to_directory(checkpoints) if checkpoints else None,
+            ),
         )
-    return {name: value.clone() for name, value in streams[0][0].module.state_dict().items()}
+    return {name: value.clone() for name, value in streams[0].model.module.state_dict().items()}
 
 
 async def reference(nranks: int, epochs: int = EPOCHS) -> dict[str, torch.Tensor]:
@@ -79,4 +75,4 @@ def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
 def latest_epoch(directory: Path) -> int | None:
     """The ``loop_state.epoch`` of the newest intact checkpoint (the next epoch to run)."""
     loaded = checkpoint.load_latest(directory)
-    return None if loaded is None else loaded[0].loop_state.epoch
+    return None if loaded is None else loaded.epoch

@@ -210,17 +210,15 @@ async def run(
         return injector.source("valid", my_valid)
 
     model = lampdist.SupervisedModel(module, loss)
-    common: dict[str, Any] = {
-        "nranks": args.nranks,
-        "device": "cpu",
-        "model": model,
-        "train_batches": train_source,
-        "validation_batches": valid_source,
-        "accumulate_gradient_over_n_batches": args.accumulate,
-        "non_finite_loss": args.non_finite,
-        "join_timeout": args.join_timeout,
-        "collective_timeout": args.collective_timeout,
-    }
+    data = lampdist.ModelWithData(
+        model=model, train_batches=train_source, validation_batches=valid_source
+    )
+    step = lampdist.StepOptions(
+        accumulate_gradient_over_n_batches=args.accumulate, non_finite_loss=args.non_finite
+    )
+    timeouts = lampdist.Timeouts(
+        join=args.join_timeout, collective=args.collective_timeout, stop=args.stop_timeout
+    )
     secret = os.environ["LAMPDIST_SECRET"]
     heartbeats = {"heartbeat_interval": 0.5, "heartbeat_timeout": args.heartbeat_timeout}
     if args.rank != 0:
@@ -234,19 +232,24 @@ async def run(
         async with WatchedFollower(channel, injector) as follower:
             with abandon:
                 await lampdist.follow_distributed_training(
-                    rank=args.rank, control=follower, **common
+                    rank=args.rank,
+                    nranks=args.nranks,
+                    device="cpu",
+                    control=follower,
+                    data=data,
+                    step=step,
+                    timeouts=timeouts,
                 )
         if abandon.cancelled_caught:
             return abandoned(signals)
         torch.save(module.state_dict(), args.out / f"rank{args.rank}.pt")
         return 0
 
-    init_state, lr_state = None, None
+    resumed = None
     if args.resume:
-        loaded = checkpoint.load_latest(args.checkpoints)
-        assert loaded is not None, "nothing to resume from"
-        init_state, lr_state = loaded
-        injector.next_train_epoch = injector.epoch = init_state.loop_state.epoch
+        resumed = checkpoint.load_latest(args.checkpoints)
+        assert resumed is not None, "nothing to resume from"
+        injector.next_train_epoch = injector.epoch = resumed.epoch
     save = checkpoint.to_directory(args.checkpoints, keep=3) if args.checkpoints else None
 
     async def checkpoint_state(state: lampdist.TrainingState, lr: Any) -> None:
@@ -273,16 +276,20 @@ async def run(
             injector.cancel_scope = abandon
             try:
                 state = await lampdist.drive_distributed_training(
+                    nranks=args.nranks,
+                    device="cpu",
                     control=root,
+                    data=data,
                     optimizer_factory=sgd,
-                    max_epochs=args.epochs,
-                    checkpoint_state=checkpoint_state if save is not None else None,
-                    init_state=init_state,
-                    learning_rate_schedule_init_state=lr_state,
-                    on_event=on_event,
+                    loop=lampdist.LoopOptions(
+                        max_epochs=args.epochs,
+                        checkpoint_state=checkpoint_state if save is not None else None,
+                        on_event=on_event,
+                    ),
+                    step=step,
+                    timeouts=timeouts,
+                    resume=resumed,
                     stop=stop,
-                    stop_timeout=args.stop_timeout,
-                    **common,
                 )
             except lampdist.LampdistTimeout as exc:
                 if exc.phase == "stop" and signals:

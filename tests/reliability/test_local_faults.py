@@ -91,7 +91,7 @@ async def run_ranks(
     stop: anyio.Event | None = None,
     stop_timeout: float | None = 30.0,
     collective_timeout: float = COLLECTIVE_TIMEOUT,
-    on_event: lampdist._epoch.OnPassEvent | None = None,
+    on_event: lampdist.OnPassEvent | None = None,
     checkpoint_wrapper: Callable[[lampdist.CheckpointState], lampdist.CheckpointState]
     | None = None,
     epochs: int = _training.EPOCHS,
@@ -103,7 +103,7 @@ async def run_ranks(
         save = checkpoint_wrapper(save)
 
     async def one(rank: int) -> None:
-        model, train, valid = _training.entries(run.nranks)[rank]
+        entry = _training.entries(run.nranks)[rank]
         count = {"train": 0, "valid": 0}
 
         def source(phase: str, batches: Any) -> Any:
@@ -121,33 +121,38 @@ async def run_ranks(
                 hook(run, rank, run.phase[rank], run.epoch[rank], 0)
             return mse(output, target)
 
-        model = lampdist.SupervisedModel(model.module, loss)
-        common: dict[str, Any] = {
-            "nranks": run.nranks,
-            "device": "cpu",
-            "model": model,
-            "train_batches": source("train", train),
-            "validation_batches": source("valid", valid),
-            "collective_timeout": collective_timeout,
-        }
+        assert entry.validation_batches is not None
+        data = lampdist.ModelWithData(
+            model=lampdist.SupervisedModel(entry.model.module, loss),
+            train_batches=source("train", entry.train_batches),
+            validation_batches=source("valid", entry.validation_batches),
+        )
+        timeouts = lampdist.Timeouts(collective=collective_timeout, stop=stop_timeout)
         try:
             with run.scopes[rank]:
                 if rank == 0:
                     async with root:
                         run.results[0] = await lampdist.drive_distributed_training(
+                            nranks=run.nranks,
+                            device="cpu",
                             control=root,
+                            data=data,
                             optimizer_factory=rank_script.sgd,
-                            max_epochs=epochs,
-                            checkpoint_state=save,
-                            on_event=on_event,
+                            loop=lampdist.LoopOptions(
+                                max_epochs=epochs, checkpoint_state=save, on_event=on_event
+                            ),
+                            timeouts=timeouts,
                             stop=stop,
-                            stop_timeout=stop_timeout,
-                            **common,
                         )
                 else:
                     async with followers[rank - 1] as channel:
                         await lampdist.follow_distributed_training(
-                            rank=rank, control=channel, **common
+                            rank=rank,
+                            nranks=run.nranks,
+                            device="cpu",
+                            control=channel,
+                            data=data,
+                            timeouts=timeouts,
                         )
                         run.results[rank] = "stopped"
         except Exception as exc:
@@ -340,20 +345,6 @@ async def test_an_epoch_that_outlasts_stop_timeout_is_abandoned(tmp_path: Path) 
 
 
 @pytest.mark.parametrize("stop_timeout", [-1.0, math.nan])
-async def test_a_bad_stop_timeout_is_a_config_error(stop_timeout: float) -> None:
-    root, _ = control.local_channels(2)
-    model, train, _ = _training.entries(2)[0]
-    async with root:
-        call = lampdist.drive_distributed_training(
-            nranks=2,
-            device="cpu",
-            control=root,
-            model=model,
-            optimizer_factory=rank_script.sgd,
-            train_batches=train,
-            max_epochs=1,
-            stop=anyio.Event(),
-            stop_timeout=stop_timeout,
-        )
-        with pytest.raises(lampdist.ConfigError, match="stop_timeout"):
-            await call
+def test_a_bad_stop_timeout_is_a_config_error(stop_timeout: float) -> None:
+    with pytest.raises(lampdist.ConfigError, match=r"Timeouts\.stop must be >= 0"):
+        lampdist.Timeouts(stop=stop_timeout)

@@ -62,7 +62,7 @@ async def train_over_tcp(
 ) -> lampdist.LoopState:
     """Two ranks of the reliability run over ``root`` and ``follower``; ``during()`` is awaited
     on the root after the first step, while the run holds still."""
-    (root_model, root_train, root_valid), (model, train, valid) = _training.entries(2)
+    root_data, data = _training.entries(2)
     state: list[lampdist.LoopState] = []
 
     async def on_event(event: lampdist.PassEvent) -> None:
@@ -72,15 +72,12 @@ async def train_over_tcp(
     async def drive() -> None:
         state.append(
             await lampdist.drive_distributed_training(
+                data=root_data,
                 nranks=2,
                 device="cpu",
                 control=root,
-                model=root_model,
                 optimizer_factory=rank_script.sgd,
-                train_batches=root_train,
-                validation_batches=root_valid,
-                max_epochs=_training.EPOCHS,
-                on_event=on_event,
+                loop=lampdist.LoopOptions(max_epochs=_training.EPOCHS, on_event=on_event),
             )
         )
 
@@ -89,13 +86,11 @@ async def train_over_tcp(
             group.start_soon(drive)
             async with follower:
                 await lampdist.follow_distributed_training(
+                    data=data,
                     rank=1,
                     nranks=2,
                     device="cpu",
                     control=follower,
-                    model=model,
-                    train_batches=train,
-                    validation_batches=valid,
                 )
     return state[0]
 

@@ -121,13 +121,15 @@ async def test_a_1000_epoch_run_keeps_threads_descriptors_and_memory_flat(
         channel = control.tcp_follower(*root.address, rank=1, secret=SECRET)
         async with channel:
             await lampdist.follow_distributed_training(
+                data=lampdist.ModelWithData(
+                    model=lampdist.SupervisedModel(modules[1], mse),
+                    train_batches=functools.partial(list, shards[1]),
+                    validation_batches=functools.partial(list, valid[1]),
+                ),
                 rank=1,
                 nranks=2,
                 device="cpu",
                 control=channel,
-                model=lampdist.SupervisedModel(modules[1], mse),
-                train_batches=functools.partial(list, shards[1]),
-                validation_batches=functools.partial(list, valid[1]),
             )
 
     started = time.perf_counter()
@@ -138,15 +140,18 @@ async def test_a_1000_epoch_run_keeps_threads_descriptors_and_memory_flat(
         ):
             group.start_soon(follow, root)
             state = await lampdist.drive_distributed_training(
+                data=lampdist.ModelWithData(
+                    model=lampdist.SupervisedModel(modules[0], mse),
+                    train_batches=functools.partial(list, shards[0]),
+                    validation_batches=functools.partial(list, valid[0]),
+                ),
                 nranks=2,
                 device="cpu",
                 control=root,
-                model=lampdist.SupervisedModel(modules[0], mse),
                 optimizer_factory=rank_script.sgd,
-                train_batches=functools.partial(list, shards[0]),
-                validation_batches=functools.partial(list, valid[0]),
-                max_epochs=EPOCHS,
-                checkpoint_state=checkpoint_and_measure,
+                loop=lampdist.LoopOptions(
+                    max_epochs=EPOCHS, checkpoint_state=checkpoint_and_measure
+                ),
             )
     took = time.perf_counter() - started
     assert state.epoch == EPOCHS

@@ -52,16 +52,16 @@ async def main(argv: list[str]) -> None:
         ) as root:
             print(f"PORT {root.address[1]}", flush=True)
             state = await lampdist.drive_distributed_training(
+                data=lampdist.ModelWithData(
+                    model=model, train_batches=lambda: train, validation_batches=lambda: valid
+                ),
                 nranks=args.nranks,
                 device="cpu",
                 control=root,
-                model=model,
                 optimizer_factory=sgd,
-                train_batches=lambda: train,
-                validation_batches=lambda: valid,
-                max_epochs=EPOCHS,
-                accumulate_gradient_over_n_batches=ACCUMULATE,
-                join_timeout=30,
+                loop=lampdist.LoopOptions(max_epochs=EPOCHS),
+                step=lampdist.StepOptions(accumulate_gradient_over_n_batches=ACCUMULATE),
+                timeouts=lampdist.Timeouts(join=30),
             )
         curve = [[p.training_loss, p.validation_loss] for p in state.learning_curve]
         (args.out / "curve.json").write_text(json.dumps(curve))
@@ -70,15 +70,15 @@ async def main(argv: list[str]) -> None:
             "127.0.0.1", args.port, rank=args.rank, secret=secret
         ) as follower:
             await lampdist.follow_distributed_training(
+                data=lampdist.ModelWithData(
+                    model=model, train_batches=lambda: train, validation_batches=lambda: valid
+                ),
                 rank=args.rank,
                 nranks=args.nranks,
                 device="cpu",
                 control=follower,
-                model=model,
-                train_batches=lambda: train,
-                validation_batches=lambda: valid,
-                accumulate_gradient_over_n_batches=ACCUMULATE,
-                join_timeout=30,
+                step=lampdist.StepOptions(accumulate_gradient_over_n_batches=ACCUMULATE),
+                timeouts=lampdist.Timeouts(join=30),
             )
     torch.save(module.state_dict(), args.out / f"rank{args.rank}.pt")
 

@@ -45,7 +45,7 @@ def on(device: str, batches: Sequence[Batch]) -> list[Batch]:
 @pytest.mark.parametrize("accumulate", [1, 3])
 @pytest.mark.parametrize("bucket_cap_mb", [25.0, 1e-9, None], ids=["bucket", "tiny", "none"])
 async def test_two_gpus_match_the_single_gpu_reference(
-    step_on: lampdist._epoch.StepOn, accumulate: int, bucket_cap_mb: float | None
+    step_on: lampdist.StepOn, accumulate: int, bucket_cap_mb: float | None
 ) -> None:
     sizes = [[5, 7, 3, 9, 2, 8], [6, 6, 0, 4]]
     train = make_shards(sizes, seed=1)
@@ -63,18 +63,20 @@ async def test_two_gpus_match_the_single_gpu_reference(
     with pytest.warns(RuntimeWarning, match="one process per GPU"):
         state = await lampdist.local_data_parallel_training_loop(
             models_with_data_streams=[
-                (
-                    lampdist.SupervisedModel(module, mse),
-                    functools.partial(list, on(f"cuda:{r}", train[r])),
-                    functools.partial(list, on(f"cuda:{r}", valid[r])),
+                lampdist.ModelWithData(
+                    model=lampdist.SupervisedModel(module, mse),
+                    train_batches=functools.partial(list, on(f"cuda:{r}", train[r])),
+                    validation_batches=functools.partial(list, on(f"cuda:{r}", valid[r])),
                 )
                 for r, module in enumerate(modules)
             ],
             optimizer_factory=sgd,
-            max_epochs=3,
-            accumulate_gradient_over_n_batches=accumulate,
-            step_on=step_on,
-            bucket_cap_mb=bucket_cap_mb,
+            loop=lampdist.LoopOptions(max_epochs=3),
+            step=lampdist.StepOptions(
+                accumulate_gradient_over_n_batches=accumulate,
+                step_on=step_on,
+                bucket_cap_mb=bucket_cap_mb,
+            ),
         )
     for module in modules:
         for (name, got), want in zip(

@@ -73,7 +73,7 @@ ONE_PARAMETER_PER_BUCKET = 1e-9  # megabytes: every parameter gets a bucket of i
 async def test_matches_single_process_reference(
     case: str,
     optimizer_factory: OptimizerFactory,
-    step_on: lampdist._epoch.StepOn,
+    step_on: lampdist.StepOn,
     sized: bool,
     bucket_cap_mb: float | None,
 ) -> None:
@@ -95,19 +95,21 @@ async def test_matches_single_process_reference(
     with anyio.fail_after(60):
         state = await lampdist.local_data_parallel_training_loop(
             models_with_data_streams=[
-                (
-                    lampdist.SupervisedModel(module, mse),
+                lampdist.ModelWithData(
+                    model=lampdist.SupervisedModel(module, mse),
                     # one rank unsized is enough to need the flags
-                    source(t, sized=sized or rank > 0),
-                    source(v),
+                    train_batches=source(t, sized=sized or rank > 0),
+                    validation_batches=source(v),
                 )
                 for rank, (module, t, v) in enumerate(zip(modules, train, valid, strict=True))
             ],
             optimizer_factory=optimizer_factory,
-            max_epochs=2,
-            accumulate_gradient_over_n_batches=accumulate,
-            step_on=step_on,
-            bucket_cap_mb=bucket_cap_mb,
+            loop=lampdist.LoopOptions(max_epochs=2),
+            step=lampdist.StepOptions(
+                accumulate_gradient_over_n_batches=accumulate,
+                step_on=step_on,
+                bucket_cap_mb=bucket_cap_mb,
+            ),
         )
     for module in modules:
         for (name, got), want in zip(
@@ -137,11 +139,15 @@ async def test_validation_runs_in_eval_mode_without_grad_and_training_in_train_m
     modules = [Probe(), Probe()]
     await lampdist.local_data_parallel_training_loop(
         models_with_data_streams=[
-            (lampdist.SupervisedModel(m, mse), source(s), source(s))
+            lampdist.ModelWithData(
+                model=lampdist.SupervisedModel(m, mse),
+                train_batches=source(s),
+                validation_batches=source(s),
+            )
             for m, s in zip(modules, shards, strict=True)
         ],
         optimizer_factory=sgd,
-        max_epochs=1,
+        loop=lampdist.LoopOptions(max_epochs=1),
     )
     train_calls = [s for s in seen if s[1]]
     eval_calls = [s for s in seen if not s[1]]
@@ -163,14 +169,20 @@ async def test_best_model_is_restored_on_every_rank() -> None:
     schedule = lampdist.schedules.from_epoch_count(lambda epoch: 1.0 if epoch < 2 else 40.0)
     state = await lampdist.local_data_parallel_training_loop(
         models_with_data_streams=[
-            (lampdist.SupervisedModel(m, mse), source(s), source(s))
+            lampdist.ModelWithData(
+                model=lampdist.SupervisedModel(m, mse),
+                train_batches=source(s),
+                validation_batches=source(s),
+            )
             for m, s in zip(modules, shards, strict=True)
         ],
         optimizer_factory=sgd,
-        max_epochs=5,
-        learning_rate_schedule=schedule,
-        return_min_validation_loss_model=range(5),
-        on_event=on_event,
+        loop=lampdist.LoopOptions(
+            max_epochs=5,
+            learning_rate_schedule=schedule,
+            return_min_validation_loss_model=range(5),
+            on_event=on_event,
+        ),
     )
     assert state.min_validation_epoch is not None
     losses = [p.smoothed_validation_loss for p in state.learning_curve]
@@ -191,11 +203,15 @@ async def test_progress_events_count_the_whole_clique() -> None:
 
     await lampdist.local_data_parallel_training_loop(
         models_with_data_streams=[
-            (lampdist.SupervisedModel(make_model(), mse), source(s), source(s)) for s in shards
+            lampdist.ModelWithData(
+                model=lampdist.SupervisedModel(make_model(), mse),
+                train_batches=source(s),
+                validation_batches=source(s),
+            )
+            for s in shards
         ],
         optimizer_factory=sgd,
-        max_epochs=1,
-        on_event=on_event,
+        loop=lampdist.LoopOptions(max_epochs=1, on_event=on_event),
     )
     train = [e for e in events if e.kind == "train"]
     # The first step's event and the last one always arrive; those between are coalesced
@@ -226,12 +242,16 @@ async def test_mixed_precision_trains_and_keeps_ranks_equal(
     before = [p.detach().clone() for p in modules[0].parameters()]
     state = await lampdist.local_data_parallel_training_loop(
         models_with_data_streams=[
-            (lampdist.SupervisedModel(m, big_loss), source(_as_float(s)), None)
+            lampdist.ModelWithData(
+                model=lampdist.SupervisedModel(m, big_loss),
+                train_batches=source(_as_float(s)),
+                validation_batches=None,
+            )
             for m, s in zip(modules, shards, strict=True)
         ],
         optimizer_factory=lambda params: torch.optim.SGD(params, lr=1e-6),
-        max_epochs=2,
-        autocast_dtype=dtype,
+        loop=lampdist.LoopOptions(max_epochs=2),
+        step=lampdist.StepOptions(autocast_dtype=dtype),
     )
     assert all(math.isfinite(p.training_loss) for p in state.learning_curve)
     overflowed = [r for r in caplog.records if "overflowed" in r.getMessage()]

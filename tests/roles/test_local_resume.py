@@ -30,13 +30,18 @@ class Stop(Exception):
     pass
 
 
+def _resumed(state: lampdist.TrainingState, lr_state: Any) -> lampdist.Resumed:
+    """What load_latest would give for a checkpoint of ``state`` and ``lr_state``."""
+    return lampdist.Resumed(training_state=state, schedule_state=schedules.state_to_json(lr_state))
+
+
 async def train(
     *,
     max_epochs: int,
     stop_after: int | None = None,
     resume: tuple[lampdist.TrainingState, Any] | None = None,
     schedule: schedules.LearningRateSchedule[Any],
-    step_on: lampdist._epoch.StepOn = "root",
+    step_on: lampdist.StepOn = "root",
 ) -> tuple[list[torch.nn.Module], lampdist.LoopState | None, list[tuple[Any, Any]]]:
     shards = make_shards([[6, 5, 7], [4, 8]], seed=11)
     valid = make_shards([[6], [5]], seed=12)
@@ -51,22 +56,23 @@ async def train(
     try:
         state = await lampdist.local_data_parallel_training_loop(
             models_with_data_streams=[
-                (
-                    lampdist.SupervisedModel(m, mse),
-                    functools.partial(list, s),
-                    functools.partial(list, v),
+                lampdist.ModelWithData(
+                    model=lampdist.SupervisedModel(m, mse),
+                    train_batches=functools.partial(list, s),
+                    validation_batches=functools.partial(list, v),
                 )
                 for m, s, v in zip(modules, shards, valid, strict=True)
             ],
             optimizer_factory=adamw,
-            max_epochs=max_epochs,
-            checkpoint_state=checkpoint,
-            learning_rate_schedule=schedule,
-            return_min_validation_loss_model=range(max_epochs),
-            validation_loss_exponential_smoothing_factor=0.5,
-            init_state=resume[0] if resume else None,
-            learning_rate_schedule_init_state=resume[1] if resume else None,
-            step_on=step_on,
+            resume=None if resume is None else _resumed(*resume),
+            loop=lampdist.LoopOptions(
+                max_epochs=max_epochs,
+                checkpoint_state=checkpoint,
+                learning_rate_schedule=schedule,
+                return_min_validation_loss_model=range(max_epochs),
+                validation_loss_exponential_smoothing_factor=0.5,
+            ),
+            step=lampdist.StepOptions(step_on=step_on),
         )
     except lampdist.CheckpointError as exc:
         if not isinstance(exc.__cause__, Stop):
@@ -87,16 +93,26 @@ async def train(
     ids=["reduce_on_plateau", "decrement", "best-model-before-interruption"],
 )
 async def test_interrupted_and_resumed_equals_uninterrupted(
-    schedule: schedules.LearningRateSchedule[Any], step_on: lampdist._epoch.StepOn
+    schedule: schedules.LearningRateSchedule[Any], step_on: lampdist.StepOn
 ) -> None:
-    whole, whole_state, whole_saved = await train(max_epochs=6, schedule=schedule, step_on=step_on)
+    whole, whole_state, whole_saved = await train(
+        schedule=schedule,
+        max_epochs=6,
+        step_on=step_on,
+    )
     _, stopped, partial_saved = await train(
-        max_epochs=6, stop_after=3, schedule=schedule, step_on=step_on
+        stop_after=3,
+        schedule=schedule,
+        max_epochs=6,
+        step_on=step_on,
     )
     assert stopped is None
     assert len(partial_saved) == 3
     resumed, resumed_state, resumed_saved = await train(
-        max_epochs=6, resume=partial_saved[-1], schedule=schedule, step_on=step_on
+        resume=partial_saved[-1],
+        schedule=schedule,
+        max_epochs=6,
+        step_on=step_on,
     )
     assert resumed_state == whole_state
     for a, b in zip(whole, resumed, strict=True):

@@ -50,15 +50,15 @@ async def test_a_rank_alone_on_a_gpu_matches_a_plain_loop(accumulate: int) -> No
     module = copy.deepcopy(initial)
     state = await lampdist.local_data_parallel_training_loop(
         models_with_data_streams=[
-            (
-                lampdist.SupervisedModel(module, mse),
-                functools.partial(on_gpu, train[0]),
-                functools.partial(on_gpu, valid[0]),
+            lampdist.ModelWithData(
+                model=lampdist.SupervisedModel(module, mse),
+                train_batches=functools.partial(on_gpu, train[0]),
+                validation_batches=functools.partial(on_gpu, valid[0]),
             )
         ],
         optimizer_factory=adam,
-        max_epochs=3,
-        accumulate_gradient_over_n_batches=accumulate,
+        loop=lampdist.LoopOptions(max_epochs=3),
+        step=lampdist.StepOptions(accumulate_gradient_over_n_batches=accumulate),
     )
     for (name, got), want in zip(
         module.state_dict().items(), expected.state_dict().values(), strict=True
@@ -76,10 +76,16 @@ async def test_a_rank_alone_on_a_gpu_trains_with_autocast(dtype: torch.dtype) ->
     module = make_model().float().to("cuda:0")
     before = [p.detach().clone() for p in module.parameters()]
     state = await lampdist.local_data_parallel_training_loop(
-        models_with_data_streams=[(lampdist.SupervisedModel(module, mse), lambda: train, None)],
+        models_with_data_streams=[
+            lampdist.ModelWithData(
+                model=lampdist.SupervisedModel(module, mse),
+                train_batches=lambda: train,
+                validation_batches=None,
+            )
+        ],
         optimizer_factory=adam,
-        max_epochs=2,
-        autocast_dtype=dtype,
+        loop=lampdist.LoopOptions(max_epochs=2),
+        step=lampdist.StepOptions(autocast_dtype=dtype),
     )
     assert all(math.isfinite(p.training_loss) for p in state.learning_curve)
     assert state.learning_curve[-1].training_loss < state.learning_curve[0].training_loss

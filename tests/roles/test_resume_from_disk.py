@@ -40,31 +40,32 @@ async def run(
     shards = make_shards([[6, 5, 7], [4, 8]], seed=21)
     valid = make_shards([[6], [5]], seed=22)
     modules = [make_model(), make_model(seed=3)]
-    write = checkpoint.to_directory(directory, keep=2, schedule=schedule)
+    write = checkpoint.to_directory(directory, keep=2)
 
     async def checkpoint_then_maybe_stop(state: lampdist.TrainingState, lr_state: Any) -> None:
         await write(state, lr_state)
         if interrupt_after is not None and state.loop_state.epoch == interrupt_after:
             raise Interrupt
 
-    loaded = checkpoint.load_latest(directory, schedule=schedule) if resume else None
+    loaded = checkpoint.load_latest(directory) if resume else None
     try:
         await lampdist.local_data_parallel_training_loop(
             models_with_data_streams=[
-                (
-                    lampdist.SupervisedModel(m, mse),
-                    functools.partial(list, s),
-                    functools.partial(list, v),
+                lampdist.ModelWithData(
+                    model=lampdist.SupervisedModel(m, mse),
+                    train_batches=functools.partial(list, s),
+                    validation_batches=functools.partial(list, v),
                 )
                 for m, s, v in zip(modules, shards, valid, strict=True)
             ],
             optimizer_factory=adamw,
-            max_epochs=6,
-            checkpoint_state=checkpoint_then_maybe_stop,
-            learning_rate_schedule=schedule,
-            return_min_validation_loss_model=range(6),
-            init_state=loaded[0] if loaded else None,
-            learning_rate_schedule_init_state=loaded[1] if loaded else None,
+            resume=loaded,
+            loop=lampdist.LoopOptions(
+                max_epochs=6,
+                checkpoint_state=checkpoint_then_maybe_stop,
+                learning_rate_schedule=schedule,
+                return_min_validation_loss_model=range(6),
+            ),
         )
     except lampdist.CheckpointError as exc:
         if not isinstance(exc.__cause__, Interrupt):
@@ -85,16 +86,16 @@ async def test_resumed_from_disk_equals_uninterrupted(
 ) -> None:
     whole = await run(tmp_path / "whole", schedule)
     await run(tmp_path / "split", schedule, interrupt_after=3)
-    latest = checkpoint.load_latest(tmp_path / "split", schedule=schedule)
+    latest = checkpoint.load_latest(tmp_path / "split")
     assert latest is not None
-    assert latest[0].loop_state.epoch == 3
+    assert latest.epoch == 3
     resumed = await run(tmp_path / "split", schedule, resume=True)
     for a, b in zip(whole, resumed, strict=True):
         for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
             assert torch.equal(x, y), name
-    final_whole = checkpoint.load_latest(tmp_path / "whole", schedule=schedule)
-    final_split = checkpoint.load_latest(tmp_path / "split", schedule=schedule)
+    final_whole = checkpoint.load_latest(tmp_path / "whole")
+    final_split = checkpoint.load_latest(tmp_path / "split")
     assert final_whole is not None
     assert final_split is not None
-    assert final_split[0].loop_state == final_whole[0].loop_state
-    assert final_split[1] == final_whole[1]
+    assert final_split.training_state.loop_state == final_whole.training_state.loop_state
+    assert final_split.schedule_state == final_whole.schedule_state

@@ -58,12 +58,15 @@ async def test_training_goes_on_while_on_event_blocks_the_event_loop() -> None:
     with anyio.fail_after(60):
         state = await lampdist.local_data_parallel_training_loop(
             models_with_data_streams=[
-                (lampdist.SupervisedModel(module, mse), lambda s=shard: s, None)
+                lampdist.ModelWithData(
+                    model=lampdist.SupervisedModel(module, mse),
+                    train_batches=lambda s=shard: s,
+                    validation_batches=None,
+                )
                 for module, shard in zip(modules, shards, strict=True)
             ],
             optimizer_factory=sgd,
-            max_epochs=1,
-            on_event=on_event,
+            loop=lampdist.LoopOptions(max_epochs=1, on_event=on_event),
         )
     assert blocked == [True], "the steps waited for the blocked event loop"
     assert state.epoch == 1
@@ -88,10 +91,14 @@ async def test_cancelling_a_pass_stops_it_between_steps_and_ends_its_threads() -
     async def train() -> None:
         await lampdist.local_data_parallel_training_loop(
             models_with_data_streams=[
-                (lampdist.SupervisedModel(make_model(), slow_loss), slow_batches, None)
+                lampdist.ModelWithData(
+                    model=lampdist.SupervisedModel(make_model(), slow_loss),
+                    train_batches=slow_batches,
+                    validation_batches=None,
+                )
             ],
             optimizer_factory=sgd,
-            max_epochs=1,
+            loop=lampdist.LoopOptions(max_epochs=1),
         )
 
     with anyio.fail_after(60):
