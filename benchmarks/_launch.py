@@ -8,7 +8,6 @@ is killed and reaped before :func:`launch` returns or raises.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import secrets
@@ -24,7 +23,7 @@ import attrs
 
 from _loops import SECRET_ENV, Kind, RankResult, RunSpec
 
-__all__ = ["BenchmarkError", "Config", "Settings", "launch", "root_only"]
+__all__ = ["BenchmarkError", "Config", "Settings", "launch"]
 
 HERE = Path(__file__).resolve().parent
 LOOPS = HERE / "_loops.py"
@@ -32,18 +31,6 @@ SOURCE = HERE.parent / "src"
 SOURCE_KEY = "source"  # a variant key of the launcher's own: the lampdist source tree to run
 POLL_INTERVAL = 0.05
 LOG_TAIL = 4000
-
-
-def root_only() -> frozenset[str]:
-    """The keyword arguments drive_distributed_training takes and follow_distributed_training
-    does not: a lampdist variant passes these to the root alone and every other key to both.
-    (max_grad_norm and non_finite_loss go to both: they act wherever the optimizer steps,
-    on every rank with step_on="every_rank".)"""
-    import lampdist
-
-    root = inspect.signature(lampdist.drive_distributed_training).parameters
-    follower = inspect.signature(lampdist.follow_distributed_training).parameters
-    return frozenset(root) - frozenset(follower)
 
 
 class BenchmarkError(RuntimeError):
@@ -67,11 +54,7 @@ class Config:
 
     def rank_kwargs(self, rank: int) -> dict[str, Any]:
         """The keyword arguments rank ``rank``'s entry point receives."""
-        kwargs = {key: value for key, value in self.kwargs.items() if key != SOURCE_KEY}
-        if self.kind == "lampdist" and rank > 0:
-            skipped = root_only()
-            return {key: value for key, value in kwargs.items() if key not in skipped}
-        return kwargs
+        return {key: value for key, value in self.kwargs.items() if key != SOURCE_KEY}
 
 
 @attrs.frozen(kw_only=True)

@@ -55,8 +55,8 @@ class RunSpec:
     port: int
     ready_file: str
     result_file: str
-    # Keyword arguments of this rank's entry point: DistributedDataParallel's constructor, or
-    # drive_distributed_training (rank 0) / follow_distributed_training (the others).
+    # A variant's keywords: DistributedDataParallel's constructor's, or lampdist's StepOptions
+    # (and the benchmark's own key ``sized``).
     kwargs: dict[str, Any] = attrs.field(factory=dict)
 
 
@@ -277,7 +277,8 @@ async def run_lampdist(spec: RunSpec, workload: Workload, device: torch.device) 
     model = lampdist.SupervisedModel(workload.module, workload.spec.loss_fn)
     kwargs = dict(spec.kwargs)
     source = batch_source(workload, total, sized=bool(kwargs.pop(SIZED_KEY, True)))
-    dtype = workload.spec.autocast_dtype
+    # Every other variant key is a step option (step_on, bucket_cap_mb, ...).
+    step = lampdist.StepOptions(autocast_dtype=workload.spec.autocast_dtype, **kwargs)
     if spec.rank > 0:
         async with control.tcp_follower(
             "127.0.0.1", spec.port, rank=spec.rank, secret=secret
@@ -289,8 +290,7 @@ async def run_lampdist(spec: RunSpec, workload: Workload, device: torch.device) 
                 device=device,
                 control=follower,
                 optimizer_factory=lambda params: create_optimizer(params, device),
-                **kwargs,
-                step=lampdist.StepOptions(autocast_dtype=dtype),
+                step=step,
             )
         return RankResult(
             rank=spec.rank,
@@ -337,9 +337,8 @@ async def run_lampdist(spec: RunSpec, workload: Workload, device: torch.device) 
                 device=device,
                 control=root,
                 optimizer_factory=lambda params: create_optimizer(params, device),
-                **kwargs,
                 loop=lampdist.LoopOptions(max_epochs=1, on_event=on_event),
-                step=lampdist.StepOptions(autocast_dtype=dtype),
+                step=step,
             )
     finally:
         hook.remove()

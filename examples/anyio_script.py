@@ -3,7 +3,7 @@
     python examples/anyio_script.py [--epochs 20] [--backend trio]
 
 Each rank is a copy of the model with its own share of the data; the root (the first entry)
-drives the epochs, the other follows, and the gradients meet over a Gloo process group.
+drives the epochs, the other follows, and the gradients meet in an in-process clique.
 """
 
 from __future__ import annotations
@@ -39,7 +39,13 @@ async def main(epochs: int = 20) -> lampdist.LoopState:
         torch.manual_seed(rank)  # the root's weights are copied to every rank at the start
         model = lampdist.SupervisedModel(torch.nn.Linear(8, 1), torch.nn.functional.mse_loss)
         train, valid = make_shard(rank), make_shard(100 + rank, examples=64)
-        ranks.append((model, lambda train=train: train, lambda valid=valid: valid))
+        ranks.append(
+            lampdist.ModelWithData(
+                model=model,
+                train_batches=lambda train=train: train,
+                validation_batches=lambda valid=valid: valid,
+            )
+        )
     return await lampdist.local_data_parallel_training_loop(
         models_with_data_streams=ranks,
         optimizer_factory=sgd,

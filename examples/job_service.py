@@ -9,7 +9,7 @@
 
 Each job trains on two CPU ranks in the service's own event loop. The jobs run in a task
 group that the app's lifespan owns, so no job outlives the service; cancelling a job cancels
-its ranks, which close their process group before DELETE answers.
+its ranks, which close their clique before DELETE answers.
 """
 
 from __future__ import annotations
@@ -94,7 +94,13 @@ async def train(job: Job) -> None:
     for rank in range(2):
         model = lampdist.SupervisedModel(torch.nn.Linear(8, 1), torch.nn.functional.mse_loss)
         shard = make_shard(rank)
-        ranks.append((model, lambda shard=shard: shard, lambda shard=shard: shard[:2]))
+        ranks.append(
+            lampdist.ModelWithData(
+                model=model,
+                train_batches=lambda shard=shard: shard,
+                validation_batches=lambda shard=shard: shard[:2],
+            )
+        )
     await lampdist.local_data_parallel_training_loop(
         models_with_data_streams=ranks,
         optimizer_factory=adam,

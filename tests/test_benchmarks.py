@@ -80,24 +80,22 @@ def test_configs_parse_names_and_variants(throughput: ModuleType) -> None:
             "single,ddp,lampdist-every",
             "lampdist-ar=step_on:every_rank,max_grad_norm:1.5,bucket_mb:25",
             "ddp-x=",
-            "lampdist-host=rendezvous_host:127.0.0.1,step_on:root",
+            "before=source:../old/src,step_on:root",
         ]
     )
     names = [config.name for config in configs]
-    assert names == ["single", "ddp", "lampdist-every", "lampdist-ar", "ddp-x", "lampdist-host"]
+    assert names == ["single", "ddp", "lampdist-every", "lampdist-ar", "ddp-x", "before"]
     assert configs[2].kind == "lampdist"
     assert configs[2].kwargs == {"step_on": "every_rank"}
     variant = configs[3]
     assert variant.kind == "lampdist"
     assert variant.kwargs == {"step_on": "every_rank", "max_grad_norm": 1.5, "bucket_mb": 25}
-    assert variant.rank_kwargs(0) == variant.kwargs
-    # followers take max_grad_norm too (it acts wherever the optimizer steps)
-    assert variant.rank_kwargs(1) == variant.kwargs
+    assert variant.rank_kwargs(0) == variant.rank_kwargs(1) == variant.kwargs  # StepOptions
     assert configs[4].kind == "ddp"
     assert configs[4].kwargs == {}
-    root_only = configs[5]
-    assert root_only.rank_kwargs(0) == {"rendezvous_host": "127.0.0.1", "step_on": "root"}
-    assert root_only.rank_kwargs(1) == {"step_on": "root"}
+    other = configs[5]  # another source tree: the launcher's key, not the entry point's
+    assert other.source == (Path.cwd() / "../old/src").resolve()
+    assert other.rank_kwargs(0) == other.rank_kwargs(1) == {"step_on": "root"}
     assert throughput.parse_value("true") is True
     assert throughput.parse_value("none") is None
 

@@ -10,8 +10,8 @@ import textwrap
 
 SCRIPT = textwrap.dedent(
     """
-    import sys
-    import anyio, torch
+    import copy, sys
+    import anyio, attrs, torch
     import lampdist
 
     def source():
@@ -19,15 +19,14 @@ SCRIPT = textwrap.dedent(
 
     async def main():
         before = set(sys.modules)
-        entries = [
-            (lampdist.SupervisedModel(torch.nn.Linear(4, 1), torch.nn.functional.mse_loss),
-             source, source)
-            for _ in range(2)
-        ]
+        model = lampdist.SupervisedModel(torch.nn.Linear(4, 1), torch.nn.functional.mse_loss)
+        entry = lampdist.ModelWithData(
+            model=model, train_batches=source, validation_batches=source
+        )
         await lampdist.local_data_parallel_training_loop(
-            models_with_data_streams=entries,
+            models_with_data_streams=[entry, attrs.evolve(entry, model=copy.deepcopy(model))],
             optimizer_factory=lambda params: torch.optim.AdamW(params, lr=0.01),
-            max_epochs=2,
+            loop=lampdist.LoopOptions(max_epochs=2),
         )
         print("\\n".join(sorted(set(sys.modules) - before)))
 

@@ -10,6 +10,8 @@ from . import launch as launch
 from . import schedules as schedules
 from ._effects import BatchSource as BatchSource
 from ._effects import CheckpointState as CheckpointState
+from ._effects import OnPassEvent as OnPassEvent
+from ._effects import OptimizerFactory as OptimizerFactory
 from ._effects import SaveBestModel as SaveBestModel
 from ._effects import TrainEpoch as TrainEpoch
 from ._effects import ValidationEpoch as ValidationEpoch
@@ -37,18 +39,15 @@ from ._loop import epochs as epochs
 from ._model import SupervisedModel as SupervisedModel
 from ._options import LoopOptions as LoopOptions
 from ._options import ModelWithData as ModelWithData
-from ._options import OnPassEvent as OnPassEvent
-from ._options import PassEvent as PassEvent
-from ._options import StepOn as StepOn
 from ._options import StepOptions as StepOptions
 from ._options import Timeouts as Timeouts
-from ._roles import OptimizerFactory as OptimizerFactory
 from ._roles import drive_distributed_training as drive_distributed_training
 from ._roles import follow_distributed_training as follow_distributed_training
 from ._roles import local_data_parallel_training_loop as local_data_parallel_training_loop
 from ._roles import train as train
 from ._state import CurvePoint as CurvePoint
 from ._state import LoopState as LoopState
+from ._state import PassEvent as PassEvent
 from ._state import TrainingState as TrainingState
 from ._version import __version__ as __version__
 from .checkpoint import Resumed as Resumed
@@ -87,7 +86,6 @@ __all__ = [
     "RankFailed",
     "Resumed",
     "SaveBestModel",
-    "StepOn",
     "StepOptions",
     "SupervisedModel",
     "Timeouts",

@@ -9,13 +9,17 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, Awaitable, Iterable
 from typing import Any, Protocol, TypeAlias
 
-from ._state import LoopState, TrainingState
+import torch
+
+from ._state import LoopState, PassEvent, TrainingState
 
 __all__ = [
     "Batch",
     "BatchSource",
     "CheckpointLoopState",
     "CheckpointState",
+    "OnPassEvent",
+    "OptimizerFactory",
     "SaveBestModel",
     "TrainEpoch",
     "ValidationEpoch",
@@ -69,3 +73,17 @@ class BatchSource(Protocol):
     ``lambda: loader`` is a batch source for a ``DataLoader`` named ``loader``."""
 
     def __call__(self) -> Iterable[Batch] | AsyncIterable[Batch]: ...
+
+
+class OnPassEvent(Protocol):
+    """``async (event) -> None``: the root's progress effect, called on its event loop with
+    each pass's :class:`~lampdist.PassEvent`; a pass's steps never wait for it."""
+
+    def __call__(self, event: PassEvent, /) -> Awaitable[None]: ...
+
+
+class OptimizerFactory(Protocol):
+    """``(parameters) -> optimizer``: builds the optimizer over the model's parameters (on the
+    rank's compute thread)."""
+
+    def __call__(self, parameters: Iterable[torch.nn.Parameter], /) -> torch.optim.Optimizer: ...

@@ -1,24 +1,24 @@
-"""What the entry points take: option objects that travel together, and the progress events.
+"""What the entry points take: option objects that travel together.
 
 Every entry point takes the same objects, so a setting declared once reaches every role:
 
 - :class:`StepOptions`: how every rank steps (what all ranks must agree on; checked at join);
 - :class:`LoopOptions`: the root's epoch loop (lamp's names: ``max_epochs``,
   ``validation_frequency``, the schedule, smoothing, the best-model epochs, the checkpoint
-  effect) and its progress callback;
+  effect) and its progress effect;
 - :class:`Timeouts`: the deadlines of joining, clique setup, each collective and a stop;
 - :class:`ModelWithData`: one rank's model and batch sources.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import attrs
 import torch
 
-from ._effects import BatchSource, CheckpointState
+from ._effects import BatchSource, CheckpointState, OnPassEvent
 from ._errors import ConfigError
 from ._loop import check_epochs_arguments
 from ._model import SupervisedModel
@@ -28,8 +28,6 @@ from .schedules import LearningRateSchedule, noop
 __all__ = [
     "LoopOptions",
     "ModelWithData",
-    "OnPassEvent",
-    "PassEvent",
     "StepOn",
     "StepOptions",
     "Timeouts",
@@ -108,40 +106,6 @@ class StepOptions:
         )
 
 
-@attrs.frozen(kw_only=True)
-class PassEvent:
-    """Progress of a pass, reported on the root: during a training pass after its first step,
-    then the newest at most every 50 ms (events in between are coalesced, never waited for),
-    and always at the end of every pass.
-
-    ``batches`` counts the root's own batches so far and ``total_batches`` is the root's batch
-    count when its source has a length, else ``None``; ``examples`` counts the whole clique's
-    examples so far and ``loss`` is their example-weighted mean loss; ``done`` marks the last
-    event of the pass.
-    """
-
-    epoch: int
-    kind: Literal["train", "valid"]
-    pass_index: int
-    step: int
-    batches: int
-    total_batches: int | None
-    examples: int
-    loss: float
-    seconds: float
-    done: bool
-
-    @property
-    def examples_per_second(self) -> float:
-        """Examples of the whole clique per second of this pass so far."""
-        return self.examples / self.seconds if self.seconds > 0 else 0.0
-
-
-OnPassEvent = Callable[[PassEvent], Awaitable[None]]
-"""``async (event) -> None``, called on the root's event loop with the progress of each pass
-(see :class:`PassEvent`); a pass's steps never wait for it."""
-
-
 def _epoch_set(value: Iterable[int]) -> frozenset[int]:
     return frozenset(value)
 
@@ -158,7 +122,7 @@ class LoopOptions:
     the model of the epoch with the lowest smoothed validation loss among them is kept, and
     every rank ends holding it. ``checkpoint_state`` is awaited after every epoch
     (:func:`lampdist.checkpoint.to_directory` builds one); ``on_event`` receives the root's
-    progress (:class:`PassEvent`). The rules are :func:`lampdist.epochs`'.
+    progress (:class:`~lampdist.PassEvent`). The rules are :func:`lampdist.epochs`'.
 
     Raises :class:`~lampdist.ConfigError` for values out of range.
     """

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
-__all__ = ["CurvePoint", "LoopState", "TrainingState"]
+__all__ = ["CurvePoint", "LoopState", "PassEvent", "TrainingState"]
 
 
 @attrs.frozen(kw_only=True)
@@ -56,3 +56,32 @@ class TrainingState:
     model_state: Mapping[str, Any]
     optimizer_state: Mapping[str, Any]
     best_model_state: Mapping[str, Any] | None = None
+
+
+@attrs.frozen(kw_only=True)
+class PassEvent:
+    """Progress of a pass, reported on the root: during a training pass after its first step,
+    then the newest at most every 50 ms (events in between are coalesced, never waited for),
+    and always at the end of every pass.
+
+    ``batches`` counts the root's own batches so far and ``total_batches`` is the root's batch
+    count when its source has a length, else ``None``; ``examples`` counts the whole clique's
+    examples so far and ``loss`` is their example-weighted mean loss; ``done`` marks the last
+    event of the pass.
+    """
+
+    epoch: int
+    kind: Literal["train", "valid"]
+    pass_index: int
+    step: int
+    batches: int
+    total_batches: int | None
+    examples: int
+    loss: float
+    seconds: float
+    done: bool
+
+    @property
+    def examples_per_second(self) -> float:
+        """Examples of the whole clique per second of this pass so far."""
+        return self.examples / self.seconds if self.seconds > 0 else 0.0

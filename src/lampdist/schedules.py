@@ -480,7 +480,9 @@ def _fields(cls: type) -> list[tuple[str, str]]:
 def _structure(cls: Any, template: object, data: object, schedule: object) -> object:
     """``data`` as a value of type ``cls``; ``template`` (the initial state's value at this
     place, or None) stands in for a type variable or ``Any``."""
-    if isinstance(cls, TypeVar) or cls is Any or cls is object:
+    if isinstance(cls, TypeVar):  # a wrapped schedule's state: the template says its type
+        cls = type(template)
+    elif cls is Any or cls is object:
         if template is None:
             return data
         cls = type(template)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import lampdist
+import lampdist._options
 from lampdist import StepOptions
 from lampdist._epoch import FlatModel
 from lampdist._epoch._buckets import GradientBuckets, plan_buckets
@@ -213,7 +214,7 @@ def sgd(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
 
 @pytest.mark.parametrize("step_on", ["root", "every_rank"])
 async def test_unused_and_shared_parameters_train_exactly_with_tiny_buckets(
-    step_on: lampdist.StepOn,
+    step_on: lampdist._options.StepOn,
 ) -> None:
     train = make_shards([[5, 7, 3], [6, 2, 4]], seed=1)
     valid = make_shards([[5], [3]], seed=2)

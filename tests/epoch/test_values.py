@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import lampdist
+import lampdist._options
 from lampdist._epoch import FlatModel
 from lampdist._epoch._flat import CONTROL_BYTES, META_SLOTS
 from lampdist._epoch._values import (
@@ -149,7 +150,7 @@ def float32_shards(sizes: Sequence[Sequence[int]], seed: int) -> list[list[Batch
 
 
 @pytest.mark.parametrize("step_on", ["root", "every_rank"])
-async def test_float32_model_trains_like_one_process(step_on: lampdist.StepOn) -> None:
+async def test_float32_model_trains_like_one_process(step_on: lampdist._options.StepOn) -> None:
     sizes = [[5, 7, 3, 9, 2], [6, 6], []]
     train = float32_shards(sizes, seed=1)
     valid = float32_shards([[5, 3]] * 3, seed=2)

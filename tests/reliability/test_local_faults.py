@@ -2,7 +2,7 @@
 
 A follower "killed" here is a follower whose task is cancelled: its channel closes without
 STOP and its clique posts an abort notice, as a dying process's would. The stop feature of
-``drive_distributed_training`` (``stop``, ``stop_timeout``) is tested here too.
+``drive_distributed_training`` (``stop``, ``Timeouts.stop``) is tested here too.
 """
 
 from __future__ import annotations
@@ -336,7 +336,7 @@ async def test_an_epoch_that_outlasts_stop_timeout_is_abandoned(tmp_path: Path) 
 
     run = Run(2, tmp_path)
     await run_ranks(run, hook=hook, stop=stop, stop_timeout=0.5)
-    expect(run, 0, lampdist.LampdistTimeout, "stop_timeout=0.5 s")
+    expect(run, 0, lampdist.LampdistTimeout, "Timeouts.stop=0.5 s")
     error = leaf(run.errors[0])
     assert isinstance(error, lampdist.LampdistError)
     assert error.phase == "stop"

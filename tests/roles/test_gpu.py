@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import lampdist
+import lampdist._options
 
 from .reference import Batch, make_model, make_shards, mse, reference_training
 
@@ -45,7 +46,7 @@ def on(device: str, batches: Sequence[Batch]) -> list[Batch]:
 @pytest.mark.parametrize("accumulate", [1, 3])
 @pytest.mark.parametrize("bucket_cap_mb", [25.0, 1e-9, None], ids=["bucket", "tiny", "none"])
 async def test_two_gpus_match_the_single_gpu_reference(
-    step_on: lampdist.StepOn, accumulate: int, bucket_cap_mb: float | None
+    step_on: lampdist._options.StepOn, accumulate: int, bucket_cap_mb: float | None
 ) -> None:
     sizes = [[5, 7, 3, 9, 2, 8], [6, 6, 0, 4]]
     train = make_shards(sizes, seed=1)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import lampdist
+import lampdist._options
 
 from .reference import Batch, make_model, make_shards, mse, reference_training
 
@@ -73,7 +74,7 @@ ONE_PARAMETER_PER_BUCKET = 1e-9  # megabytes: every parameter gets a bucket of i
 async def test_matches_single_process_reference(
     case: str,
     optimizer_factory: OptimizerFactory,
-    step_on: lampdist.StepOn,
+    step_on: lampdist._options.StepOn,
     sized: bool,
     bucket_cap_mb: float | None,
 ) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import anyio
+import attrs
 import pytest
 import torch
 
@@ -30,19 +31,34 @@ def source(batches: Sequence[Batch]) -> lampdist.BatchSource:
 
 def entries(
     nranks: int = 2, models: Sequence[torch.nn.Module] | None = None, loss: Any = mse
-) -> list[tuple[lampdist.SupervisedModel, lampdist.BatchSource, lampdist.BatchSource]]:
+) -> list[lampdist.ModelWithData]:
     shards = make_shards([[4, 4, 4]] * nranks, seed=7)
     models = models or [make_model() for _ in range(nranks)]
     return [
-        (lampdist.SupervisedModel(m, loss), source(s), source(s))
+        lampdist.ModelWithData(
+            model=lampdist.SupervisedModel(m, loss),
+            train_batches=source(s),
+            validation_batches=source(s),
+        )
         for m, s in zip(models, shards, strict=True)
     ]
 
 
-async def run(streams: Any, **kwargs: Any) -> lampdist.LoopState:
+def with_loss(entry: lampdist.ModelWithData, loss: Any) -> lampdist.ModelWithData:
+    return attrs.evolve(entry, model=lampdist.SupervisedModel(entry.model.module, loss))
+
+
+async def run(
+    streams: Sequence[lampdist.ModelWithData],
+    loop: lampdist.LoopOptions | None = None,
+    step: lampdist.StepOptions | None = None,
+) -> lampdist.LoopState:
     with anyio.fail_after(20):
         return await lampdist.local_data_parallel_training_loop(
-            models_with_data_streams=streams, optimizer_factory=sgd, **{"max_epochs": 2, **kwargs}
+            models_with_data_streams=streams,
+            optimizer_factory=sgd,
+            loop=loop or lampdist.LoopOptions(max_epochs=2),
+            step=step or lampdist.StepOptions(),
         )
 
 
@@ -51,7 +67,7 @@ async def test_exception_in_a_followers_loss_names_that_rank_and_phase() -> None
         raise ZeroDivisionError("boom")
 
     streams = entries(3)
-    streams[2] = (lampdist.SupervisedModel(streams[2][0].module, failing_loss), *streams[2][1:])
+    streams[2] = with_loss(streams[2], failing_loss)
     with pytest.raises(lampdist.TrainingError) as caught:
         await run(streams)
     assert (caught.value.rank, caught.value.phase) == (2, "train")
@@ -63,7 +79,7 @@ async def test_exception_in_the_roots_checkpoint_stops_everyone() -> None:
         raise OSError("disk full")
 
     with pytest.raises(lampdist.CheckpointError, match="disk full") as caught:
-        await run(entries(3), checkpoint_state=checkpoint)
+        await run(entries(3), lampdist.LoopOptions(max_epochs=2, checkpoint_state=checkpoint))
     assert (caught.value.rank, caught.value.phase) == (0, "checkpoint")
     assert isinstance(caught.value.__cause__, OSError)
 
@@ -73,7 +89,7 @@ async def test_a_batch_source_that_raises_names_rank_and_phase() -> None:
         raise RuntimeError("no data")
 
     streams = entries(2)
-    streams[1] = (streams[1][0], broken, streams[1][2])
+    streams[1] = attrs.evolve(streams[1], train_batches=broken)
     with pytest.raises(lampdist.TrainingError, match="no data") as caught:
         await run(streams)
     assert (caught.value.rank, caught.value.phase) == (1, "train")
@@ -81,7 +97,7 @@ async def test_a_batch_source_that_raises_names_rank_and_phase() -> None:
 
 async def test_a_batch_of_the_wrong_shape_is_a_bad_batch() -> None:
     streams = entries(2)
-    streams[0] = (streams[0][0], lambda: [torch.zeros(3)], streams[0][2])  # type: ignore[assignment]
+    streams[0] = attrs.evolve(streams[0], train_batches=lambda: [torch.zeros(3)])  # type: ignore[arg-type]  # on purpose
     with pytest.raises(lampdist.BadBatch) as caught:
         await run(streams)
     assert (caught.value.rank, caught.value.phase) == (0, "train")
@@ -107,7 +123,7 @@ async def test_models_that_differ_between_ranks_are_refused_before_training() ->
 
 async def test_validation_on_some_ranks_only_is_a_mismatch() -> None:
     streams = entries(2)
-    streams[1] = (streams[1][0], streams[1][1], None)  # type: ignore[assignment]
+    streams[1] = attrs.evolve(streams[1], validation_batches=None)
     with pytest.raises(lampdist.MismatchError, match="validation_batches"):
         await run(streams)
 
@@ -118,7 +134,7 @@ async def test_non_finite_loss_raises_naming_epoch_and_step(value: float) -> Non
         return mse(output, target) * value
 
     streams = entries(2)
-    streams[1] = (lampdist.SupervisedModel(streams[1][0].module, poisoned), *streams[1][1:])
+    streams[1] = with_loss(streams[1], poisoned)
     with pytest.raises(lampdist.NonFiniteLoss, match="epoch 0, step 0"):
         await run(streams)
 
@@ -132,11 +148,13 @@ async def test_non_finite_loss_can_skip_the_step() -> None:
         return mse(output, target) * (math.nan if calls == 2 else 1.0)
 
     streams = entries(2)
-    before = [p.detach().clone() for p in streams[0][0].module.parameters()]
-    streams[1] = (lampdist.SupervisedModel(streams[1][0].module, sometimes_nan), *streams[1][1:])
-    state = await run(streams, non_finite_loss="skip", max_epochs=1)
+    before = [p.detach().clone() for p in streams[0].model.module.parameters()]
+    streams[1] = with_loss(streams[1], sometimes_nan)
+    state = await run(
+        streams, lampdist.LoopOptions(max_epochs=1), lampdist.StepOptions(non_finite_loss="skip")
+    )
     assert math.isfinite(state.learning_curve[0].training_loss)
-    after = list(streams[0][0].module.parameters())
+    after = list(streams[0].model.module.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=True))
 
 
@@ -147,7 +165,7 @@ async def test_cancelling_the_loop_from_outside_ends_every_rank() -> None:
             yield batch
 
     streams = entries(3)
-    streams = [(m, slow, v) for m, _, v in streams]
+    streams = [attrs.evolve(entry, train_batches=slow) for entry in streams]
     with anyio.fail_after(10):
         async with anyio.create_task_group() as group:
             group.start_soon(run, streams)
@@ -156,15 +174,22 @@ async def test_cancelling_the_loop_from_outside_ends_every_rank() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("options", "kwargs", "match"),
     [
-        ({"max_epochs": -1}, "max_epochs"),
-        ({"accumulate_gradient_over_n_batches": 0}, "accumulate_gradient_over_n_batches"),
-        ({"validation_frequency": 0}, "validation_frequency"),
-        ({"validation_loss_exponential_smoothing_factor": 0.0}, "smoothing"),
-        ({"autocast_dtype": torch.float64}, "autocast_dtype"),
+        (lampdist.LoopOptions, {"max_epochs": -1}, "max_epochs"),
+        (lampdist.LoopOptions, {"max_epochs": 1, "validation_frequency": 0}, "frequency"),
+        (
+            lampdist.LoopOptions,
+            {"max_epochs": 1, "validation_loss_exponential_smoothing_factor": 0.0},
+            "smoothing",
+        ),
+        (lampdist.StepOptions, {"accumulate_gradient_over_n_batches": 0}, "accumulate"),
+        (lampdist.StepOptions, {"autocast_dtype": torch.float64}, "autocast_dtype"),
+        (lampdist.Timeouts, {"collective": 0}, "Timeouts.collective"),
     ],
 )
-async def test_invalid_arguments_are_config_errors(kwargs: dict[str, Any], match: str) -> None:
+def test_invalid_options_are_config_errors(
+    options: type[Any], kwargs: dict[str, Any], match: str
+) -> None:
     with pytest.raises(lampdist.ConfigError, match=match):
-        await run(entries(2), **kwargs)
+        options(**kwargs)

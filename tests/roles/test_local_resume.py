@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import lampdist
+import lampdist._options
 from lampdist import schedules
 
 from .reference import make_model, make_shards, mse
@@ -41,7 +42,7 @@ async def train(
     stop_after: int | None = None,
     resume: tuple[lampdist.TrainingState, Any] | None = None,
     schedule: schedules.LearningRateSchedule[Any],
-    step_on: lampdist.StepOn = "root",
+    step_on: lampdist._options.StepOn = "root",
 ) -> tuple[list[torch.nn.Module], lampdist.LoopState | None, list[tuple[Any, Any]]]:
     shards = make_shards([[6, 5, 7], [4, 8]], seed=11)
     valid = make_shards([[6], [5]], seed=12)
@@ -93,7 +94,7 @@ async def train(
     ids=["reduce_on_plateau", "decrement", "best-model-before-interruption"],
 )
 async def test_interrupted_and_resumed_equals_uninterrupted(
-    schedule: schedules.LearningRateSchedule[Any], step_on: lampdist.StepOn
+    schedule: schedules.LearningRateSchedule[Any], step_on: lampdist._options.StepOn
 ) -> None:
     whole, whole_state, whole_saved = await train(
         schedule=schedule,

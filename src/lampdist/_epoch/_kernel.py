@@ -30,8 +30,9 @@ import torch
 
 from .._errors import LampdistError, TrainingError
 from .._model import SupervisedModel
-from .._options import PassEvent, StepOptions
+from .._options import StepOptions
 from .._signal import on_event_loop_thread
+from .._state import PassEvent
 from ..clique import Clique, PendingCollective
 from ._buckets import GradientBuckets
 from ._device import host_to_device

@@ -19,9 +19,9 @@ import anyio
 import attrs
 import torch
 
-from .._effects import BatchSource
+from .._effects import BatchSource, OnPassEvent
 from .._openmp import release_team
-from .._options import OnPassEvent, PassEvent
+from .._state import PassEvent
 from ..clique import Clique
 from ._compute import ComputeThread
 from ._feed import BatchFeed, open_feed

@@ -19,8 +19,9 @@ import time
 import anyio
 import attrs
 
-from .._options import OnPassEvent, PassEvent
+from .._effects import OnPassEvent
 from .._signal import loop_scheduler
+from .._state import PassEvent
 
 __all__ = ["PROGRESS_INTERVAL", "Progress"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
@@ -19,6 +19,7 @@ import torch
 import torch._dynamo  # isort: skip
 
 from .._checkpoint import RngStates, restore_rng_states
+from .._effects import OptimizerFactory
 from .._epoch import FlatModel, Stepper, host_to_device
 from .._errors import (
     CheckpointError,
@@ -78,10 +79,6 @@ def resolve_device(device: torch.device | str | int) -> torch.device:
     raise ConfigError(
         f"device must be a torch.device, a string or a CUDA index, got {type(device).__name__}"
     )
-
-
-OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
-"""``(parameters) -> optimizer``: builds the optimizer over the model's parameters."""
 
 
 def create_stepper(

@@ -25,7 +25,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from .._options import PassEvent
+from .._state import PassEvent
 
 __all__ = ["MetricsFile", "PassCounter", "Reporter", "open_reporter", "read_metrics"]
 
