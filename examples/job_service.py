@@ -5,11 +5,14 @@
 
     curl -X POST localhost:8000/jobs -d '{"epochs": 50}'     # -> {"id": 1, ...}
     curl -N localhost:8000/jobs/1/events                     # one JSON line per pass
+    curl -X POST localhost:8000/jobs/1/stop                  # ends after the epoch in progress
     curl -X DELETE localhost:8000/jobs/1                     # every rank stops, then it answers
 
 Each job trains on two CPU ranks in the service's own event loop. The jobs run in a task
-group that the app's lifespan owns, so no job outlives the service; cancelling a job cancels
-its ranks, which close their clique before DELETE answers.
+group that the app's lifespan owns, so no job outlives the service. Stopping a job lets it
+finish the epoch in progress (validated and checkpointed as usual) and then return;
+cancelling a job cancels its ranks at once. Either way its ranks have closed their clique
+before the request answers.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from starlette.routing import Route
 
 import lampdist
 
-Status = Literal["running", "done", "cancelled", "failed"]
+Status = Literal["running", "done", "stopped", "cancelled", "failed"]
 
 
 @attrs.define(eq=False)
@@ -44,6 +47,7 @@ class Job:
     error: str | None = None
     events: list[dict[str, Any]] = attrs.Factory(list)
     scope: anyio.CancelScope = attrs.Factory(anyio.CancelScope)
+    stop: anyio.Event = attrs.Factory(anyio.Event)
     finished: anyio.Event = attrs.Factory(anyio.Event)
     _changed: anyio.Event = attrs.Factory(anyio.Event)
 
@@ -105,6 +109,7 @@ async def train(job: Job) -> None:
         models_with_data_streams=ranks,
         optimizer_factory=adam,
         loop=lampdist.LoopOptions(max_epochs=job.epochs, on_event=on_event),
+        stop=job.stop,  # set by the service: finish the epoch, then return
     )
 
 
@@ -125,7 +130,7 @@ class JobRunner:
         try:
             with job.scope:
                 await train(job)
-                job.status = "done"
+                job.status = "stopped" if job.stop.is_set() else "done"
             if job.scope.cancelled_caught:
                 job.status = "cancelled"
         except Exception as exc:  # a failed job is reported, the service goes on
@@ -135,6 +140,12 @@ class JobRunner:
                 job.status = "cancelled"
             job.report({"status": job.status})
             job.finished.set()
+
+    async def stop(self, job: Job) -> None:
+        """Let ``job`` finish its epoch in progress, and wait until its ranks have stopped."""
+        job.stop.set()
+        with anyio.fail_after(60):
+            await job.finished.wait()
 
     async def cancel(self, job: Job) -> None:
         """Cancel ``job`` and wait until every one of its ranks has stopped."""
@@ -188,6 +199,14 @@ async def stream_events(request: Request) -> Response:
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 
 
+async def stop_job(request: Request) -> Response:
+    job = job_of(request)
+    if job is None:
+        return JSONResponse({"error": "no such job"}, status_code=404)
+    await runner_of(request).stop(job)
+    return JSONResponse(job.summary())
+
+
 async def cancel_job(request: Request) -> Response:
     job = job_of(request)
     if job is None:
@@ -208,6 +227,7 @@ app = Starlette(
         Route("/jobs", start_job, methods=["POST"]),
         Route("/jobs/{id:int}", show_job, methods=["GET"]),
         Route("/jobs/{id:int}", cancel_job, methods=["DELETE"]),
+        Route("/jobs/{id:int}/stop", stop_job, methods=["POST"]),
         Route("/jobs/{id:int}/events", stream_events, methods=["GET"]),
     ],
     lifespan=lifespan,

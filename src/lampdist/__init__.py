@@ -44,6 +44,7 @@ from ._options import Timeouts as Timeouts
 from ._roles import drive_distributed_training as drive_distributed_training
 from ._roles import follow_distributed_training as follow_distributed_training
 from ._roles import local_data_parallel_training_loop as local_data_parallel_training_loop
+from ._roles import run_until_signal as run_until_signal
 from ._roles import train as train
 from ._state import CurvePoint as CurvePoint
 from ._state import LoopState as LoopState
@@ -101,6 +102,7 @@ __all__ = [
     "launch",
     "local_data_parallel_training_loop",
     "open_clique",
+    "run_until_signal",
     "schedules",
     "train",
 ]

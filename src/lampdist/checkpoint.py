@@ -2,15 +2,16 @@
 
 :func:`to_directory` builds the ``checkpoint_state`` effect the training entry points await
 after every epoch; :func:`load_latest` reads the newest intact checkpoint back into the
-``init_state`` and ``learning_rate_schedule_init_state`` they resume from::
+:class:`Resumed` value they take as ``resume=`` (``None``, no checkpoint yet, starts a new
+run)::
 
     resumed = checkpoint.load_latest("runs/a", restore_rng=True)
-    init_state, lr_state = resumed if resumed is not None else (None, None)
     await lampdist.drive_distributed_training(
         ...,
-        init_state=init_state,
-        learning_rate_schedule_init_state=lr_state,
-        checkpoint_state=checkpoint.to_directory("runs/a", keep=3),
+        loop=lampdist.LoopOptions(
+            max_epochs=100, checkpoint_state=checkpoint.to_directory("runs/a", keep=3)
+        ),
+        resume=resumed,
     )
 
 A crash or cancellation at any moment leaves the checkpoints committed before it intact and

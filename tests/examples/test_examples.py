@@ -119,3 +119,25 @@ async def test_job_service_cancels_a_job_and_runs_the_next(service: ModuleType) 
             second = (await client.post("/jobs", json={"epochs": 1})).json()["id"]
             await client.get(f"/jobs/{second}/events")
             assert (await client.get(f"/jobs/{second}")).json()["status"] == "done"
+
+
+async def test_job_service_stops_a_job_after_its_epoch(service: ModuleType) -> None:
+    app, client = await _client_for(service)
+    with anyio.fail_after(60):
+        async with app.router.lifespan_context(app), client:
+            job = (await client.post("/jobs", json={"epochs": 100_000})).json()["id"]
+            while (await client.get(f"/jobs/{job}")).json()["last"] is None:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+            stopped = await client.post(f"/jobs/{job}/stop")  # answers once every rank stopped
+            assert stopped.json()["status"] == "stopped"
+            lines = [
+                json.loads(line)
+                for line in (await client.get(f"/jobs/{job}/events")).text.splitlines()
+            ]
+            assert lines[-1] == {"status": "stopped"}
+            passes = [(e["epoch"], e["kind"]) for e in lines[:-1]]
+            # the epoch in progress ended whole: trained and validated, nothing cut short
+            last_epoch = passes[-1][0]
+            assert passes[-2:] == [(last_epoch, "train"), (last_epoch, "valid")]
+            assert last_epoch < 100_000 - 1
+            assert (await client.post("/jobs/99/stop")).status_code == 404

@@ -307,8 +307,8 @@ def resumed_schedule_state(schedule: LearningRateSchedule[Any], resume: Resumed 
         return state_from_json(schedule, resume.schedule_state)
     except ConfigError as exc:
         raise CheckpointError(
-            f"the checkpoint's learning-rate schedule state does not fit this run's schedule "
-            f"({exc.message}); resume with the schedule the run was checkpointed with",
+            f"the checkpoint's learning-rate schedule state does not fit this run's schedule: "
+            f"{exc.message}",
             rank=0,
             phase="resume",
         ) from exc
