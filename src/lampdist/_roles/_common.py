@@ -52,7 +52,6 @@ __all__ = [
     "describe",
     "find_culprit",
     "most_telling",
-    "resolve_device",
     "restore_rng",
     "resumed_schedule_state",
     "single_error",
@@ -61,24 +60,6 @@ __all__ = [
 
 CULPRIT_TIMEOUT = 2.0
 """How long a rank whose collective failed waits for the control channel to name the culprit."""
-
-
-def resolve_device(device: torch.device | str | int) -> torch.device:
-    """``device`` as a :class:`torch.device`: a device, a string (``"cuda:1"``) or a CUDA index."""
-    if isinstance(device, torch.device):
-        return device
-    if isinstance(device, bool):
-        raise ConfigError(f"device must be a torch.device, a string or a CUDA index, got {device}")
-    if isinstance(device, int):
-        return torch.device("cuda", device)
-    if isinstance(device, str):
-        try:
-            return torch.device(device)
-        except RuntimeError as exc:
-            raise ConfigError(f"device {device!r} is not a device string like 'cuda:0'") from exc
-    raise ConfigError(
-        f"device must be a torch.device, a string or a CUDA index, got {type(device).__name__}"
-    )
 
 
 def create_stepper(

@@ -11,6 +11,7 @@ import attrs
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from .._device import resolve_device
 from .._epoch import (
     ComputeThread,
     FlatModel,
@@ -43,7 +44,6 @@ from ._common import (
     describe,
     find_culprit,
     most_telling,
-    resolve_device,
     single_error,
     watch_peers,
 )

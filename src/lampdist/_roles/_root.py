@@ -10,6 +10,7 @@ import anyio
 import attrs
 import torch
 
+from .._device import resolve_device
 from .._epoch import (
     ComputeThread,
     FlatModel,
@@ -37,7 +38,6 @@ from ._common import (
     describe,
     find_culprit,
     most_telling,
-    resolve_device,
     restore_rng,
     resumed_schedule_state,
     single_error,
