@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .._clique_id import CliqueId
+from .._defaults import COLLECTIVE_TIMEOUT, SETUP_TIMEOUT
 from .._device import resolve_device
 from .._errors import ConfigError, MismatchError
 from ._backends import prefer_nccl_cleanup
@@ -213,8 +214,8 @@ def open_clique(
     rank: int,
     device: torch.device | str | int,
     clique_id: CliqueId,
-    setup_timeout: float | None = 300.0,
-    collective_timeout: float | None = 60.0,
+    setup_timeout: float | None = SETUP_TIMEOUT,
+    collective_timeout: float | None = COLLECTIVE_TIMEOUT,
     limiter: anyio.CapacityLimiter | None = None,
 ) -> AbstractAsyncContextManager[Clique]:
     """Open this rank's side of the clique named by ``clique_id``; close it on exit.
