@@ -20,7 +20,7 @@ import torch._dynamo  # isort: skip
 
 from .._checkpoint import RngStates, restore_rng_states
 from .._effects import OptimizerFactory
-from .._epoch import FlatModel, Stepper, host_to_device
+from .._epoch import FlatParameters, Stepper, host_to_device
 from .._errors import (
     CheckpointError,
     CliqueTimeout,
@@ -43,7 +43,7 @@ __all__ = [
     "CULPRIT_TIMEOUT",
     "DERIVED",
     "OptimizerFactory",
-    "Phase",
+    "PhaseTracker",
     "Stopping",
     "agree",
     "check_rank",
@@ -63,7 +63,7 @@ CULPRIT_TIMEOUT = 2.0
 
 
 def create_stepper(
-    rank: int, optimizer_factory: OptimizerFactory, flat: FlatModel, options: StepOptions
+    rank: int, optimizer_factory: OptimizerFactory, flat: FlatParameters, options: StepOptions
 ) -> Stepper:
     """The optimizer of ``optimizer_factory`` over the flat parameters, wrapped to step."""
     optimizer = optimizer_factory(flat.parameters)
@@ -86,14 +86,23 @@ def check_rank(rank: int, nranks: int) -> None:
 
 
 @attrs.define
-class Phase:
-    """Where a rank is (phase name, epoch, pass), for error messages and failure reports."""
+class PhaseTracker:
+    """A rank's failure-report tracker: where the rank is, which its error messages and
+    failure reports name, and what has been said about its failure.
 
-    name: str = "join"
+    The rank's driver updates it as the run moves on; the tasks beside the run (the peer
+    watch, the stop) read it.
+    """
+
+    current: str = "join"
+    """The phase the rank is in ("join", "clique setup", "train", ...)."""
     epoch: int = 0
     pass_index: int = 0
     reported: bool = False
-    cause: LampdistError | None = None  # a peer's failure that cancelled this rank
+    """Whether the rank's failure has already gone to its peers (the root's STOP with the
+    error, a follower's report), so that the driver's outer handler does not send it again."""
+    cause: LampdistError | None = None
+    """A peer's failure that cancelled this rank (the root's watch sets it)."""
 
 
 def describe(error: BaseException) -> str:
@@ -113,7 +122,7 @@ def most_telling(error: BaseException) -> BaseException:
     return _most_telling(real) or error
 
 
-def agree(clique: Clique, flat: FlatModel, options: StepOptions, validates: bool) -> None:
+def agree(clique: Clique, flat: FlatParameters, options: StepOptions, validates: bool) -> None:
     """Check on every rank that all ranks have the root's model layout and step options, and
     validate alike (on the rank's compute thread: it waits for the peers and reads the
     result from the device).
@@ -152,23 +161,23 @@ def _digest64(data: bytes) -> int:
     return int.from_bytes(hashlib.sha256(data).digest()[:7], "big")
 
 
-async def watch_peers(watch: Callable[[], Awaitable[NoReturn]], phase: Phase) -> NoReturn:
+async def watch_peers(watch: Callable[[], Awaitable[NoReturn]], tracker: PhaseTracker) -> NoReturn:
     """``watch()`` of a control channel; a peer that vanished is reported in this rank's
-    phase, which says more than the channel's (the kind of the last command)."""
+    current phase, which says more than the channel's (the kind of the last command)."""
     try:
         await watch()
     except PeerDisconnected as exc:
-        raise PeerDisconnected(exc.message, rank=exc.rank, phase=phase.name) from None
+        raise PeerDisconnected(exc.message, rank=exc.rank, phase=tracker.current) from None
 
 
 async def find_culprit(
-    watch: Callable[[], Awaitable[NoReturn]], phase: Phase
+    watch: Callable[[], Awaitable[NoReturn]], tracker: PhaseTracker
 ) -> LampdistError | None:
     """After a collective failed: the control channel's account of which peer failed, if it
     gives one within :data:`CULPRIT_TIMEOUT` seconds."""
     with anyio.move_on_after(CULPRIT_TIMEOUT):
         try:
-            await watch_peers(watch, phase)
+            await watch_peers(watch, tracker)
         except (RankFailed, PeerDisconnected) as exc:
             return exc
     return None
@@ -239,28 +248,28 @@ class Stopping:
     def requested(self) -> bool:
         return self.stop is not None and self.stop.is_set()
 
-    async def enforce(self, phase: Phase) -> None:
+    async def enforce(self, tracker: PhaseTracker) -> None:
         """Once stop is set, give the run ``timeout`` seconds to reach its end."""
         assert self.stop is not None
         await self.stop.wait()
         waits_for = "the current epoch" if self.rank == 0 else "the root's STOP"
         logger.info(
             "stop requested in phase %r of epoch %d: %s has %s s to come",
-            phase.name,
-            phase.epoch,
+            tracker.current,
+            tracker.epoch,
             waits_for,
             self.timeout,
-            extra={"rank": self.rank, "epoch": phase.epoch},
+            extra={"rank": self.rank, "epoch": tracker.epoch},
         )
         with anyio.move_on_after(self.timeout):
             await self.reached.wait()
             return
-        self.abandoned = f"{phase.name!r} of epoch {phase.epoch}"
+        self.abandoned = f"{tracker.current!r} of epoch {tracker.epoch}"
         logger.warning(
             "Timeouts.stop=%s s passed in phase %s: abandoning it",
             self.timeout,
             self.abandoned,
-            extra={"rank": self.rank, "epoch": phase.epoch},
+            extra={"rank": self.rank, "epoch": tracker.epoch},
         )
         self.scope.cancel()
 
