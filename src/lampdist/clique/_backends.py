@@ -79,9 +79,8 @@ def prefer_nccl_cleanup() -> None:
     SIGABRT). ``NCCL_RUNTIME_CONNECT=0``: NCCL connects every peer when the communicator is
     built (the clique's setup, which has a deadline), not inside the first collective of each
     kind, where an issuing thread would block on a silent or dead peer until an abort.
-    ``NCCL_LOCAL_REGISTER=0``: no lazy registration of user buffers, set after a diagnostic
-    seemed to show a 4x slower reduce without it; that was the barrier's skew (the clique
-    page), so the setting is likely needless and stays until a GPU run confirms it.
+    ``NCCL_LOCAL_REGISTER=0``: no lazy registration of user buffers (the clique page says
+    why it is set).
     """
     with _env_lock:
         for name, value, why in (

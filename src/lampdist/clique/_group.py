@@ -55,14 +55,12 @@ _TEARDOWN = "clique teardown"
 _STORE_OP_TIMEOUT = timedelta(seconds=10)  # store operations after setup (abort notices)
 _WATCH_INTERVAL = 0.05  # how often the watcher polls the store for an abort notice
 _DRAIN_NO_LIMIT = 600.0  # how long close waits for pending work when collective_timeout is None
-# NCCL groups of one process are shut down and destroyed one at a time. Two in-process
-# ranks were seen crashing (SIGSEGV, torch 2.11) while one shut down and the other's group
-# was destroyed; with this lock and the one-end-per-group rule below, the GPU test of that
-# case passed in both of its runs.
+# NCCL groups of one process are shut down and destroyed one at a time: one group's shutdown
+# beside another's destruction can crash the process (docs/reliability.md, Limits).
 _NCCL_TEARDOWN = threading.Lock()
 # How long the teardown waits for torch to destroy a process group (or for the lock above)
-# before it leaves the group behind: on 2 H200 under CUDA_MODULE_LOADING=EAGER, an NCCL group
-# whose collective had timed out never finished its destructor (its watchdog never joined).
+# before it leaves the group behind: a destructor may never return, and the clique's exit
+# must not wait for it forever (docs/reliability.md, Limits).
 _RELEASE_LIMIT = 60.0
 
 
