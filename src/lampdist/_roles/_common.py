@@ -6,6 +6,7 @@ import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, NoReturn
 
 import anyio
@@ -19,7 +20,7 @@ import torch._dynamo  # isort: skip
 
 from .._checkpoint import RngStates, restore_rng_states
 from .._effects import OptimizerFactory
-from .._epoch import FlatParameters, Stepper, host_to_device
+from .._epoch import FlatParameters, PassRunner, Stepper, host_to_device
 from .._errors import (
     CheckpointError,
     CliqueTimeout,
@@ -45,6 +46,7 @@ __all__ = [
     "PhaseTracker",
     "Stopping",
     "agree",
+    "agree_and_sync",
     "check_rank",
     "check_schedule_state",
     "create_stepper",
@@ -154,6 +156,27 @@ def agree(clique: Clique, flat: FlatParameters, options: StepOptions, validates:
             rank=clique.rank,
             phase="agreement",
         )
+
+
+async def agree_and_sync(
+    runner: PassRunner,
+    flat: FlatParameters,
+    options: StepOptions,
+    *,
+    validates: bool,
+    tracker: PhaseTracker,
+) -> None:
+    """What every rank does, in the same order, once its clique is open: :func:`agree`
+    (phase ``'agreement'``), then take the root's parameters and buffers, and with
+    ``step_on="every_rank"`` its optimizer state.
+
+    Raises :class:`MismatchError` as :func:`agree` does, and the clique's errors.
+    """
+    tracker.current = "agreement"
+    await runner.run(partial(agree, runner.clique, flat, options, validates))
+    await runner.sync_parameters()
+    if options.step_on == "every_rank":
+        await runner.sync_optimizer_state()
 
 
 def _digest64(data: bytes) -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-from functools import partial
 
 import anyio
 import attrs
@@ -38,7 +37,7 @@ from ._common import (
     OptimizerFactory,
     PhaseTracker,
     Stopping,
-    agree,
+    agree_and_sync,
     check_rank,
     create_stepper,
     describe,
@@ -250,12 +249,8 @@ class _Follower:
         self, runner: PassRunner, commands: MemoryObjectReceiveStream[Command]
     ) -> None:
         tracker, data = self.tracker, self.data
-        tracker.current = "agreement"
         validates = data.validation_batches is not None
-        await runner.run(partial(agree, runner.clique, self.flat, self.step, validates))
-        await runner.sync_parameters()
-        if self.step.step_on == "every_rank":
-            await runner.sync_optimizer_state()
+        await agree_and_sync(runner, self.flat, self.step, validates=validates, tracker=tracker)
         tracker.current = "wait for command"
         async for command in commands:
             if command.kind is CommandKind.STOP:

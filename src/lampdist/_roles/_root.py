@@ -31,7 +31,7 @@ from ._common import (
     OptimizerFactory,
     PhaseTracker,
     Stopping,
-    agree,
+    agree_and_sync,
     check_rank,
     check_schedule_state,
     create_stepper,
@@ -291,12 +291,10 @@ class _Root:
                     kernel=kernel, compute=self.compute, on_event=self.loop.on_event
                 )
                 try:
-                    self.tracker.current = "agreement"
                     validates = self.data.validation_batches is not None
-                    await runner.run(partial(agree, clique, self.flat, self.step, validates))
-                    await runner.sync_parameters()
-                    if self.step.step_on == "every_rank":
-                        await runner.sync_optimizer_state()
+                    await agree_and_sync(
+                        runner, self.flat, self.step, validates=validates, tracker=self.tracker
+                    )
                     if self.resume is not None and self.resume.rng_states is not None:
                         await self.compute.run(restore_rng, self.resume.rng_states)
                     final = await self._epochs(loop_state)
