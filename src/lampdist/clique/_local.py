@@ -279,9 +279,9 @@ class LocalHub:
             part.pending._attach(work, track_device=cuda)
 
     def _deadline(self, parts: list[_Part]) -> float | None:
-        if self.collective_timeout is None:
-            return None
-        return min(part.pending._started for part in parts) + self.collective_timeout
+        """The earliest of the ranks' deadlines for this collective (``None``: no limit)."""
+        deadlines = [part.pending._deadline() for part in parts]
+        return None if None in deadlines else min(d for d in deadlines if d is not None)
 
     # -- failure ------------------------------------------------------------------------------
 
