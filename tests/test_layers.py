@@ -12,8 +12,8 @@ import lampdist
 ROOT = Path(lampdist.__file__).parent
 
 LAYERS = [
-    {"_errors", "_version"},
-    {"_clique_id", "_signal", "_openmp", "_store", "_state"},
+    {"_errors", "_version", "_defaults"},
+    {"_clique_id", "_signal", "_openmp", "_store", "_state", "_device"},
     {"_effects", "schedules", "_model"},
     {"control", "clique", "_checkpoint", "_loop"},
     {"launch", "checkpoint", "_options"},

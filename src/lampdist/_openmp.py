@@ -4,8 +4,8 @@ Every thread that runs an intra-op-parallel torch op gets a team of OpenMP threa
 stays for as long as the thread lives, idle or not. GNU OpenMP (libgomp, which torch's Linux
 builds use) counts the threads of every team, and once they outnumber the cores, idle
 threads stop spinning and sleep at once, so that every parallel region waits for its threads
-to wake: on a two-core machine a small model's steps ran at a third of their speed on one
-thread while another thread merely held an idle team (docs/performance.md).
+to wake: another thread's idle team slows a rank's steps (docs/performance.md has the
+measurements).
 
 The thread that builds the model (usually the one that runs the event loop) has such a team
 by the time a run starts, and the compute thread would pay for it all run long. So the event

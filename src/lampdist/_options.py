@@ -18,6 +18,7 @@ from typing import Any, Literal
 import attrs
 import torch
 
+from ._defaults import COLLECTIVE_TIMEOUT, JOIN_TIMEOUT, SETUP_TIMEOUT, STOP_TIMEOUT
 from ._effects import BatchSource, CheckpointState, OnPassEvent
 from ._errors import ConfigError
 from ._loop import check_epochs_arguments
@@ -175,10 +176,12 @@ class Timeouts:
     :class:`~lampdist.ConfigError` for a negative or zero value (``stop`` may be 0).
     """
 
-    join: float | None = attrs.field(default=300.0, validator=_seconds("join"))
-    setup: float | None = attrs.field(default=300.0, validator=_seconds("setup"))
-    collective: float | None = attrs.field(default=600.0, validator=_seconds("collective"))
-    stop: float | None = attrs.field(default=30.0, validator=_seconds("stop", zero=True))
+    join: float | None = attrs.field(default=JOIN_TIMEOUT, validator=_seconds("join"))
+    setup: float | None = attrs.field(default=SETUP_TIMEOUT, validator=_seconds("setup"))
+    collective: float | None = attrs.field(
+        default=COLLECTIVE_TIMEOUT, validator=_seconds("collective")
+    )
+    stop: float | None = attrs.field(default=STOP_TIMEOUT, validator=_seconds("stop", zero=True))
 
 
 @attrs.frozen(kw_only=True)

@@ -31,7 +31,6 @@ import logging
 import os
 import re
 import ssl
-import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import timedelta
@@ -44,7 +43,7 @@ import attrs
 import torch
 
 from ._errors import ConfigError, JoinTimeout
-from ._store import connect_store, wait_for_keys
+from ._store import Budget, connect_store, wait_for_keys
 from .control import (
     DEFAULT_JOIN_TIMEOUT,
     FollowerChannel,
@@ -98,22 +97,16 @@ class PortExchange:
     def _budget(
         self, rank: int, what: str, check_cancelled: Callable[[], None]
     ) -> Callable[[], timedelta]:
-        end = time.monotonic() + self.timeout
+        def expired() -> JoinTimeout:
+            return JoinTimeout(
+                f"could not {what} in the launcher's store at {self.host}:{self.port} "
+                f"within {self.timeout} s (key {self.key!r}); is rank 0 running, or set "
+                "LAMPDIST_PORT to the same free port on every rank",
+                rank=rank,
+                phase=_PHASE,
+            )
 
-        def remaining() -> timedelta:
-            check_cancelled()
-            left = end - time.monotonic()
-            if left <= 0:
-                raise JoinTimeout(
-                    f"could not {what} in the launcher's store at {self.host}:{self.port} "
-                    f"within {self.timeout} s (key {self.key!r}); is rank 0 running, or set "
-                    "LAMPDIST_PORT to the same free port on every rank",
-                    rank=rank,
-                    phase=_PHASE,
-                )
-            return timedelta(seconds=left)
-
-        return remaining
+        return Budget(self.timeout, expired, check_cancelled).remaining
 
 
 @attrs.frozen(kw_only=True)

@@ -38,6 +38,7 @@ def test_nranks_mismatch_raises_at_once() -> None:
     [
         (2, "cpu", 1.0, "rank"),
         (0, "meta", 1.0, "CUDA device"),
+        (0, "gpu0", 1.0, "not a device string"),
         (0, "cpu", 0.0, "setup_timeout"),
     ],
 )

@@ -13,7 +13,7 @@ import torch
 import lampdist
 import lampdist._options
 from lampdist import StepOptions
-from lampdist._epoch import FlatModel
+from lampdist._epoch import FlatParameters
 from lampdist._epoch._buckets import GradientBuckets, plan_buckets
 from lampdist.clique import Clique, PendingCollective, open_clique, serve_rendezvous
 
@@ -35,12 +35,12 @@ def mlp(widths: Sequence[int], seed: int = 0) -> torch.nn.Sequential:
     return torch.nn.Sequential(*layers[:-1])
 
 
-def covered(flat: FlatModel, cap_bytes: int) -> list[list[int]]:
+def covered(flat: FlatParameters, cap_bytes: int) -> list[list[int]]:
     return [list(bucket.parameters) for bucket in plan_buckets(flat, cap_bytes)]
 
 
 def test_buckets_run_backwards_cover_every_parameter_once_and_respect_the_cap() -> None:
-    flat = FlatModel.create(mlp([4, 8, 8, 2]), torch.device("cpu"))
+    flat = FlatParameters.create(mlp([4, 8, 8, 2]), torch.device("cpu"))
     sizes = [p.numel() * 4 for p in flat.parameters]  # float32
     for cap in (1, 40, 100, 300, 10 * MB):
         buckets = plan_buckets(flat, cap)
@@ -60,7 +60,7 @@ def test_buckets_run_backwards_cover_every_parameter_once_and_respect_the_cap() 
 
 def test_a_bucket_never_spans_two_dtypes() -> None:
     module = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3).double())
-    flat = FlatModel.create(module, torch.device("cpu"))
+    flat = FlatParameters.create(module, torch.device("cpu"))
     assert len(flat.gradient_buffers) == 2
     buckets = plan_buckets(flat, 10 * MB)
     assert [b.gradients.dtype for b in buckets] == [torch.float64, torch.float32]
@@ -79,7 +79,7 @@ async def clique() -> AsyncIterator[Clique]:
 class Recorder:
     """Starts real all-reduces and records, for each, how many gradients were complete."""
 
-    def __init__(self, clique: Clique, flat: FlatModel) -> None:
+    def __init__(self, clique: Clique, flat: FlatParameters) -> None:
         self.clique = clique
         self.flat = flat
         self.started: list[tuple[int, int]] = []  # (data_ptr, gradients complete so far)
@@ -94,7 +94,7 @@ class Recorder:
 
 
 async def test_buckets_start_during_backward_in_their_fixed_order(clique: Clique) -> None:
-    flat = FlatModel.create(mlp([4, 16, 16, 16, 2]), torch.device("cpu"))
+    flat = FlatParameters.create(mlp([4, 16, 16, 16, 2]), torch.device("cpu"))
     recorder = Recorder(clique, flat)
     for parameter in flat.parameters:  # registered first: runs before the buckets' hook
         parameter.register_post_accumulate_grad_hook(recorder.hook)  # type: ignore[no-untyped-call]  # torch: unannotated
@@ -115,7 +115,7 @@ async def test_buckets_start_during_backward_in_their_fixed_order(clique: Clique
     assert counts[0] < len(flat.parameters)
 
 
-def _forward(flat: FlatModel, x: torch.Tensor) -> torch.Tensor:
+def _forward(flat: FlatParameters, x: torch.Tensor) -> torch.Tensor:
     weights = flat.parameters
     for i in range(0, len(weights), 2):
         x = torch.nn.functional.linear(x, weights[i], weights[i + 1])
@@ -128,7 +128,7 @@ async def test_a_parameter_without_gradient_holds_later_buckets_until_backward_e
     clique: Clique,
 ) -> None:
     module = mlp([4, 8, 8, 2])
-    flat = FlatModel.create(module, torch.device("cpu"))
+    flat = FlatParameters.create(module, torch.device("cpu"))
     recorder = Recorder(clique, flat)
     buckets = GradientBuckets.create(0, flat, recorder.start, bucket_cap_mb=1e-9)
     with buckets.attached():
@@ -149,7 +149,7 @@ async def test_a_parameter_without_gradient_holds_later_buckets_until_backward_e
 
 async def test_a_second_gradient_after_its_bucket_left_is_an_error(clique: Clique) -> None:
     module = mlp([4, 8, 2])
-    flat = FlatModel.create(module, torch.device("cpu"))
+    flat = FlatParameters.create(module, torch.device("cpu"))
     buckets = GradientBuckets.create(0, flat, clique.start_all_reduce, bucket_cap_mb=1e-9)
     with buckets.attached():
         buckets.arm()
@@ -162,7 +162,7 @@ async def test_a_second_gradient_after_its_bucket_left_is_an_error(clique: Cliqu
 
 async def test_hooks_are_removed_when_the_pass_ends(clique: Clique) -> None:
     module = mlp([4, 8, 2])
-    flat = FlatModel.create(module, torch.device("cpu"))
+    flat = FlatParameters.create(module, torch.device("cpu"))
     started: list[int] = []
 
     def start(tensors: Sequence[torch.Tensor]) -> PendingCollective:

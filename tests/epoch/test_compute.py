@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lampdist import StepOptions, SupervisedModel
-from lampdist._epoch import FlatModel, StepKernel, open_compute_thread
+from lampdist._epoch import FlatParameters, StepKernel, open_compute_thread
 from lampdist.clique import in_process
 
 
@@ -144,7 +144,7 @@ async def test_the_step_kernel_refuses_to_run_on_the_event_loop() -> None:
             rank=0,
             clique=clique,
             model=model,
-            flat=FlatModel.create(module, torch.device("cpu")),
+            flat=FlatParameters.create(module, torch.device("cpu")),
             options=StepOptions(),
         )
         with pytest.raises(RuntimeError, match="compute thread, not on an event loop"):

@@ -1,4 +1,4 @@
-"""A step's meta and control values riding behind the flat buffers, on real Gloo cliques."""
+"""A step's meta and root values riding behind the flat buffers, on real Gloo cliques."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import torch
 
 import lampdist
 import lampdist._options
-from lampdist._epoch import FlatModel
-from lampdist._epoch._flat import CONTROL_BYTES, META_SLOTS
+from lampdist._epoch import FlatParameters
+from lampdist._epoch._flat import META_SLOTS, ROOT_VALUES_BYTES
 from lampdist._epoch._values import (
-    control_receiver,
-    read_control,
     read_meta,
-    write_control,
+    read_root_values,
+    root_values_receiver,
     write_meta,
+    write_root_values,
 )
 from lampdist.clique import Clique
 
@@ -44,14 +44,14 @@ def test_tails_sit_behind_the_buffers_without_touching_the_parameters(
 ) -> None:
     module = linear(*shape, dtype=dtype)
     before = [p.detach().clone() for p in module.parameters()]
-    flat = FlatModel.create(module, CPU)
+    flat = FlatParameters.create(module, CPU)
     (storage,), (buffer,) = flat.parameter_storage, flat.parameter_buffers
     assert buffer.data_ptr() == storage.data_ptr()
-    assert flat.control_tail is not None and flat.control_tail.dtype == torch.uint8
-    assert flat.control_tail.numel() == CONTROL_BYTES
-    offset = flat.control_tail.data_ptr() - storage.data_ptr()
+    assert flat.root_values_tail is not None and flat.root_values_tail.dtype == torch.uint8
+    assert flat.root_values_tail.numel() == ROOT_VALUES_BYTES
+    offset = flat.root_values_tail.data_ptr() - storage.data_ptr()
     assert offset >= buffer.numel() * buffer.element_size() and offset % 8 == 0
-    flat.control_tail.fill_(255)  # garbage behind the parameters changes none of them
+    flat.root_values_tail.fill_(255)  # garbage behind the parameters changes none of them
     for parameter, want in zip(module.parameters(), before, strict=True):
         assert torch.equal(parameter, want)
     (grad_storage,), (grads,) = flat.gradient_storage, flat.gradient_buffers
@@ -67,17 +67,17 @@ def test_meta_rides_on_the_first_buffer_that_can_carry_it() -> None:
     module = torch.nn.Sequential(
         torch.nn.Linear(3, 2).to(torch.bfloat16), torch.nn.Linear(2, 2).to(torch.float32)
     )
-    flat = FlatModel.create(module, CPU)
+    flat = FlatParameters.create(module, CPU)
     assert [b.dtype for b in flat.gradient_storage] == [torch.bfloat16, torch.float32]
     assert flat.meta_tail is not None and flat.meta_tail.dtype == torch.float32
     assert flat.meta_tail.data_ptr() == (
         flat.gradient_buffers[1].data_ptr() + flat.gradient_buffers[1].numel() * 4
     )
-    assert flat.control_tail is not None  # the control bytes go behind the bf16 parameters
+    assert flat.root_values_tail is not None  # the root values go behind the bf16 parameters
 
 
 def test_zeroing_the_gradients_clears_the_meta_tail() -> None:
-    flat = FlatModel.create(linear(3, 3, dtype=torch.float32), CPU)
+    flat = FlatParameters.create(linear(3, 3, dtype=torch.float32), CPU)
     write_meta(flat, 7, torch.tensor(1.5, dtype=torch.float64), True, tail=True)
     assert read_meta(flat, None).tolist() == [7.0, 1.5, 1.0]
     flat.zero_gradients()
@@ -93,7 +93,7 @@ async def test_summed_meta_counts_examples_exactly_beyond_float32_precision(
     losses = [0.1, 2.5e3, 7.25]
 
     async def body(clique: Clique) -> list[float]:
-        flat = FlatModel.create(linear(5, 4, dtype=dtype), CPU)
+        flat = FlatParameters.create(linear(5, 4, dtype=dtype), CPU)
         loss = torch.tensor(losses[clique.rank], dtype=torch.float64)
         more = clique.rank == 1
         assert write_meta(flat, examples[clique.rank], loss, more, tail=True) is None
@@ -109,34 +109,34 @@ async def test_summed_meta_counts_examples_exactly_beyond_float32_precision(
 
 
 async def test_meta_without_a_tail_travels_as_float64() -> None:
-    flat = FlatModel.create(linear(3, 3, dtype=torch.bfloat16), CPU)
+    flat = FlatParameters.create(linear(3, 3, dtype=torch.bfloat16), CPU)
     meta = write_meta(flat, 2**40 + 1, torch.tensor(0.25, dtype=torch.float64), False, tail=True)
     assert meta is not None and meta.dtype == torch.float64
     assert read_meta(flat, meta).tolist() == [2**40 + 1, 0.25, 0.0]
-    flat32 = FlatModel.create(linear(3, 3, dtype=torch.float32), CPU)
+    flat32 = FlatParameters.create(linear(3, 3, dtype=torch.float32), CPU)
     assert (
         write_meta(flat32, 3, torch.tensor(0.5, dtype=torch.float64), True, tail=False) is not None
     )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-async def test_control_values_reach_every_follower_bit_for_bit(dtype: torch.dtype) -> None:
+async def test_root_values_reach_every_follower_bit_for_bit(dtype: torch.dtype) -> None:
     scale = 65536.0 + 2**-20  # not representable in bf16 or float32: a bit copy keeps it
 
     async def body(clique: Clique) -> tuple[list[float], bool]:
-        flat = FlatModel.create(linear(5, 3, dtype=dtype), CPU)
+        flat = FlatParameters.create(linear(5, 3, dtype=dtype), CPU)
         parameters = [p.detach().clone() for p in flat.parameters]
         if clique.rank == 0:
-            assert write_control(flat, False, scale, CPU) is None
-            control = None
+            assert write_root_values(flat, False, scale, CPU) is None
+            values = None
         else:
             for parameter in flat.parameters:
                 parameter.data.zero_()  # the root's values must arrive
-            control = control_receiver(flat, CPU)
-            assert control is None
+            values = root_values_receiver(flat, CPU)
+            assert values is None
         await clique.broadcast(flat.parameter_storage, root=0)
         same = all(torch.equal(p, q) for p, q in zip(flat.parameters, parameters, strict=True))
-        return list(read_control(flat, control).tolist()), same
+        return list(read_root_values(flat, values).tolist()), same
 
     with anyio.fail_after(30):
         results = await run_ranks(3, body)

@@ -1,6 +1,6 @@
 """One pass on the clique: batches, flat parameter buffers, training steps and validation.
 
-The pass driver (:class:`RankRunner`, on the event loop) starts each pass on the rank's
+The pass runner (:class:`PassRunner`, on the event loop) starts each pass on the rank's
 compute thread (:class:`ComputeThread`), where the step kernel (:class:`StepKernel`) runs it
 as a plain loop over the batches that the loading thread puts into a :class:`BatchFeed`.
 """
@@ -12,9 +12,9 @@ from ._feed import BatchFeed as BatchFeed
 from ._feed import LoadedBatch as LoadedBatch
 from ._feed import PassStopped as PassStopped
 from ._feed import open_feed as open_feed
-from ._flat import FlatModel as FlatModel
+from ._flat import FlatParameters as FlatParameters
 from ._kernel import StepKernel as StepKernel
-from ._pass import RankRunner as RankRunner
+from ._pass import PassRunner as PassRunner
 from ._progress import Progress as Progress
 from ._result import PassResult as PassResult
 from ._stepper import LossScale as LossScale
@@ -23,13 +23,13 @@ from ._stepper import Stepper as Stepper
 __all__ = [
     "BatchFeed",
     "ComputeThread",
-    "FlatModel",
+    "FlatParameters",
     "LoadedBatch",
     "LossScale",
     "PassResult",
+    "PassRunner",
     "PassStopped",
     "Progress",
-    "RankRunner",
     "StepKernel",
     "Stepper",
     "host_to_device",

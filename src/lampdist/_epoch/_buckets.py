@@ -21,7 +21,7 @@ import torch
 
 from .._errors import TrainingError
 from ..clique import PendingCollective
-from ._flat import FlatModel
+from ._flat import FlatParameters
 
 __all__ = ["GradientBuckets", "StartCollective"]
 
@@ -34,11 +34,11 @@ class _Bucket:
     gradients: torch.Tensor
     """A contiguous slice of one flat gradient buffer."""
     parameters: tuple[int, ...]
-    """Indices into ``FlatModel.parameters`` of the parameters it covers."""
+    """Indices into ``FlatParameters.parameters`` of the parameters it covers."""
     waiting: int = 0
 
 
-def plan_buckets(flat: FlatModel, cap_bytes: int) -> list[_Bucket]:
+def plan_buckets(flat: FlatParameters, cap_bytes: int) -> list[_Bucket]:
     """Buckets in launch order: from the last parameter backwards, at most ``cap_bytes`` each
     unless one parameter alone is larger; a bucket never spans two flat buffers."""
     buckets: list[_Bucket] = []
@@ -78,7 +78,7 @@ class GradientBuckets:
     """
 
     rank: int
-    flat: FlatModel
+    flat: FlatParameters
     start: StartCollective
     buckets: list[_Bucket]
     _bucket_of: list[int] = attrs.field(init=False)
@@ -97,7 +97,7 @@ class GradientBuckets:
 
     @classmethod
     def create(
-        cls, rank: int, flat: FlatModel, start: StartCollective, *, bucket_cap_mb: float
+        cls, rank: int, flat: FlatParameters, start: StartCollective, *, bucket_cap_mb: float
     ) -> GradientBuckets:
         """Buckets of about ``bucket_cap_mb`` MB over ``flat``'s gradients."""
         cap_bytes = max(1, int(bucket_cap_mb * 2**20))

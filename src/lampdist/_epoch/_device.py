@@ -1,16 +1,10 @@
 """Host values onto a device without waiting for it.
 
 Writing a Python number into a CUDA tensor (``t[0] = n``, ``torch.tensor(..., device=cuda)``)
-copies from pageable memory, which waits for all work queued on the stream. On the event loop
-that stalls every rank of the process, and when another in-process rank still has to queue
-its part of a collective the stream is waiting for, it deadlocks. These helpers copy from
+copies from pageable memory, which waits for all work queued on the stream: on the event loop
+that stalls every rank of the process, and it deadlocks when another in-process rank has yet
+to queue its part of a collective the stream waits for. :func:`host_to_device` copies from
 pinned memory instead, which returns at once.
-
-The pinned buffer comes from ``torch.empty(..., pin_memory=True)``, which lets go of the GIL
-while the driver allocates, not from ``torch.tensor(..., pin_memory=True)``, which holds it:
-a driver call that waits under the GIL stops every other rank of the process from queuing
-its part of a collective. (A pinned allocation can still wait for a driver lock: see the
-local loop on several GPUs in one process.)
 """
 
 from __future__ import annotations
@@ -29,6 +23,8 @@ def host_to_device(
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     host = torch.tensor(values, dtype=dtype)  # pageable: no driver call under the GIL
-    pinned = torch.empty(len(values), dtype=dtype, pin_memory=True)  # the GIL let go
+    # torch.empty lets go of the GIL while the driver allocates (torch.tensor(...,
+    # pin_memory=True) holds it), so the other ranks of the process can queue their work.
+    pinned = torch.empty(len(values), dtype=dtype, pin_memory=True)
     pinned.copy_(host)
     return pinned.to(device, non_blocking=True)

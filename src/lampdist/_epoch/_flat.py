@@ -8,7 +8,7 @@ autograd accumulates into the views.
 Two small tails ride behind the buffers so that a step sends no extra collective for them:
 the first float32 or float64 gradient buffer carries the step's meta values (examples, loss
 sum, whether the rank has more batches: summed with the gradients), and the first parameter
-buffer carries the root's 16 control bytes (copied with the parameters). A model without such
+buffer carries the root values' 16 bytes (copied with the parameters). A model without such
 a buffer sends those values on their own.
 
 A rank alone in its clique exchanges nothing: it gets no gradient buffers (``gradients=False``)
@@ -23,18 +23,20 @@ import hashlib
 import attrs
 import torch
 
-__all__ = ["CONTROL_BYTES", "META_SLOTS", "FlatModel"]
+__all__ = ["META_SLOTS", "ROOT_VALUES_BYTES", "FlatParameters"]
 
 META_SLOTS = 4
 """Elements of the gradient tail: examples (high and low parts), loss sum, more batches."""
-CONTROL_BYTES = 16
-"""Bytes of the parameter tail: two float64 control values."""
+ROOT_VALUES_BYTES = 16
+"""Bytes of the parameter tail: the two float64 root values (more batches, loss scale)."""
 _META_DTYPES = (torch.float32, torch.float64)
 
 
 @attrs.define(eq=False)
-class FlatModel:
-    """The flat parameter, gradient and buffer storage of one module on one device."""
+class FlatParameters:
+    """One module's trainable parameters and their gradients as views into flat buffers on
+    one device, with the module's other buffers and the two tails (see the module docstring).
+    """
 
     parameters: list[torch.nn.Parameter]
     parameter_buffers: list[torch.Tensor]
@@ -49,16 +51,17 @@ class FlatModel:
     meta_tail: torch.Tensor | None = None
     """The ``META_SLOTS`` meta elements behind a float32 or float64 gradient buffer."""
     parameter_storage: list[torch.Tensor] = attrs.field(factory=list)
-    """What a parameter broadcast sends: the parameter buffers, the first with the control tail."""
-    control_tail: torch.Tensor | None = None
-    """The ``CONTROL_BYTES`` bytes behind the first parameter buffer, as uint8."""
+    """What a parameter broadcast sends: the parameter buffers, the first with the root
+    values' tail."""
+    root_values_tail: torch.Tensor | None = None
+    """The ``ROOT_VALUES_BYTES`` bytes behind the first parameter buffer, as uint8."""
     flat_gradients: bool = True
     """Whether the gradients live in ``gradient_buffers`` (else autograd owns them)."""
 
     @classmethod
     def create(
         cls, module: torch.nn.Module, device: torch.device, *, gradients: bool = True
-    ) -> FlatModel:
+    ) -> FlatParameters:
         """Move ``module`` to ``device`` and lay its trainable parameters out flat, and their
         gradients too unless ``gradients`` is False (a rank alone exchanges none)."""
         module.to(device)
@@ -74,18 +77,18 @@ class FlatModel:
         gradient_storage: list[torch.Tensor] = []
         parameter_storage: list[torch.Tensor] = []
         meta_tail: torch.Tensor | None = None
-        control_tail: torch.Tensor | None = None
+        root_values_tail: torch.Tensor | None = None
         for buffer_index, (dtype, group) in enumerate(by_dtype.items()):
             total = sum(p.numel() for p in group)
-            # The control tail starts on an 8-byte boundary, so it can be read as float64.
+            # The root values' tail starts on an 8-byte boundary, so it can be read as float64.
             size = torch.empty(0, dtype=dtype).element_size()
             start = -(-total * size // 8) * 8 // size
-            tail = 0 if buffer_index else start - total + -(-CONTROL_BYTES // size)
+            tail = 0 if buffer_index else start - total + -(-ROOT_VALUES_BYTES // size)
             storage = torch.empty(total + tail, dtype=dtype, device=device)
             flat = storage[:total]
             if tail:
-                control_tail = storage.view(torch.uint8)[
-                    start * size : start * size + CONTROL_BYTES
+                root_values_tail = storage.view(torch.uint8)[
+                    start * size : start * size + ROOT_VALUES_BYTES
                 ]
             carries_meta = gradients and meta_tail is None and dtype in _META_DTYPES
             grad_storage = torch.zeros(
@@ -127,7 +130,7 @@ class FlatModel:
             gradient_storage=gradient_storage,
             meta_tail=meta_tail,
             parameter_storage=parameter_storage,
-            control_tail=control_tail,
+            root_values_tail=root_values_tail,
             flat_gradients=gradients,
         )
 

@@ -11,7 +11,7 @@ With ``step_on="root"`` the gradients are reduced to the root after backward (or
 ``bucket_cap_mb``, bucket by bucket while the last backward still runs: see ``_buckets``),
 with the step's ``meta`` values (examples, loss sum, whether this rank has more batches)
 behind them (see ``_values``); the root divides by the clique's example count, steps and
-broadcasts the parameters, the module's buffers and its control values (a ``more`` flag, the
+broadcasts the parameters, the module's buffers and its root values (a ``more`` flag, the
 loss scale) behind them. With ``step_on="every_rank"`` the same tensors are all-reduced and
 every rank steps. The pass ends when no rank has batches left. Either way the update equals
 one process stepping on the concatenation of every rank's batches of the step.
@@ -37,18 +37,18 @@ from ..clique import Clique, PendingCollective
 from ._buckets import GradientBuckets
 from ._device import host_to_device
 from ._feed import BatchFeed, LoadedBatch, PassStopped
-from ._flat import FlatModel
+from ._flat import FlatParameters
 from ._progress import Progress
 from ._result import PassResult
 from ._stepper import LossScale, Stepper
 from ._tally import ReadBack, Tally
 from ._values import (
     EXAMPLES,
-    control_receiver,
-    read_control,
     read_meta,
-    write_control,
+    read_root_values,
+    root_values_receiver,
     write_meta,
+    write_root_values,
 )
 
 __all__ = ["StepKernel"]
@@ -66,7 +66,7 @@ class StepKernel:
     rank: int
     clique: Clique
     model: SupervisedModel
-    flat: FlatModel
+    flat: FlatParameters
     options: StepOptions
     stepper: Stepper | None = None
     loss_scale: LossScale = attrs.field()
@@ -102,7 +102,7 @@ class StepKernel:
         if on_event_loop_thread():
             raise RuntimeError(
                 f"rank {self.rank}: the step kernel runs on the rank's compute thread, not on "
-                "an event loop; start passes through RankRunner"
+                "an event loop; start passes through PassRunner"
             )
 
     def sync_parameters(self) -> None:
@@ -339,7 +339,7 @@ class StepKernel:
         clique had some), or no plan and no batch of its own left (so that it cannot know
         whether another rank has one; with a batch left, ``local_more``, it knows that the
         clique has). Otherwise it steps on the device and the tally reads the values back
-        later. A follower reads the root's control values for the same reason only.
+        later. A follower reads the root values for the same reason only.
         """
         learn_more = planned is None and not local_more
         if not self.alone:
@@ -382,8 +382,8 @@ class StepKernel:
         forward in train mode may update in place); the next step's exchange waits for it at
         the latest. On the CPU the root waits: the broadcast's threads would compete with its
         forward."""
-        control = write_control(self.flat, more, self.loss_scale.scale, self.device)
-        own = [] if control is None else [control]
+        values = write_root_values(self.flat, more, self.loss_scale.scale, self.device)
+        own = [] if values is None else [values]
         sent = self.clique.start_broadcast(
             [*self.flat.parameter_storage, *self.flat.module_buffers, *own], root=0
         )
@@ -393,17 +393,17 @@ class StepKernel:
             self._sent = sent
 
     def _receive_parameters(self, *, read: bool) -> bool:
-        """Receive the root's parameters; read its control values (a host sync on CUDA) only
+        """Receive the root's parameters; read the root values (a host sync on CUDA) only
         when ``read`` or when fp16 loss scaling needs the scale."""
-        control = control_receiver(self.flat, self.device)
-        own = [] if control is None else [control]
+        values = root_values_receiver(self.flat, self.device)
+        own = [] if values is None else [values]
         if not self.alone:
             self.clique.start_broadcast(
                 [*self.flat.parameter_storage, *self.flat.module_buffers, *own], root=0
             ).wait_blocking(None)
         if not read and not self.loss_scale.enabled:
             return True
-        more, self.loss_scale.scale = read_control(self.flat, control).tolist()
+        more, self.loss_scale.scale = read_root_values(self.flat, values).tolist()
         return bool(more > 0)
 
     # -- the validation pass -----------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""The pass driver: the event loop's side of a rank's passes.
+"""The pass runner: the event loop's side of a rank's passes.
 
-:class:`RankRunner` opens a pass's batch feed, hands the whole pass to the rank's compute
+:class:`PassRunner` opens a pass's batch feed, hands the whole pass to the rank's compute
 thread (:class:`~lampdist._epoch._kernel.StepKernel` runs it there), delivers its progress to
 ``on_event`` and awaits its end. Per pass the loop wakes up once for the result (and once per
 progress event it delivers); it is never on the per-step path. Cancelling a pass stops it
@@ -29,13 +29,13 @@ from ._kernel import StepKernel
 from ._progress import Progress
 from ._result import PassResult
 
-__all__ = ["RankRunner"]
+__all__ = ["PassRunner"]
 
 T = TypeVar("T")
 
 
 @attrs.define(eq=False)
-class RankRunner:
+class PassRunner:
     """Runs one rank's passes: every torch operation on ``compute``, none on the loop."""
 
     kernel: StepKernel

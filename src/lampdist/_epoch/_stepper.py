@@ -10,7 +10,7 @@ import torch
 
 from .._errors import NonFiniteLoss
 from .._options import StepOptions
-from ._flat import FlatModel
+from ._flat import FlatParameters
 
 __all__ = ["LossScale", "Stepper"]
 
@@ -57,14 +57,14 @@ class Stepper:
 
     rank: int
     optimizer: torch.optim.Optimizer
-    flat: FlatModel
+    flat: FlatParameters
     options: StepOptions
     loss_scale: LossScale
     base_lrs: list[float]
 
     @classmethod
     def create(
-        cls, rank: int, optimizer: torch.optim.Optimizer, flat: FlatModel, options: StepOptions
+        cls, rank: int, optimizer: torch.optim.Optimizer, flat: FlatParameters, options: StepOptions
     ) -> Stepper:
         """A stepper for ``optimizer``, whose current learning rates are the base ones."""
         return cls(

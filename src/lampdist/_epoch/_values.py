@@ -1,13 +1,13 @@
 """A step's small values and where they travel: behind the flat buffers when they can.
 
 ``meta`` (every rank to the stepping ranks, summed with the gradients): the examples of the
-step, their loss sum and whether the rank has more batches. ``control`` (the root to the
+step, their loss sum and whether the rank has more batches. The root values (the root to the
 followers, with the parameters): whether any rank has more batches and the fp16 loss scale.
 
-Each goes into a tail of a flat buffer (see :class:`FlatModel`), so a step sends no collective
+Each goes into a tail of a flat buffer (see :class:`FlatParameters`), so a step sends no collective
 of its own for them. The meta tail of a float32 buffer holds the example count as two parts
 (``high * 4096 + low``), each summed exactly up to 2**24, and the loss sum rounded to float32
-(about 7 significant digits; a float64 buffer keeps all of them). The control tail is a bit
+(about 7 significant digits; a float64 buffer keeps all of them). The root values' tail is a bit
 copy of two float64 values, exact in any dtype. Without a tail the values travel as a float64
 tensor of their own.
 """
@@ -17,15 +17,15 @@ from __future__ import annotations
 import torch
 
 from ._device import host_to_device
-from ._flat import FlatModel
+from ._flat import FlatParameters
 
 __all__ = [
     "EXAMPLES",
-    "control_receiver",
-    "read_control",
     "read_meta",
-    "write_control",
+    "read_root_values",
+    "root_values_receiver",
     "write_meta",
+    "write_root_values",
 ]
 
 EXAMPLES, LOSS = 0, 1  # positions in the float64 meta that read_meta returns (then: more)
@@ -34,7 +34,7 @@ _TAIL_LOSS = 2  # the tail holds [examples high, examples low, loss sum, more]
 
 
 def write_meta(
-    flat: FlatModel, examples: int, loss_sum: torch.Tensor, more: bool, *, tail: bool
+    flat: FlatParameters, examples: int, loss_sum: torch.Tensor, more: bool, *, tail: bool
 ) -> torch.Tensor | None:
     """Write the step's meta values; return the float64 tensor to exchange on its own when
     ``tail`` is False or the gradients have no meta tail, else ``None`` (they ride along)."""
@@ -51,7 +51,7 @@ def write_meta(
     return None
 
 
-def read_meta(flat: FlatModel, meta: torch.Tensor | None) -> torch.Tensor:
+def read_meta(flat: FlatParameters, meta: torch.Tensor | None) -> torch.Tensor:
     """The exchanged meta values as float64 ``[examples, loss sum, more]`` on the device."""
     if meta is not None:
         return meta
@@ -60,29 +60,29 @@ def read_meta(flat: FlatModel, meta: torch.Tensor | None) -> torch.Tensor:
     return torch.stack((high * _SPLIT + low, loss, more))
 
 
-def write_control(
-    flat: FlatModel, more: bool, scale: float, device: torch.device
+def write_root_values(
+    flat: FlatParameters, more: bool, scale: float, device: torch.device
 ) -> torch.Tensor | None:
-    """Write the root's control values behind the parameters; return them as a float64
-    tensor to broadcast on its own when the parameters have no control tail, else ``None``."""
+    """Write the root values behind the parameters; return them as a float64 tensor to
+    broadcast on its own when the parameters have no root values' tail, else ``None``."""
     values = host_to_device([1.0 if more else 0.0, scale], torch.float64, device)
-    if flat.control_tail is None:
+    if flat.root_values_tail is None:
         return values
-    flat.control_tail.copy_(values.view(torch.uint8))
+    flat.root_values_tail.copy_(values.view(torch.uint8))
     return None
 
 
-def control_receiver(flat: FlatModel, device: torch.device) -> torch.Tensor | None:
-    """Where a follower receives the control values: ``None`` when they ride behind the
+def root_values_receiver(flat: FlatParameters, device: torch.device) -> torch.Tensor | None:
+    """Where a follower receives the root values: ``None`` when they ride behind the
     parameters, else a float64 tensor to broadcast into."""
-    if flat.control_tail is not None:
+    if flat.root_values_tail is not None:
         return None
     return torch.zeros(2, dtype=torch.float64, device=device)
 
 
-def read_control(flat: FlatModel, control: torch.Tensor | None) -> torch.Tensor:
-    """The broadcast control values as float64 ``[more, scale]`` on the device."""
-    if control is not None:
-        return control
-    assert flat.control_tail is not None
-    return flat.control_tail.view(torch.float64)
+def read_root_values(flat: FlatParameters, values: torch.Tensor | None) -> torch.Tensor:
+    """The broadcast root values as float64 ``[more, scale]`` on the device."""
+    if values is not None:
+        return values
+    assert flat.root_values_tail is not None
+    return flat.root_values_tail.view(torch.float64)

@@ -6,21 +6,21 @@ import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, NoReturn
 
 import anyio
 import attrs
 import torch
 
-# The first optimizer of a process imports torch._dynamo (seconds of imports, some of which
-# hold the GIL for 100-150 ms at a stretch). Imported here, with lampdist, before any event
-# loop runs, so that a run's first optimizer, built on its compute thread, never stalls the
-# host's event loop.
+# The first optimizer of a process imports torch._dynamo, whose imports hold the GIL for long
+# stretches (docs/performance.md). Imported here, with lampdist, before any event loop runs,
+# so that a run's first optimizer, built on its compute thread, never stalls the event loop.
 import torch._dynamo  # isort: skip
 
 from .._checkpoint import RngStates, restore_rng_states
 from .._effects import OptimizerFactory
-from .._epoch import FlatModel, Stepper, host_to_device
+from .._epoch import FlatParameters, PassRunner, Stepper, host_to_device
 from .._errors import (
     CheckpointError,
     CliqueTimeout,
@@ -43,16 +43,16 @@ __all__ = [
     "CULPRIT_TIMEOUT",
     "DERIVED",
     "OptimizerFactory",
-    "Phase",
+    "PhaseTracker",
     "Stopping",
     "agree",
+    "agree_and_sync",
     "check_rank",
     "check_schedule_state",
     "create_stepper",
     "describe",
     "find_culprit",
     "most_telling",
-    "resolve_device",
     "restore_rng",
     "resumed_schedule_state",
     "single_error",
@@ -63,26 +63,8 @@ CULPRIT_TIMEOUT = 2.0
 """How long a rank whose collective failed waits for the control channel to name the culprit."""
 
 
-def resolve_device(device: torch.device | str | int) -> torch.device:
-    """``device`` as a :class:`torch.device`: a device, a string (``"cuda:1"``) or a CUDA index."""
-    if isinstance(device, torch.device):
-        return device
-    if isinstance(device, bool):
-        raise ConfigError(f"device must be a torch.device, a string or a CUDA index, got {device}")
-    if isinstance(device, int):
-        return torch.device("cuda", device)
-    if isinstance(device, str):
-        try:
-            return torch.device(device)
-        except RuntimeError as exc:
-            raise ConfigError(f"device {device!r} is not a device string like 'cuda:0'") from exc
-    raise ConfigError(
-        f"device must be a torch.device, a string or a CUDA index, got {type(device).__name__}"
-    )
-
-
 def create_stepper(
-    rank: int, optimizer_factory: OptimizerFactory, flat: FlatModel, options: StepOptions
+    rank: int, optimizer_factory: OptimizerFactory, flat: FlatParameters, options: StepOptions
 ) -> Stepper:
     """The optimizer of ``optimizer_factory`` over the flat parameters, wrapped to step."""
     optimizer = optimizer_factory(flat.parameters)
@@ -105,14 +87,23 @@ def check_rank(rank: int, nranks: int) -> None:
 
 
 @attrs.define
-class Phase:
-    """Where a rank is (phase name, epoch, pass), for error messages and failure reports."""
+class PhaseTracker:
+    """A rank's failure-report tracker: where the rank is, which its error messages and
+    failure reports name, and what has been said about its failure.
 
-    name: str = "join"
+    The rank's driver updates it as the run moves on; the tasks beside the run (the peer
+    watch, the stop) read it.
+    """
+
+    current: str = "join"
+    """The phase the rank is in ("join", "clique setup", "train", ...)."""
     epoch: int = 0
     pass_index: int = 0
     reported: bool = False
-    cause: LampdistError | None = None  # a peer's failure that cancelled this rank
+    """Whether the rank's failure has already gone to its peers (the root's STOP with the
+    error, a follower's report), so that the driver's outer handler does not send it again."""
+    cause: LampdistError | None = None
+    """A peer's failure that cancelled this rank (the root's watch sets it)."""
 
 
 def describe(error: BaseException) -> str:
@@ -132,7 +123,7 @@ def most_telling(error: BaseException) -> BaseException:
     return _most_telling(real) or error
 
 
-def agree(clique: Clique, flat: FlatModel, options: StepOptions, validates: bool) -> None:
+def agree(clique: Clique, flat: FlatParameters, options: StepOptions, validates: bool) -> None:
     """Check on every rank that all ranks have the root's model layout and step options, and
     validate alike (on the rank's compute thread: it waits for the peers and reads the
     result from the device).
@@ -167,27 +158,48 @@ def agree(clique: Clique, flat: FlatModel, options: StepOptions, validates: bool
         )
 
 
+async def agree_and_sync(
+    runner: PassRunner,
+    flat: FlatParameters,
+    options: StepOptions,
+    *,
+    validates: bool,
+    tracker: PhaseTracker,
+) -> None:
+    """What every rank does, in the same order, once its clique is open: :func:`agree`
+    (phase ``'agreement'``), then take the root's parameters and buffers, and with
+    ``step_on="every_rank"`` its optimizer state.
+
+    Raises :class:`MismatchError` as :func:`agree` does, and the clique's errors.
+    """
+    tracker.current = "agreement"
+    await runner.run(partial(agree, runner.clique, flat, options, validates))
+    await runner.sync_parameters()
+    if options.step_on == "every_rank":
+        await runner.sync_optimizer_state()
+
+
 def _digest64(data: bytes) -> int:
     return int.from_bytes(hashlib.sha256(data).digest()[:7], "big")
 
 
-async def watch_peers(watch: Callable[[], Awaitable[NoReturn]], phase: Phase) -> NoReturn:
+async def watch_peers(watch: Callable[[], Awaitable[NoReturn]], tracker: PhaseTracker) -> NoReturn:
     """``watch()`` of a control channel; a peer that vanished is reported in this rank's
-    phase, which says more than the channel's (the kind of the last command)."""
+    current phase, which says more than the channel's (the kind of the last command)."""
     try:
         await watch()
     except PeerDisconnected as exc:
-        raise PeerDisconnected(exc.message, rank=exc.rank, phase=phase.name) from None
+        raise PeerDisconnected(exc.message, rank=exc.rank, phase=tracker.current) from None
 
 
 async def find_culprit(
-    watch: Callable[[], Awaitable[NoReturn]], phase: Phase
+    watch: Callable[[], Awaitable[NoReturn]], tracker: PhaseTracker
 ) -> LampdistError | None:
     """After a collective failed: the control channel's account of which peer failed, if it
     gives one within :data:`CULPRIT_TIMEOUT` seconds."""
     with anyio.move_on_after(CULPRIT_TIMEOUT):
         try:
-            await watch_peers(watch, phase)
+            await watch_peers(watch, tracker)
         except (RankFailed, PeerDisconnected) as exc:
             return exc
     return None
@@ -258,28 +270,28 @@ class Stopping:
     def requested(self) -> bool:
         return self.stop is not None and self.stop.is_set()
 
-    async def enforce(self, phase: Phase) -> None:
+    async def enforce(self, tracker: PhaseTracker) -> None:
         """Once stop is set, give the run ``timeout`` seconds to reach its end."""
         assert self.stop is not None
         await self.stop.wait()
         waits_for = "the current epoch" if self.rank == 0 else "the root's STOP"
         logger.info(
             "stop requested in phase %r of epoch %d: %s has %s s to come",
-            phase.name,
-            phase.epoch,
+            tracker.current,
+            tracker.epoch,
             waits_for,
             self.timeout,
-            extra={"rank": self.rank, "epoch": phase.epoch},
+            extra={"rank": self.rank, "epoch": tracker.epoch},
         )
         with anyio.move_on_after(self.timeout):
             await self.reached.wait()
             return
-        self.abandoned = f"{phase.name!r} of epoch {phase.epoch}"
+        self.abandoned = f"{tracker.current!r} of epoch {tracker.epoch}"
         logger.warning(
             "Timeouts.stop=%s s passed in phase %s: abandoning it",
             self.timeout,
             self.abandoned,
-            extra={"rank": self.rank, "epoch": phase.epoch},
+            extra={"rank": self.rank, "epoch": tracker.epoch},
         )
         self.scope.cancel()
 

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import logging
 import math
-from functools import partial
 
 import anyio
 import attrs
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from .._device import resolve_device
 from .._epoch import (
     ComputeThread,
-    FlatModel,
-    RankRunner,
+    FlatParameters,
+    PassRunner,
     StepKernel,
     Stepper,
     open_compute_thread,
@@ -35,15 +35,14 @@ from ._common import (
     CULPRIT_TIMEOUT,
     DERIVED,
     OptimizerFactory,
-    Phase,
+    PhaseTracker,
     Stopping,
-    agree,
+    agree_and_sync,
     check_rank,
     create_stepper,
     describe,
     find_culprit,
     most_telling,
-    resolve_device,
     single_error,
     watch_peers,
 )
@@ -106,12 +105,12 @@ async def follow_distributed_training(
         )
     async with open_compute_thread(rank, torch_device) as compute:
         # On the compute thread: the control channel must keep answering meanwhile.
-        flat = await compute.run(FlatModel.create, data.model.module, torch_device)
+        flat = await compute.run(FlatParameters.create, data.model.module, torch_device)
         stepper = None
         if step.step_on == "every_rank":
             assert optimizer_factory is not None
             stepper = await compute.run(create_stepper, rank, optimizer_factory, flat, step)
-        phase = Phase("join")
+        tracker = PhaseTracker("join")
         stopping = Stopping(stop, timeouts.stop, rank=rank)
         send, receive = anyio.create_memory_object_stream[Command](math.inf)
         follower = _Follower(
@@ -126,14 +125,14 @@ async def follow_distributed_training(
             compute=compute,
             flat=flat,
             stepper=stepper,
-            phase=phase,
+            tracker=tracker,
             stopping=stopping,
         )
         with single_error():
             async with anyio.create_task_group() as group, receive:
-                group.start_soon(watch_peers, control.watch, phase)
+                group.start_soon(watch_peers, control.watch, tracker)
                 if stop is not None:
-                    group.start_soon(stopping.enforce, phase)
+                    group.start_soon(stopping.enforce, tracker)
                 try:
                     with stopping.scope:
                         await follower.run(receive, send)
@@ -141,14 +140,14 @@ async def follow_distributed_training(
                 except Exception as exc:
                     leaf = most_telling(exc)
                     if isinstance(leaf, CliqueError | CliqueTimeout):
-                        culprit = await _find_culprit(receive, control, phase)
+                        culprit = await _find_culprit(receive, control, tracker)
                         if culprit is not None:
                             raise culprit from leaf
-                    if not phase.reported and _root_must_hear(leaf):
+                    if not tracker.reported and _root_must_hear(leaf):
                         # Only an original error: a failed or timed-out collective here is the
                         # consequence of a failure elsewhere, and the root must not blame us.
                         with anyio.CancelScope(shield=True):
-                            await _report(control, phase.name, exc)
+                            await _report(control, tracker.current, exc)
                     raise
                 group.cancel_scope.cancel()
 
@@ -163,7 +162,7 @@ async def _report(control: FollowerChannel, phase: str, error: BaseException) ->
 
 
 async def _find_culprit(
-    commands: MemoryObjectReceiveStream[Command], control: FollowerChannel, phase: Phase
+    commands: MemoryObjectReceiveStream[Command], control: FollowerChannel, tracker: PhaseTracker
 ) -> LampdistError | None:
     """After a collective failed: the root's own reason for stopping (its STOP with an error,
     which follows the failure by a moment), or the channel's word that the root vanished,
@@ -180,7 +179,7 @@ async def _find_culprit(
 
     async def from_channel(scope: anyio.CancelScope) -> None:
         nonlocal found
-        error = await find_culprit(control.watch, phase)
+        error = await find_culprit(control.watch, tracker)
         if found is None:
             found = error
         if error is not None:
@@ -206,9 +205,9 @@ class _Follower:
     timeouts: Timeouts
     cliques: Cliques
     compute: ComputeThread
-    flat: FlatModel
+    flat: FlatParameters
     stepper: Stepper | None
-    phase: Phase
+    tracker: PhaseTracker
     stopping: Stopping
 
     async def run(
@@ -217,7 +216,7 @@ class _Follower:
         send: anyio.abc.ObjectSendStream[Command],
     ) -> None:
         clique_id = await self.control.join(send, timeout=self.timeouts.join)
-        self.phase.name = "clique setup"
+        self.tracker.current = "clique setup"
         async with self.cliques.open(
             nranks=self.nranks,
             rank=self.rank,
@@ -234,7 +233,7 @@ class _Follower:
                 options=self.step,
                 stepper=self.stepper,
             )
-            runner = RankRunner(kernel=kernel, compute=self.compute)
+            runner = PassRunner(kernel=kernel, compute=self.compute)
             try:
                 await self._follow_commands(runner, commands)
             except Exception as exc:
@@ -242,32 +241,28 @@ class _Follower:
                 # collectives on other ranks fail.
                 if _root_must_hear(most_telling(exc)):
                     with anyio.CancelScope(shield=True):
-                        await _report(self.control, self.phase.name, exc)
-                self.phase.reported = True
+                        await _report(self.control, self.tracker.current, exc)
+                self.tracker.reported = True
                 raise
 
     async def _follow_commands(
-        self, runner: RankRunner, commands: MemoryObjectReceiveStream[Command]
+        self, runner: PassRunner, commands: MemoryObjectReceiveStream[Command]
     ) -> None:
-        phase, data = self.phase, self.data
-        phase.name = "agreement"
+        tracker, data = self.tracker, self.data
         validates = data.validation_batches is not None
-        await runner.run(partial(agree, runner.clique, self.flat, self.step, validates))
-        await runner.sync_parameters()
-        if self.step.step_on == "every_rank":
-            await runner.sync_optimizer_state()
-        phase.name = "wait for command"
+        await agree_and_sync(runner, self.flat, self.step, validates=validates, tracker=tracker)
+        tracker.current = "wait for command"
         async for command in commands:
             if command.kind is CommandKind.STOP:
                 if command.error is not None:
                     raise RankFailed(command.error, rank=0, phase="stop")
-                phase.name = "stop"
+                tracker.current = "stop"
                 self.stopping.reached.set()
                 await runner.sync_parameters()
                 return
-            phase.epoch = command.epoch
+            tracker.epoch = command.epoch
             if command.kind is CommandKind.TRAIN:
-                phase.name = "train"
+                tracker.current = "train"
                 await runner.train_pass(
                     data.train_batches,
                     epoch=command.epoch,
@@ -275,14 +270,14 @@ class _Follower:
                     lr_factor=command.lr_factor if command.lr_factor is not None else 1.0,
                 )
             elif command.kind is CommandKind.VALID:
-                phase.name = "valid"
+                tracker.current = "valid"
                 assert data.validation_batches is not None  # the agreement check ensures it
                 await runner.validation_pass(
                     data.validation_batches, epoch=command.epoch, pass_index=command.pass_index
                 )
-            phase.name = "wait for command"
+            tracker.current = "wait for command"
         raise PeerDisconnected(
-            "the root closed the control channel without STOP", rank=0, phase=phase.name
+            "the root closed the control channel without STOP", rank=0, phase=tracker.current
         )
 
 

@@ -48,9 +48,8 @@ async def local_data_parallel_training_loop(
     The ranks' collectives go through an in-process clique (:func:`lampdist.clique.in_process`):
     each starts once every rank has started it, for all ranks at once (one NCCL group over
     the GPUs), so no GPU runs a collective that waits for a rank that has not launched its part.
-    A :class:`RuntimeWarning` for several GPUs stays until that design has been measured free
-    of hangs on several GPUs (see the reliability page); for work that matters, run one
-    process per GPU (:func:`lampdist.train` under torchrun).
+    Several GPUs get a :class:`RuntimeWarning` (the reliability page says why); for work that
+    matters, run one process per GPU (:func:`lampdist.train` under torchrun).
 
     Raises :class:`~lampdist.ConfigError` for CPU and GPU ranks mixed or two ranks on one GPU,
     and the errors of :func:`drive_distributed_training`.

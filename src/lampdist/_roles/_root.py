@@ -10,10 +10,11 @@ import anyio
 import attrs
 import torch
 
+from .._device import resolve_device
 from .._epoch import (
     ComputeThread,
-    FlatModel,
-    RankRunner,
+    FlatParameters,
+    PassRunner,
     StepKernel,
     Stepper,
     open_compute_thread,
@@ -28,16 +29,15 @@ from ..control import Command, CommandKind, RootChannel
 from ..schedules import LearningRateSchedule
 from ._common import (
     OptimizerFactory,
-    Phase,
+    PhaseTracker,
     Stopping,
-    agree,
+    agree_and_sync,
     check_rank,
     check_schedule_state,
     create_stepper,
     describe,
     find_culprit,
     most_telling,
-    resolve_device,
     restore_rng,
     resumed_schedule_state,
     single_error,
@@ -122,10 +122,12 @@ async def drive_distributed_training(
         # On the compute thread, with every other torch operation of this rank: moving the
         # model and building the optimizer can take seconds, and the control channel must
         # keep answering meanwhile. A root alone exchanges nothing: no gradient buffers.
-        layout = partial(FlatModel.create, data.model.module, torch_device, gradients=nranks > 1)
+        layout = partial(
+            FlatParameters.create, data.model.module, torch_device, gradients=nranks > 1
+        )
         flat = await compute.run(layout)
         stepper = await compute.run(create_stepper, 0, optimizer_factory, flat, step)
-        phase = Phase("join")
+        tracker = PhaseTracker("join")
         stopping = Stopping(stop, timeouts.stop, rank=0)
         root = _Root(
             nranks=nranks,
@@ -139,16 +141,16 @@ async def drive_distributed_training(
             compute=compute,
             flat=flat,
             stepper=stepper,
-            phase=phase,
+            tracker=tracker,
             stopping=stopping,
             resume=resume,
             lr_state=lr_state,
         )
         with single_error():
             async with anyio.create_task_group() as group:
-                group.start_soon(_watch, control, phase)
+                group.start_soon(_watch, control, tracker)
                 if stop is not None:
-                    group.start_soon(stopping.enforce, phase)
+                    group.start_soon(stopping.enforce, tracker)
                 try:
                     with stopping.scope:
                         state = await root.run()
@@ -157,39 +159,39 @@ async def drive_distributed_training(
                     leaf = most_telling(exc)
                     culprit = None
                     if isinstance(leaf, CliqueError | CliqueTimeout):
-                        culprit = await find_culprit(control.watch, phase)
-                    if not phase.reported:
+                        culprit = await find_culprit(control.watch, tracker)
+                    if not tracker.reported:
                         with anyio.CancelScope(shield=True):
-                            await _abort_followers(control, phase, culprit or exc)
+                            await _abort_followers(control, tracker, culprit or exc)
                     if culprit is not None:
                         raise culprit from leaf
                     raise
                 except BaseException as exc:
-                    if not phase.reported:
+                    if not tracker.reported:
                         with anyio.CancelScope(shield=True):
-                            await _abort_followers(control, phase, _why(exc, phase, stopping))
+                            await _abort_followers(control, tracker, _why(exc, tracker, stopping))
                     raise
                 group.cancel_scope.cancel()
     return state
 
 
-async def _watch(control: RootChannel, phase: Phase) -> None:
+async def _watch(control: RootChannel, tracker: PhaseTracker) -> None:
     """Raise when a follower fails, remembering why (it cancels the run)."""
     try:
-        await watch_peers(control.watch, phase)
+        await watch_peers(control.watch, tracker)
     except LampdistError as exc:
-        phase.cause = exc
+        tracker.cause = exc
         raise
 
 
-def _why(error: BaseException, phase: Phase, stopping: Stopping) -> BaseException:
+def _why(error: BaseException, tracker: PhaseTracker, stopping: Stopping) -> BaseException:
     """What to tell the followers: a cancellation is the stop timeout or a follower's
     failure (the watch cancels the run) when it is one of those."""
     if isinstance(error, anyio.get_cancelled_exc_class()):
         if stopping.abandoned is not None:
             return stopping.timeout_error()
-        if phase.cause is not None:
-            return phase.cause
+        if tracker.cause is not None:
+            return tracker.cause
     return error
 
 
@@ -215,16 +217,18 @@ class _UntilStopped:
         return self.schedule.learning_rate_factor(state, epoch, last_validation_loss)
 
 
-async def _abort_followers(control: RootChannel, phase: Phase, error: BaseException) -> None:
+async def _abort_followers(
+    control: RootChannel, tracker: PhaseTracker, error: BaseException
+) -> None:
     """Best effort: tell the followers that still listen why the run stops."""
-    message = f"the root stopped in phase {phase.name!r}: {describe(error)}"
+    message = f"the root stopped in phase {tracker.current!r}: {describe(error)}"
     with anyio.move_on_after(ABORT_TIMEOUT):
         try:
             await control.broadcast(
                 Command(
                     kind=CommandKind.STOP,
-                    epoch=phase.epoch,
-                    pass_index=phase.pass_index,
+                    epoch=tracker.epoch,
+                    pass_index=tracker.pass_index,
                     error=message,
                 )
             )
@@ -245,13 +249,13 @@ class _Root:
     timeouts: Timeouts
     cliques: Cliques
     compute: ComputeThread
-    flat: FlatModel
+    flat: FlatParameters
     stepper: Stepper
-    phase: Phase
+    tracker: PhaseTracker
     stopping: Stopping
     resume: Resumed | None
     lr_state: Any
-    runner: RankRunner | None = None
+    runner: PassRunner | None = None
     best_model_state: dict[str, torch.Tensor] | None = None
     pass_index: int = 0
     epoch: int = -1
@@ -266,7 +270,7 @@ class _Root:
         async with self.cliques.rendezvous(self.nranks) as clique_id:
             await self.control.publish_clique_id(clique_id)
             await self.control.wait_for_peers(self.nranks - 1, self.timeouts.join)
-            self.phase.name = "clique setup"
+            self.tracker.current = "clique setup"
             async with self.cliques.open(
                 rank=0,
                 nranks=self.nranks,
@@ -283,20 +287,18 @@ class _Root:
                     options=self.step,
                     stepper=self.stepper,
                 )
-                runner = self.runner = RankRunner(
+                runner = self.runner = PassRunner(
                     kernel=kernel, compute=self.compute, on_event=self.loop.on_event
                 )
                 try:
-                    self.phase.name = "agreement"
                     validates = self.data.validation_batches is not None
-                    await runner.run(partial(agree, clique, self.flat, self.step, validates))
-                    await runner.sync_parameters()
-                    if self.step.step_on == "every_rank":
-                        await runner.sync_optimizer_state()
+                    await agree_and_sync(
+                        runner, self.flat, self.step, validates=validates, tracker=self.tracker
+                    )
                     if self.resume is not None and self.resume.rng_states is not None:
                         await self.compute.run(restore_rng, self.resume.rng_states)
                     final = await self._epochs(loop_state)
-                    self.phase.name = "stop"
+                    self.tracker.current = "stop"
                     self.stopping.reached.set()
                     if self.best_model_state is not None:
                         module = self.data.model.module
@@ -312,9 +314,9 @@ class _Root:
                     # reason rather than see the clique break.
                     if not isinstance(most_telling(exc), CliqueError | CliqueTimeout):
                         with anyio.CancelScope(shield=True):
-                            reason = _why(exc, self.phase, self.stopping)
-                            await _abort_followers(self.control, self.phase, reason)
-                        self.phase.reported = True
+                            reason = _why(exc, self.tracker, self.stopping)
+                            await _abort_followers(self.control, self.tracker, reason)
+                        self.tracker.reported = True
                     raise
         return final
 
@@ -350,7 +352,11 @@ class _Root:
         assert self.runner is not None
         self.epoch += 1
         epoch, pass_index = self.epoch, self.pass_index
-        self.phase.name, self.phase.epoch, self.phase.pass_index = "train", epoch, pass_index
+        self.tracker.current, self.tracker.epoch, self.tracker.pass_index = (
+            "train",
+            epoch,
+            pass_index,
+        )
         await self.control.broadcast(
             Command(kind=CommandKind.TRAIN, epoch=epoch, pass_index=pass_index, lr_factor=lr_factor)
         )
@@ -363,7 +369,7 @@ class _Root:
     async def _validation_epoch(self) -> float:
         assert self.runner is not None and self.data.validation_batches is not None
         epoch, pass_index = self.epoch, self.pass_index
-        self.phase.name, self.phase.pass_index = "valid", pass_index
+        self.tracker.current, self.tracker.pass_index = "valid", pass_index
         await self.control.broadcast(
             Command(kind=CommandKind.VALID, epoch=epoch, pass_index=pass_index)
         )
@@ -382,7 +388,7 @@ class _Root:
     async def _checkpoint(self, state: LoopState, lr_state: Any) -> None:
         checkpoint_state = self.loop.checkpoint_state
         assert checkpoint_state is not None
-        self.phase.name = "checkpoint"
+        self.tracker.current = "checkpoint"
         check_schedule_state(self.loop.learning_rate_schedule, lr_state, epoch=state.epoch - 1)
         module, optimizer = self.data.model.module, self.stepper.optimizer
         model_state, optimizer_state = await self.compute.run(

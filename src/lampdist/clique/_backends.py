@@ -1,4 +1,5 @@
-"""Building the torch process group of a clique: Gloo or NCCL, deadlines, error mapping."""
+"""Building the torch process group of a clique: Gloo or NCCL, the setup's budget, abort
+notices, error mapping."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import ipaddress
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -17,17 +17,17 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroupGloo
 
 from .._errors import CliqueError, CliqueTimeout, CollectiveFailed, LampdistError
-from .._store import wait_for_keys
+from .._store import NO_LIMIT, Budget, wait_for_keys
 from ._bridge import Failure
 
 __all__ = [
-    "ABORT_KEY",
-    "Deadline",
     "Setup",
     "describe",
     "make_gloo",
     "make_nccl",
+    "post_notice",
     "prefer_nccl_cleanup",
+    "read_notice",
     "span",
     "translate",
 ]
@@ -36,7 +36,6 @@ logger = logging.getLogger(__name__)
 
 SETUP = "clique setup"
 ABORT_KEY = "abort"  # where a rank that leaves abnormally posts "rank\nreason"
-NO_LIMIT = timedelta(days=365)  # what the process group gets for "None: no limit"
 _GLOO_THREADS = 2
 _NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 _NCCL_RUNTIME_CONNECT = "NCCL_RUNTIME_CONNECT"
@@ -80,9 +79,8 @@ def prefer_nccl_cleanup() -> None:
     SIGABRT). ``NCCL_RUNTIME_CONNECT=0``: NCCL connects every peer when the communicator is
     built (the clique's setup, which has a deadline), not inside the first collective of each
     kind, where an issuing thread would block on a silent or dead peer until an abort.
-    ``NCCL_LOCAL_REGISTER=0``: no lazy registration of user buffers, set after a diagnostic
-    seemed to show a 4x slower reduce without it; that was the barrier's skew (the clique
-    page), so the setting is likely needless and stays until a GPU run confirms it.
+    ``NCCL_LOCAL_REGISTER=0``: no lazy registration of user buffers (the clique page says
+    why it is set).
     """
     with _env_lock:
         for name, value, why in (
@@ -95,52 +93,68 @@ def prefer_nccl_cleanup() -> None:
                 logger.info("set %s=%s so that %s", name, value, why)
 
 
-@attrs.define(eq=False)
-class Deadline:
-    """The setup budget of one rank: ``remaining()`` is the time left, or raises once spent."""
+def read_notice(keys: Any) -> tuple[str, str] | None:
+    """The abort notice in the clique's ``keys``: the rank that posted it (as text) and its
+    reason, or ``None`` while there is none. Store errors propagate."""
+    if not keys.check([ABORT_KEY]):
+        return None
+    notice = keys.get(ABORT_KEY).decode(errors="replace")
+    peer, _, reason = notice.partition("\n")
+    return peer, reason
 
-    seconds: float | None
-    rank: int
-    start: float = attrs.field(factory=time.monotonic)
 
-    def remaining(self) -> timedelta:
-        if self.seconds is None:
-            return NO_LIMIT
-        left = self.start + self.seconds - time.monotonic()
-        if left <= 0:
-            raise CliqueTimeout(
-                f"the clique was not set up within setup_timeout={self.seconds} s; "
-                "check that every rank opens it with the same clique id",
-                rank=self.rank,
-                phase=SETUP,
-            )
-        return timedelta(seconds=left)
+def post_notice(keys: Any, rank: int, reason: str) -> None:
+    """Post rank ``rank``'s abort notice for the other ranks, unless one is there already:
+    the first notice stays, as it names the cause. Best effort: a store that is gone is
+    logged, and the peers notice that themselves."""
+    try:
+        keys.compare_set(ABORT_KEY, "", f"{rank}\n{reason}")
+    except Exception as exc:
+        logger.debug("rank %d: could not post the abort notice: %s", rank, exc)
 
 
 @attrs.define(eq=False)
 class Setup:
-    """What every wait of the setup checks between its short slices: the deadline, the
-    caller's cancellation (``check_cancelled`` raises it in the worker thread) and, once the
-    keys are known, a peer's notice that it abandoned the setup. A rank that dies or is
-    cancelled in setup thus frees the others at once instead of at ``setup_timeout``."""
+    """What every wait of the setup checks between its short slices: the caller's
+    cancellation (``check_cancelled`` raises it in the worker thread), once the keys are
+    known a peer's notice that it abandoned the setup, and the ``setup_timeout`` budget. A
+    rank that dies or is cancelled in setup thus frees the others at once instead of at
+    ``setup_timeout``."""
 
-    deadline: Deadline
+    rank: int
+    budget: Budget
     check_cancelled: Callable[[], None]
     keys: Any = None
+
+    @classmethod
+    def start(
+        cls, rank: int, setup_timeout: float | None, check_cancelled: Callable[[], None]
+    ) -> Setup:
+        """Rank ``rank``'s setup, whose ``setup_timeout`` seconds start now."""
+
+        def expired() -> CliqueTimeout:
+            return CliqueTimeout(
+                f"the clique was not set up within setup_timeout={setup_timeout} s; "
+                "check that every rank opens it with the same clique id",
+                rank=rank,
+                phase=SETUP,
+            )
+
+        return cls(
+            rank=rank, budget=Budget(setup_timeout, expired), check_cancelled=check_cancelled
+        )
 
     def remaining(self) -> timedelta:
         """The setup time left; raises the cancellation, a peer's abort, or the timeout."""
         self.check_cancelled()
-        if self.keys is not None and self.keys.check([ABORT_KEY]):
-            notice = self.keys.get(ABORT_KEY).decode(errors="replace")
-            peer, _, reason = notice.partition("\n")
-            if peer != str(self.deadline.rank):
-                raise CollectiveFailed(
-                    f"rank {peer} left the clique during setup: {reason}",
-                    rank=self.deadline.rank,
-                    phase=SETUP,
-                )
-        return self.deadline.remaining()
+        notice = None if self.keys is None else read_notice(self.keys)
+        if notice is not None and notice[0] != str(self.rank):
+            raise CollectiveFailed(
+                f"rank {notice[0]} left the clique during setup: {notice[1]}",
+                rank=self.rank,
+                phase=SETUP,
+            )
+        return self.budget.remaining()
 
     def wait_for(self, keys: Any, names: list[str]) -> None:
         """Wait until ``names`` exist in ``keys``, in slices."""
@@ -148,11 +162,8 @@ class Setup:
 
     def abandon(self, exc: BaseException) -> None:
         """Tell the peers that this rank abandoned the setup, unless one of them did first."""
-        try:
-            if self.keys is not None:  # the first notice stays: it names the cause
-                self.keys.compare_set(ABORT_KEY, "", f"{self.deadline.rank}\n{describe(exc)}")
-        except Exception as error:  # the store is gone: the peers notice that themselves
-            logger.debug("rank %d: could not post the abort notice: %s", self.deadline.rank, error)
+        if self.keys is not None:
+            post_notice(self.keys, self.rank, describe(exc))
 
 
 def describe(exc: BaseException) -> str:
@@ -174,7 +185,7 @@ def make_gloo(
     rank: int,
     nranks: int,
     name: str,
-    deadline: Deadline,
+    budget: Budget,
     op_timeout: timedelta,
 ) -> Any:
     """A Gloo group on the loopback device for a loopback rendezvous, else the default one."""
@@ -186,7 +197,7 @@ def make_gloo(
         device = gloo.create_default_device(lazy_init=False)
     options._devices = [device]
     options._threads = _GLOO_THREADS
-    options._timeout = deadline.remaining()  # the constructor's wait for all ranks
+    options._timeout = budget.remaining()  # the constructor's wait for all ranks
     options.group_name = name
     group = gloo(store, rank, nranks, options)  # blocks until every rank has connected
     group.set_timeout(op_timeout)

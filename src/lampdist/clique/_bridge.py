@@ -164,10 +164,9 @@ class PendingCollective:
         """Poll the device event (a worker thread): True once it has completed or the
         collective failed (``_finish`` raises the failure), False when ``until`` passed.
 
-        torch reports a collective's end on the device only on its watchdog's next round
-        (up to 100 ms later), so a barrier that waited for that report let its ranks go on
-        tens of milliseconds apart; a CUDA event polled every 10-100 us lets them go on
-        together.
+        Polled rather than waited for through torch, which reports a collective's end on
+        the device only on its watchdog's next round, so that the ranks leave a barrier
+        together (docs/performance.md).
         """
         event = self._device_event
         pause = _POLL_FIRST

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 from .._clique_id import CliqueId
+from .._defaults import COLLECTIVE_TIMEOUT, SETUP_TIMEOUT
+from .._device import resolve_device
 from .._errors import ConfigError, MismatchError
 from ._backends import prefer_nccl_cleanup
 from ._bridge import PendingCollective
@@ -183,8 +185,10 @@ class Clique:
             )
 
 
-def _resolve_device(device: torch.device | str | int, rank: int) -> torch.device:
-    resolved = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+def _clique_device(device: torch.device | str | int, rank: int) -> torch.device:
+    """``device`` read by :func:`~lampdist._device.resolve_device`, checked for a clique (a CUDA
+    device with NCCL, or the CPU), with the current CUDA device for ``"cuda"`` alone."""
+    resolved = resolve_device(device, rank=rank, phase=_SETUP)
     if resolved.type == "cpu":
         return torch.device("cpu")
     if resolved.type != "cuda":
@@ -210,8 +214,8 @@ def open_clique(
     rank: int,
     device: torch.device | str | int,
     clique_id: CliqueId,
-    setup_timeout: float | None = 300.0,
-    collective_timeout: float | None = 60.0,
+    setup_timeout: float | None = SETUP_TIMEOUT,
+    collective_timeout: float | None = COLLECTIVE_TIMEOUT,
     limiter: anyio.CapacityLimiter | None = None,
 ) -> AbstractAsyncContextManager[Clique]:
     """Open this rank's side of the clique named by ``clique_id``; close it on exit.
@@ -263,7 +267,7 @@ def open_clique(
     return _open(
         nranks=nranks,
         rank=rank,
-        device=_resolve_device(device, rank),
+        device=_clique_device(device, rank),
         clique_id=clique_id,
         setup_timeout=setup_timeout,
         collective_timeout=collective_timeout,

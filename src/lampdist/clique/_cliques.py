@@ -10,6 +10,7 @@ import attrs
 import torch
 
 from .._clique_id import CliqueId
+from .._defaults import COLLECTIVE_TIMEOUT
 from .._errors import ConfigError, MismatchError
 from ._clique import Clique, open_clique
 from ._local import LocalHub
@@ -123,7 +124,7 @@ class InProcess:
 
 
 def in_process(
-    devices: Sequence[torch.device | str], *, collective_timeout: float | None = 600.0
+    devices: Sequence[torch.device | str], *, collective_timeout: float | None = COLLECTIVE_TIMEOUT
 ) -> InProcess:
     """Cliques for ranks that are tasks of this process, rank ``r`` on ``devices[r]``: every
     rank on the CPU, or every rank on a GPU of its own.

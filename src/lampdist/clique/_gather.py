@@ -1,9 +1,7 @@
 """Reduce on Gloo as a gather to the root and a sum there, for tensors up to 4 MiB.
 
-Between two processes on one machine, Gloo's own ``reduce`` of float32 took 1.8-1.9 ms for
-1 MiB, 2.3-2.5 ms for 2 MiB and 3.2-3.4 ms for 4 MiB; a ``gather`` to the root followed by
-the sum there took 0.86, 1.4 and 2.75 ms (4 ranks, 1 MiB: 2.0 ms against 4.4 ms). From
-16 MiB on the gather lost (24 ms against 16 ms), so larger tensors keep Gloo's reduce.
+Up to that size a gather and a sum beat Gloo's own ``reduce``; larger tensors keep Gloo's
+reduce, which wins from 16 MiB on (docs/performance.md has the timings).
 
 The root gathers into tensors that it keeps for the next reduce of the same size, and sums
 them in rank order into its own tensor on the thread that completes the gather. The other

@@ -31,12 +31,12 @@ from .._clique_id import CliqueId
 from .._errors import CliqueError, CliqueTimeout, CollectiveFailed, LampdistError
 from .._store import connect_store
 from ._backends import (
-    ABORT_KEY,
     SETUP,
-    Deadline,
     Setup,
     make_gloo,
     make_nccl,
+    post_notice,
+    read_notice,
     span,
     translate,
 )
@@ -55,15 +55,12 @@ _TEARDOWN = "clique teardown"
 _STORE_OP_TIMEOUT = timedelta(seconds=10)  # store operations after setup (abort notices)
 _WATCH_INTERVAL = 0.05  # how often the watcher polls the store for an abort notice
 _DRAIN_NO_LIMIT = 600.0  # how long close waits for pending work when collective_timeout is None
-_ABORT_KEY = ABORT_KEY
-# NCCL groups of one process are shut down and destroyed one at a time. Two in-process
-# ranks were seen crashing (SIGSEGV, torch 2.11) while one shut down and the other's group
-# was destroyed; with this lock and the one-end-per-group rule below, the GPU test of that
-# case passed in both of its runs.
+# NCCL groups of one process are shut down and destroyed one at a time: one group's shutdown
+# beside another's destruction can crash the process (docs/reliability.md, Limits).
 _NCCL_TEARDOWN = threading.Lock()
 # How long the teardown waits for torch to destroy a process group (or for the lock above)
-# before it leaves the group behind: on 2 H200 under CUDA_MODULE_LOADING=EAGER, an NCCL group
-# whose collective had timed out never finished its destructor (its watchdog never joined).
+# before it leaves the group behind: a destructor may never return, and the clique's exit
+# must not wait for it forever (docs/reliability.md, Limits).
 _RELEASE_LIMIT = 60.0
 
 
@@ -129,8 +126,7 @@ class Group:
         :class:`CliqueError` on any other setup failure.
         """
         backend = "nccl" if device.type == "cuda" else "gloo"
-        deadline = Deadline(setup_timeout, rank)
-        setup = Setup(deadline, check_cancelled)
+        setup = Setup.start(rank, setup_timeout, check_cancelled)
         op_timeout = span(collective_timeout)
         store: Any = None
         keys: Any = None
@@ -165,7 +161,7 @@ class Group:
                     rank=rank,
                     nranks=clique_id.nranks,
                     name=name,
-                    deadline=deadline,
+                    budget=setup.budget,
                     op_timeout=op_timeout,
                 )
             else:
@@ -356,15 +352,12 @@ class Group:
         return kind, message
 
     def _read_notice(self) -> tuple[str, str] | None:
+        """A peer's abort notice, or ``None`` when there is none or the store is gone."""
         keys = self._keys
         try:
-            if keys is None or not keys.check([_ABORT_KEY]):
-                return None
-            notice = keys.get(_ABORT_KEY).decode(errors="replace")
+            return None if keys is None else read_notice(keys)
         except Exception:
             return None
-        peer, _, reason = notice.partition("\n")
-        return peer, reason
 
     # -- peers that die or abort ----------------------------------------------------------
 
@@ -414,14 +407,12 @@ class Group:
     def _check_notice(self) -> bool:
         """Look for a peer's abort notice; False once the store need not be asked again."""
         try:
-            if not self._keys.check([_ABORT_KEY]):
-                return True
+            notice = read_notice(self._keys)
         except Exception as exc:  # the store is gone: the tether still watches the peers
             logger.debug("rank %d: stop watching the store: %s", self.rank, exc)
             return False
-        notice = self._read_notice()
         if notice is None:
-            return False
+            return True
         peer, reason = notice
         if peer != str(self.rank):
             self._break(f"rank {peer} left the clique: {reason}", relay=False)
@@ -431,7 +422,7 @@ class Group:
         """A peer died or aborted: fail everything here, tell the others, drop the group."""
         self._fail((CollectiveFailed, message))
         if relay:
-            self._post_notice(message)
+            post_notice(self._keys, self.rank, message)
         self._abort_nccl()
         with self._pg_lock:
             pg, self._pg = self._pg, None
@@ -460,16 +451,9 @@ class Group:
             finally:
                 del pg
 
-    def _post_notice(self, reason: str) -> None:
-        """Post an abort notice for the other ranks; the first one posted stays (the cause)."""
-        try:
-            self._keys.compare_set(_ABORT_KEY, "", f"{self.rank}\n{reason}")
-        except Exception as exc:
-            logger.debug("rank %d: could not post the abort notice: %s", self.rank, exc)
-
     def _announce_abort(self, reason: str) -> None:
         self._fail((CollectiveFailed, f"the clique was torn down on rank {self.rank}: {reason}"))
-        self._post_notice(reason)
+        post_notice(self._keys, self.rank, reason)
         self._abort_nccl()
 
     # -- teardown ------------------------------------------------------------------------

@@ -13,8 +13,8 @@ Why not a process group per in-process rank, as across processes: each rank woul
 own NCCL kernels, so a GPU could run a collective kernel that waits for a peer kernel that
 its rank has not launched yet; a CUDA driver call that waits for that GPU (a lazy kernel load,
 a pinned allocation, a pageable copy) and holds a driver lock the peer's launch needs then
-deadlocks (6 of about 55 runs of a two-GPU test on 2 H200). Issued together, every kernel that
-runs has all of its peers launched, so every GPU's queued work completes without the host.
+deadlocks (docs/reliability.md, Limits). Issued together, every kernel that runs has all of
+its peers launched, so every GPU's queued work completes without the host.
 
 A rank alone (``nranks == 1``) uses this clique too: it has nothing to exchange, and no
 threads, sockets or store to keep.
@@ -279,9 +279,9 @@ class LocalHub:
             part.pending._attach(work, track_device=cuda)
 
     def _deadline(self, parts: list[_Part]) -> float | None:
-        if self.collective_timeout is None:
-            return None
-        return min(part.pending._started for part in parts) + self.collective_timeout
+        """The earliest of the ranks' deadlines for this collective (``None``: no limit)."""
+        deadlines = [part.pending._deadline() for part in parts]
+        return None if None in deadlines else min(d for d in deadlines if d is not None)
 
     # -- failure ------------------------------------------------------------------------------
 

@@ -16,13 +16,14 @@ import logging
 import secrets
 import socket
 import struct
-import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import attrs
 
 from .._errors import CliqueError
+from .._store import POLL, wait_for_keys
 
 __all__ = ["GOODBYE", "Tether"]
 
@@ -30,7 +31,6 @@ logger = logging.getLogger(__name__)
 
 GOODBYE = b"B"
 _KEY = "tether"
-_POLL = 0.05  # seconds: the slices of the setup waits, between which remaining() is called
 _HELLO = struct.Struct("!I32s")  # rank, token
 
 
@@ -70,7 +70,7 @@ class Tether:
         nranks: int,
         host: str,
         port: int,
-        remaining: Any,
+        remaining: Callable[[], timedelta],
     ) -> Tether:
         """Tie this rank to rank 0 (blocking; ``remaining()`` gives the setup time left as a
         :class:`~datetime.timedelta` and raises once it is spent, or the setup was cancelled
@@ -79,9 +79,7 @@ class Tether:
             return cls(sockets={})
         if rank == 0:
             return cls._serve(keys=keys, nranks=nranks, host=host, port=port, remaining=remaining)
-        while not keys.check([_KEY]):  # in short waits: remaining() also notices cancellation
-            remaining()
-            time.sleep(_POLL)
+        wait_for_keys(keys, [_KEY], remaining)  # in slices: remaining() notices cancellation
         info = json.loads(keys.get(_KEY))
         sock = socket.create_connection(
             (info["host"], info["port"]), timeout=remaining().total_seconds()
@@ -95,7 +93,9 @@ class Tether:
         return cls(sockets={0: sock})
 
     @classmethod
-    def _serve(cls, *, keys: Any, nranks: int, host: str, port: int, remaining: Any) -> Tether:
+    def _serve(
+        cls, *, keys: Any, nranks: int, host: str, port: int, remaining: Callable[[], timedelta]
+    ) -> Tether:
         address = _local_address_towards(host, port)
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
         token = secrets.token_bytes(32)
@@ -109,7 +109,7 @@ class Tether:
             )
             try:
                 while len(sockets) < nranks - 1:
-                    listener.settimeout(min(_seconds(remaining()), _POLL))
+                    listener.settimeout(min(_seconds(remaining()), POLL))
                     try:
                         sock, _ = listener.accept()
                     except TimeoutError:

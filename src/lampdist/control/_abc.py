@@ -27,6 +27,7 @@ from typing import Final, NoReturn, Protocol, Self
 from anyio.abc import ObjectSendStream
 
 from .._clique_id import CliqueId
+from .._defaults import JOIN_TIMEOUT
 from .._errors import ConfigError
 from ._command import Command
 
@@ -40,8 +41,9 @@ __all__ = [
     "resolve_timeout",
 ]
 
-#: How long a follower waits in :meth:`FollowerChannel.join` unless told otherwise.
-DEFAULT_JOIN_TIMEOUT: Final = 60.0
+#: How long a follower waits in :meth:`FollowerChannel.join` unless told otherwise (the
+#: default of ``lampdist.Timeouts.join``).
+DEFAULT_JOIN_TIMEOUT: Final = JOIN_TIMEOUT
 #: How long :meth:`RootChannel.broadcast` waits for every follower's acknowledgement.
 DEFAULT_BROADCAST_TIMEOUT: Final = 60.0
 

@@ -19,7 +19,6 @@ from .._errors import (
     JoinRejected,
     JoinTimeout,
     LampdistError,
-    MismatchError,
     PeerDisconnected,
     RankFailed,
 )
@@ -53,7 +52,6 @@ class _Hub:
     """What the root and the followers of one in-process channel share."""
 
     registry: RootRegistry
-    clique_id: CliqueId | None = None
     root_closed: bool = False
     relays: dict[int, CommandRelay] = attrs.field(factory=dict)
 
@@ -93,23 +91,7 @@ class LocalRootChannel:
         """See :meth:`RootChannel.publish_clique_id`."""
         check_open(self._state, "the root channel", 0, "publish")
         await anyio.lowlevel.checkpoint()
-        hub = self._hub
-        if clique_id.nranks != self.nranks:
-            raise MismatchError(
-                f"the clique id is for nranks={clique_id.nranks}, the channel for "
-                f"nranks={self.nranks}",
-                rank=0,
-                phase="publish",
-            )
-        if hub.clique_id is not None:
-            if hub.clique_id == clique_id:
-                return
-            raise ConfigError(
-                "a different clique id was already published", rank=0, phase="publish"
-            )
-        hub.clique_id = clique_id
-        hub.registry.clique_published = True
-        hub.registry.changed.notify()
+        self._hub.registry.publish(clique_id)
 
     async def peers(self) -> int:
         """See :meth:`RootChannel.peers`."""
@@ -235,7 +217,7 @@ class LocalFollowerChannel:
         assert self._task_group is not None  # set by __aenter__
         self._task_group.start_soon(relay.run)
         with anyio.move_on_after(limit):
-            while hub.clique_id is None:
+            while registry.clique_id is None:
                 if hub.root_closed:
                     raise JoinRejected(
                         "the root closed before publishing the clique id",
@@ -243,7 +225,7 @@ class LocalFollowerChannel:
                         phase="join",
                     )
                 await registry.changed.wait()
-            return hub.clique_id
+            return registry.clique_id
         raise JoinTimeout(
             f"joined, but the root published no clique id within {limit} s",
             rank=self.rank,

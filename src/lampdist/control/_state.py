@@ -14,11 +14,13 @@ import attrs
 from anyio.abc import ObjectSendStream
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from .._clique_id import CliqueId
 from .._errors import (
     ConfigError,
     ControlError,
     JoinTimeout,
     LampdistError,
+    MismatchError,
     PeerDisconnected,
 )
 from ._command import Command, CommandKind
@@ -95,13 +97,35 @@ class RootRegistry:
     phase: str = "join"
     closed: bool = False
     stop_sent: bool = False
-    clique_published: bool = False
+    clique_id: CliqueId | None = None
+    """The published clique id (``None`` until :meth:`publish`)."""
     joined: set[int] = attrs.field(factory=set)
     live: set[int] = attrs.field(factory=set)
     stopped: set[int] = attrs.field(factory=set)
     failures: dict[int, LampdistError] = attrs.field(factory=dict)
     first_failure: LampdistError | None = None
     changed: Notifier = attrs.field(factory=Notifier)
+
+    def publish(self, clique_id: CliqueId) -> bool:
+        """Record the clique id for every follower; ``False`` when this very id was published
+        already (a no-op). Raises :class:`MismatchError` when ``clique_id.nranks`` differs
+        from :attr:`nranks`, :class:`ConfigError` for a second, different id."""
+        if clique_id.nranks != self.nranks:
+            raise MismatchError(
+                f"the clique id is for nranks={clique_id.nranks}, the channel for "
+                f"nranks={self.nranks}",
+                rank=0,
+                phase="publish",
+            )
+        if self.clique_id is not None:
+            if self.clique_id == clique_id:
+                return False
+            raise ConfigError(
+                "a different clique id was already published", rank=0, phase="publish"
+            )
+        self.clique_id = clique_id
+        self.changed.notify()
+        return True
 
     def admission_error(self, rank: int) -> str | None:
         """Why ``rank`` may not join now, or None."""
@@ -148,7 +172,7 @@ class RootRegistry:
 
     def check_broadcast(self, command: Command) -> None:
         """Refuse a broadcast before the clique id or after STOP."""
-        if not self.clique_published:
+        if self.clique_id is None:
             raise ControlError(
                 "publish the clique id before broadcasting commands", rank=0, phase="broadcast"
             )

@@ -20,7 +20,6 @@ from .._errors import (
     ControlError,
     LampdistError,
     LampdistTimeout,
-    MismatchError,
     PeerDisconnected,
     ProtocolError,
 )
@@ -87,7 +86,6 @@ class TcpRootChannel:
     _registry: RootRegistry = attrs.field(init=False)
     _state: ChannelState = ChannelState.NEW
     _sessions: dict[int, FollowerSession] = attrs.field(factory=dict)
-    _clique_id: CliqueId | None = None
     _seq: int = 0
     _address: tuple[str, int] | None = None
     _task_group: TaskGroup | None = None
@@ -210,8 +208,8 @@ class TcpRootChannel:
             heartbeat_interval=self._settings.heartbeat_interval,
         )
         session.enqueue(encode_frame(welcome, self._settings.max_frame_bytes))
-        if self._clique_id is not None:
-            session.enqueue(self._clique_frame(self._clique_id))
+        if self._registry.clique_id is not None:
+            session.enqueue(self._clique_frame(self._registry.clique_id))
         logger.debug("rank %d joined from %s", rank, peer, extra={"rank": rank})
         return session
 
@@ -222,21 +220,8 @@ class TcpRootChannel:
         """See :meth:`RootChannel.publish_clique_id`."""
         check_open(self._state, "the root channel", 0, "publish")
         await anyio.lowlevel.checkpoint()
-        if clique_id.nranks != self.nranks:
-            raise MismatchError(
-                f"the clique id is for nranks={clique_id.nranks}, the channel for "
-                f"nranks={self.nranks}",
-                rank=0,
-                phase="publish",
-            )
-        if self._clique_id is not None:
-            if self._clique_id == clique_id:
-                return
-            raise ConfigError(
-                "a different clique id was already published", rank=0, phase="publish"
-            )
-        self._clique_id = clique_id
-        self._registry.clique_published = True
+        if not self._registry.publish(clique_id):
+            return
         frame = self._clique_frame(clique_id)
         for session in self._sessions.values():
             session.enqueue(frame)
