@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import pytest
 
 import lampdist
+from lampdist import control
 from lampdist.control import Command, CommandKind
 
 from ._support import (
+    SECRET,
     SEQUENCE,
     FollowerRun,
     RootHandle,
@@ -287,3 +291,19 @@ async def test_misuse_is_refused_with_clear_errors(impl: str) -> None:
             await root.broadcast(SEQUENCE[-1])
             with pytest.raises(lampdist.ControlError, match="STOP was already broadcast"):
                 await root.broadcast(SEQUENCE[-1])
+
+
+async def test_an_error_of_the_block_leaves_every_channel_unwrapped() -> None:
+    """``async with channel:`` lets the block's own error out as it is, never inside an
+    exception group of the channel's tasks (an entry point's error names rank and phase)."""
+    root, (follower,) = control.local_channels(2)
+    channels: list[Any] = [
+        root,
+        follower,
+        control.tcp_root("127.0.0.1", 0, nranks=2, secret=SECRET),
+        control.tcp_follower("127.0.0.1", 1, rank=1, secret=SECRET),
+    ]
+    for channel in channels:
+        with pytest.raises(KeyError, match="the block's own"):
+            async with channel:
+                raise KeyError("the block's own")

@@ -32,9 +32,9 @@ from .._errors import (
     PeerDisconnected,
     RankFailed,
 )
-from .._options import StepOptions
+from .._options import StepOptions, Timeouts
 from ..checkpoint import Resumed
-from ..clique import Clique
+from ..clique import Clique, Cliques
 from ..schedules import LearningRateSchedule, state_from_json, state_to_json
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ __all__ = [
     "DERIVED",
     "OptimizerFactory",
     "PhaseTracker",
+    "RunOptions",
     "Stopping",
     "agree",
     "agree_and_sync",
@@ -76,6 +77,20 @@ def create_stepper(
             phase="configure",
         )
     return Stepper.create(rank, optimizer, flat, options)
+
+
+@attrs.frozen
+class RunOptions:
+    """What every rank of one entry-point call is given besides its place in the run (rank,
+    device, channel, data): built once by each entry point and handed down whole, so that a
+    setting added here reaches every role. The fields' types differ pairwise, so a
+    positional construction that mixes them up is a type error."""
+
+    optimizer_factory: OptimizerFactory | None
+    step: StepOptions
+    timeouts: Timeouts
+    stop: anyio.Event | None
+    cliques: Cliques | None
 
 
 def check_rank(rank: int, nranks: int) -> None:

@@ -36,6 +36,7 @@ from ._common import (
     DERIVED,
     OptimizerFactory,
     PhaseTracker,
+    RunOptions,
     Stopping,
     agree_and_sync,
     check_rank,
@@ -47,7 +48,7 @@ from ._common import (
     watch_peers,
 )
 
-__all__ = ["follow_distributed_training"]
+__all__ = ["follow", "follow_distributed_training"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,22 @@ async def follow_distributed_training(
     check_rank(rank, nranks)
     if rank == 0:
         raise ConfigError("rank 0 is the root: call drive_distributed_training for it")
-    torch_device = resolve_device(device)
+    run = RunOptions(optimizer_factory, step, timeouts, stop, cliques)
+    await follow(rank, nranks, resolve_device(device), control, data, run)
+
+
+async def follow(
+    rank: int,
+    nranks: int,
+    torch_device: torch.device,
+    control: FollowerChannel,
+    data: ModelWithData,
+    run: RunOptions,
+) -> None:
+    """Rank ``rank``'s run as :func:`follow_distributed_training` describes it, for this
+    package's entry points: the device resolved, the options built once."""
+    optimizer_factory, step, timeouts = run.optimizer_factory, run.step, run.timeouts
+    stop, cliques = run.stop, run.cliques
     if step.step_on == "every_rank" and optimizer_factory is None:
         raise ConfigError(
             "step_on='every_rank' needs optimizer_factory on the followers too: pass the root's",

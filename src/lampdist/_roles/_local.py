@@ -5,9 +5,9 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
-from functools import partial
 
 import anyio
+import attrs
 import torch
 
 from .._errors import ConfigError
@@ -17,9 +17,9 @@ from .._state import LoopState
 from ..checkpoint import Resumed
 from ..clique import in_process
 from ..control import local_channels
-from ._common import OptimizerFactory, single_error
-from ._follower import follow_distributed_training
-from ._root import drive_distributed_training
+from ._common import OptimizerFactory, RunOptions, single_error
+from ._follower import follow
+from ._root import drive
 
 __all__ = ["local_data_parallel_training_loop"]
 
@@ -62,6 +62,9 @@ async def local_data_parallel_training_loop(
     nranks = len(models_with_data_streams)
     devices = [_device_of(entry.model) for entry in models_with_data_streams]
     cliques = in_process(devices, collective_timeout=timeouts.collective)
+    run = RunOptions(optimizer_factory, step, timeouts, stop, cliques)
+    # The root's stop stops every rank (its STOP): the followers need none of their own.
+    following = attrs.evolve(run, stop=None)
     warn_several_gpus_in_one_process(devices)
     root, followers = local_channels(nranks)
     with single_error():
@@ -73,33 +76,9 @@ async def local_data_parallel_training_loop(
                 for rank, (follower, data) in enumerate(
                     zip(followers, models_with_data_streams[1:], strict=True), start=1
                 ):
-                    group.start_soon(
-                        partial(
-                            follow_distributed_training,
-                            rank=rank,
-                            nranks=nranks,
-                            device=devices[rank],
-                            control=follower,
-                            data=data,
-                            optimizer_factory=optimizer_factory,
-                            step=step,
-                            timeouts=timeouts,
-                            cliques=cliques,
-                        )
-                    )
-                state = await drive_distributed_training(
-                    nranks=nranks,
-                    device=devices[0],
-                    control=root,
-                    data=models_with_data_streams[0],
-                    optimizer_factory=optimizer_factory,
-                    loop=loop,
-                    step=step,
-                    timeouts=timeouts,
-                    resume=resume,
-                    stop=stop,
-                    cliques=cliques,
-                )
+                    group.start_soon(follow, rank, nranks, devices[rank], follower, data, following)
+                first = models_with_data_streams[0]
+                state = await drive(nranks, devices[0], root, first, run, loop, resume)
     return state
 
 

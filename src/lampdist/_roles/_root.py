@@ -19,7 +19,7 @@ from .._epoch import (
     Stepper,
     open_compute_thread,
 )
-from .._errors import CheckpointError, CliqueError, CliqueTimeout, LampdistError
+from .._errors import CheckpointError, CliqueError, CliqueTimeout, ConfigError, LampdistError
 from .._loop import epochs
 from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts
 from .._state import LoopState, TrainingState
@@ -30,6 +30,7 @@ from ..schedules import LearningRateSchedule
 from ._common import (
     OptimizerFactory,
     PhaseTracker,
+    RunOptions,
     Stopping,
     agree_and_sync,
     check_rank,
@@ -44,7 +45,7 @@ from ._common import (
     watch_peers,
 )
 
-__all__ = ["drive_distributed_training"]
+__all__ = ["drive", "drive_distributed_training"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,25 @@ async def drive_distributed_training(
     ``ExceptionGroup``.
     """
     check_rank(0, nranks)
-    torch_device = resolve_device(device)
+    run = RunOptions(optimizer_factory, step, timeouts, stop, cliques)
+    return await drive(nranks, resolve_device(device), control, data, run, loop, resume)
+
+
+async def drive(
+    nranks: int,
+    torch_device: torch.device,
+    control: RootChannel,
+    data: ModelWithData,
+    run: RunOptions,
+    loop: LoopOptions,
+    resume: Resumed | None,
+) -> LoopState:
+    """The root's run as :func:`drive_distributed_training` describes it, for this package's
+    entry points: the device resolved, the options built once."""
+    optimizer_factory, step, timeouts = run.optimizer_factory, run.step, run.timeouts
+    stop, cliques = run.stop, run.cliques
+    if optimizer_factory is None:
+        raise ConfigError("the root needs an optimizer_factory", rank=0, phase="configure")
     lr_state = resumed_schedule_state(loop.learning_rate_schedule, resume)
     if cliques is None:
         # A root alone has nothing to exchange: an in-process clique of one rank, with no

@@ -20,9 +20,9 @@ from ..checkpoint import Resumed
 from ..clique import ProcessGroups
 from ..control import FollowerChannel, RootChannel
 from ..launch import LaunchEnv, from_env
-from ._common import OptimizerFactory, single_error
-from ._follower import follow_distributed_training
-from ._root import drive_distributed_training
+from ._common import OptimizerFactory, RunOptions, check_rank, single_error
+from ._follower import follow
+from ._root import drive
 
 __all__ = ["Interrupted", "run_until_signal", "train"]
 
@@ -131,34 +131,19 @@ async def train(
     """
     env = launch if launch is not None else from_env()
 
+    check_rank(env.rank, env.nranks)
+    # A root alone gets the in-process clique of one rank that drive() picks for cliques=None.
+    run_options = RunOptions(
+        optimizer_factory, step, timeouts, None, ProcessGroups(env.host) if env.nranks > 1 else None
+    )
+
     async def run_root(control: RootChannel, stop: anyio.Event | None) -> LoopState:
-        return await drive_distributed_training(
-            nranks=env.nranks,
-            device=env.device,
-            control=control,
-            data=data,
-            optimizer_factory=optimizer_factory,
-            loop=loop,
-            step=step,
-            timeouts=timeouts,
-            resume=resume,
-            stop=stop,
-            cliques=ProcessGroups(env.host) if env.nranks > 1 else None,
-        )
+        run = attrs.evolve(run_options, stop=stop)
+        return await drive(env.nranks, env.device, control, data, run, loop, resume)
 
     async def run_follower(control: FollowerChannel, stop: anyio.Event | None) -> None:
-        await follow_distributed_training(
-            rank=env.rank,
-            nranks=env.nranks,
-            device=env.device,
-            control=control,
-            data=data,
-            optimizer_factory=optimizer_factory,
-            step=step,
-            timeouts=timeouts,
-            stop=stop,
-            cliques=ProcessGroups(env.host),
-        )
+        run = attrs.evolve(run_options, stop=stop)
+        await follow(env.rank, env.nranks, env.device, control, data, run)
 
     async def run(work: Callable[[anyio.Event | None], Awaitable[T]]) -> T:
         # Only the training stops on a signal, not the channel: the root still tells the

@@ -39,6 +39,7 @@ from ._state import (
     RootRegistry,
     check_enter,
     check_open,
+    close_tasks,
     copy_error,
 )
 
@@ -184,9 +185,8 @@ class LocalFollowerChannel:
                 ),
             )
         assert self._task_group is not None  # set by __aenter__
-        self._task_group.cancel_scope.cancel()
         try:
-            return await self._task_group.__aexit__(exc_type, exc, tb)
+            return await close_tasks(self._task_group, exc_type, exc, tb)
         finally:
             if self._relay is not None:
                 self._relay.shut = True

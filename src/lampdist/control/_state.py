@@ -6,12 +6,13 @@ from __future__ import annotations
 import enum
 import logging
 import math
+from types import TracebackType
 from typing import NoReturn
 
 import anyio
 import anyio.lowlevel
 import attrs
-from anyio.abc import ObjectSendStream
+from anyio.abc import ObjectSendStream, TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._clique_id import CliqueId
@@ -31,6 +32,7 @@ __all__ = [
     "FollowerState",
     "Notifier",
     "RootRegistry",
+    "close_tasks",
     "copy_error",
 ]
 
@@ -317,3 +319,23 @@ class CommandRelay:
             self.shut = True
             with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
                 await self.commands.aclose()
+
+
+async def close_tasks(
+    group: TaskGroup,
+    exc_type: type[BaseException] | None,
+    exc: BaseException | None,
+    tb: TracebackType | None,
+) -> bool | None:
+    """End a channel's own tasks when its ``async with`` block ends.
+
+    An error of the block leaves the block as it is, never wrapped in an exception group:
+    the tasks are cancelled and awaited on their own (errors of theirs chain to it). A
+    cancellation, which may be the tasks' own scope's, goes to the group, which knows
+    whether it is its own.
+    """
+    group.cancel_scope.cancel()
+    if exc is None or isinstance(exc, anyio.get_cancelled_exc_class()):
+        return await group.__aexit__(exc_type, exc, tb)
+    await group.__aexit__(None, None, None)  # its tasks are cancelled: this ends at once
+    return None

@@ -44,6 +44,7 @@ from ._state import (
     Notifier,
     check_enter,
     check_open,
+    close_tasks,
 )
 from ._wire import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -115,9 +116,8 @@ class TcpFollowerChannel:
     ) -> bool | None:
         self._state = ChannelState.CLOSED
         assert self._task_group is not None  # set by __aenter__
-        self._task_group.cancel_scope.cancel()
         try:
-            return await self._task_group.__aexit__(exc_type, exc, tb)
+            return await close_tasks(self._task_group, exc_type, exc, tb)
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
                 if self._framed is not None:

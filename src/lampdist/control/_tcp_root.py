@@ -39,6 +39,7 @@ from ._state import (
     RootRegistry,
     check_enter,
     check_open,
+    close_tasks,
     copy_error,
 )
 from ._tcp_session import AckRound, FollowerSession
@@ -130,8 +131,7 @@ class TcpRootChannel:
         self._registry.closed = True
         self._registry.changed.notify()
         assert self._task_group is not None  # set by __aenter__
-        self._task_group.cancel_scope.cancel()
-        return await self._task_group.__aexit__(exc_type, exc, tb)
+        return await close_tasks(self._task_group, exc_type, exc, tb)
 
     async def _serve(self, listener: anyio.abc.Listener[SocketStream]) -> None:
         async with listener:

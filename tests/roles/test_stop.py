@@ -1,0 +1,146 @@
+"""``stop`` from every entry point: the local loop's, a follower's own, and ``lampdist.train``'s
+(in tests/test_launch.py and tests/cli/test_demo.py)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+import lampdist
+from lampdist import checkpoint, control
+from lampdist.clique import in_process
+
+from .test_local_failures import entries, sgd
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def test_the_local_loop_finishes_the_epoch_checkpoints_and_stops(tmp_path: Path) -> None:
+    stop = anyio.Event()
+
+    async def on_event(event: lampdist.PassEvent) -> None:
+        if event.epoch == 1:
+            stop.set()
+
+    streams = entries(3)
+    with anyio.fail_after(30):
+        state = await lampdist.local_data_parallel_training_loop(
+            models_with_data_streams=streams,
+            optimizer_factory=sgd,
+            loop=lampdist.LoopOptions(
+                max_epochs=50,
+                on_event=on_event,
+                checkpoint_state=checkpoint.to_directory(tmp_path),
+            ),
+            stop=stop,
+        )
+    assert state.epoch == 2  # epoch 1 ran whole, and no other started
+    assert [point.epoch for point in state.learning_curve] == [0, 1]
+    resumed = checkpoint.load_latest(tmp_path)
+    assert resumed is not None and resumed.epoch == 2
+    weights = [dict(entry.model.module.state_dict()) for entry in streams]
+    for other in weights[1:]:
+        assert all(torch.equal(other[k], v) for k, v in weights[0].items())
+
+
+async def _root_and_follower(
+    *,
+    follower_stop: anyio.Event,
+    root_stop: anyio.Event | None = None,
+    max_epochs: int,
+    timeouts: lampdist.Timeouts,
+    slow_root: bool = False,
+) -> dict[int, Any]:
+    """A root and one follower in this process; what each returned or raised."""
+    streams = entries(2)
+    if slow_root:
+
+        def slow(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.05)
+            return torch.nn.functional.mse_loss(output, target)
+
+        streams[0] = lampdist.ModelWithData(
+            model=lampdist.SupervisedModel(streams[0].model.module, slow),
+            train_batches=streams[0].train_batches,
+        )
+        streams[1] = lampdist.ModelWithData(
+            model=streams[1].model, train_batches=streams[1].train_batches
+        )
+    cliques = in_process(["cpu", "cpu"])
+    root, (follower,) = control.local_channels(2)
+    outcome: dict[int, Any] = {}
+
+    async def run_root() -> None:
+        try:
+            async with root:
+                outcome[0] = await lampdist.drive_distributed_training(
+                    nranks=2,
+                    device="cpu",
+                    control=root,
+                    data=streams[0],
+                    optimizer_factory=sgd,
+                    loop=lampdist.LoopOptions(max_epochs=max_epochs),
+                    timeouts=timeouts,
+                    stop=root_stop,
+                    cliques=cliques,
+                )
+        except Exception as exc:
+            outcome[0] = exc
+
+    async def run_follower() -> None:
+        try:
+            async with follower:
+                await lampdist.follow_distributed_training(
+                    rank=1,
+                    nranks=2,
+                    device="cpu",
+                    control=follower,
+                    data=streams[1],
+                    timeouts=timeouts,
+                    stop=follower_stop,
+                    cliques=cliques,
+                )
+                outcome[1] = "returned"
+        except Exception as exc:
+            outcome[1] = exc
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as group:
+            group.start_soon(run_root)
+            group.start_soon(run_follower)
+    return outcome
+
+
+async def test_a_follower_asked_to_stop_follows_until_the_roots_stop() -> None:
+    follower_stop = anyio.Event()
+    follower_stop.set()  # as when Ctrl-C reaches every process of the job
+    outcome = await _root_and_follower(
+        follower_stop=follower_stop, max_epochs=3, timeouts=lampdist.Timeouts(stop=20.0)
+    )
+    assert isinstance(outcome[0], lampdist.LoopState) and outcome[0].epoch == 3
+    assert outcome[1] == "returned"
+
+
+async def test_a_follower_whose_root_does_not_stop_in_time_abandons_the_run() -> None:
+    follower_stop = anyio.Event()
+    follower_stop.set()
+    outcome = await _root_and_follower(
+        follower_stop=follower_stop,
+        max_epochs=10_000,  # the root never stops on its own within the test
+        timeouts=lampdist.Timeouts(stop=0.5),
+        slow_root=True,
+    )
+    error = outcome[1]
+    assert isinstance(error, lampdist.LampdistTimeout), error
+    assert (error.rank, error.phase) == (1, "stop")
+    # and the root learns it, naming the follower
+    assert isinstance(outcome[0], lampdist.LampdistError), outcome[0]
+    assert "rank 1" in str(outcome[0])
