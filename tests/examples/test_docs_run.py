@@ -20,7 +20,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
-import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -34,19 +33,11 @@ import lampdist
 from lampdist import schedules
 from lampdist.control import local_channels
 
+from .test_docs_code import blocks
 from .test_examples import load
 
 ROOT_DIR = Path(__file__).resolve().parents[2]
-BLOCK = re.compile(r"^( *)```python\n(.*?)^\1```", re.DOTALL | re.MULTILINE)
 MAX_EPOCHS = 3
-
-
-def blocks(page: str) -> list[str]:
-    text = (ROOT_DIR / page).read_text()
-    return [
-        "\n".join(line.removeprefix(indent) for line in body.splitlines())
-        for indent, body in BLOCK.findall(text)
-    ]
 
 
 def _is_ellipsis(node: ast.expr) -> bool:
