@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import enum
 import importlib
+import inspect
 import pickle
+import types
+import typing
+from collections.abc import Iterator
+from typing import Any
 
+import attrs
 import pytest
 
 import lampdist
@@ -17,6 +24,7 @@ PUBLIC_NAMES = {
         "BadBatch",
         "BatchSource",
         "CheckpointError",
+        "CheckpointLoopState",
         "CheckpointState",
         "CheckpointVersionError",
         "Clique",
@@ -170,3 +178,77 @@ def test_error_message_names_rank_and_phase_and_survives_pickle() -> None:
     copy = pickle.loads(pickle.dumps(error))
     assert type(copy) is lampdist.CollectiveFailed
     assert (copy.rank, copy.phase, str(copy)) == (2, "train", str(error))
+
+
+def _inert(value: object) -> bool:
+    """A default that holds no live state: it reads the same to every caller and prints
+    nothing of the machine (not the environment, not a mutable container)."""
+    if value is None or isinstance(value, bool | int | float | str | bytes | enum.Enum):
+        return True
+    if isinstance(value, tuple | frozenset):
+        return all(_inert(item) for item in value)
+    if isinstance(value, types.FunctionType):  # a module-level function: code, not state
+        return True
+    return attrs.has(type(value)) and _frozen(value)
+
+
+def _frozen(value: object) -> bool:
+    fields = attrs.fields(type(value))
+    if not fields:
+        return True
+    try:
+        setattr(value, fields[0].name, getattr(value, fields[0].name))
+    except attrs.exceptions.FrozenInstanceError:
+        return True
+    return False
+
+
+def _public_callables() -> Iterator[tuple[str, Any]]:
+    for name in PUBLIC_MODULES:
+        module = importlib.import_module(name)
+        for attr in module.__all__:
+            obj = getattr(module, attr)
+            if inspect.isfunction(obj):
+                yield f"{name}.{attr}", obj
+            elif inspect.isclass(obj):
+                for member, function in vars(obj).items():
+                    if inspect.isfunction(function) and (
+                        member == "__init__" or not member.startswith("_")
+                    ):
+                        yield f"{name}.{attr}.{member}", function
+
+
+def test_no_default_argument_holds_live_state() -> None:
+    """``help()``, ``inspect.signature`` and the API reference print defaults: a default such
+    as ``os.environ`` would publish the environment (secrets included)."""
+    found = list(_public_callables())
+    assert len(found) > 50
+    for name, function in found:
+        for parameter in inspect.signature(function).parameters.values():
+            if parameter.default is not parameter.empty:
+                assert _inert(parameter.default), f"{name}({parameter.name}=...) holds live state"
+    assert "LAMPDIST" not in str(inspect.signature(lampdist.launch.from_env))
+
+
+def _classes_in(hint: object) -> Iterator[type]:
+    if isinstance(hint, type):
+        yield hint
+    for arg in typing.get_args(hint):
+        yield from _classes_in(arg)
+
+
+def test_every_lampdist_type_in_a_public_signature_is_public() -> None:
+    """A type the docs and the signatures name (``checkpoint_state: CheckpointLoopState``)
+    can be imported from a public module."""
+    public = {
+        id(getattr(importlib.import_module(name), attr))
+        for name in PUBLIC_MODULES
+        for attr in importlib.import_module(name).__all__
+    }
+    for name, function in _public_callables():
+        if name.endswith(".__init__"):  # instances come from factories (open_clique, ...)
+            continue
+        for hint in typing.get_type_hints(function).values():
+            for cls in _classes_in(hint):
+                if cls.__module__.startswith("lampdist"):
+                    assert id(cls) in public, f"{name} names {cls.__qualname__}, not public"

@@ -9,6 +9,7 @@ from . import control as control
 from . import launch as launch
 from . import schedules as schedules
 from ._effects import BatchSource as BatchSource
+from ._effects import CheckpointLoopState as CheckpointLoopState
 from ._effects import CheckpointState as CheckpointState
 from ._effects import OnPassEvent as OnPassEvent
 from ._effects import OptimizerFactory as OptimizerFactory
@@ -60,6 +61,7 @@ __all__ = [
     "BadBatch",
     "BatchSource",
     "CheckpointError",
+    "CheckpointLoopState",
     "CheckpointState",
     "CheckpointVersionError",
     "Clique",

@@ -233,8 +233,9 @@ async def _single_rank_channel() -> AsyncIterator[RootChannel]:
         yield root
 
 
-def from_env(environ: Mapping[str, str] = os.environ) -> LaunchEnv:
-    """Read this process's :class:`LaunchEnv` from the variables torchrun or srun set.
+def from_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Read this process's :class:`LaunchEnv` from the variables torchrun or srun set
+    (``environ``, by default this process's environment, read when called).
 
     torchrun's ``RANK``/``WORLD_SIZE`` are used when present, else SLURM's
     ``SLURM_PROCID``/``SLURM_NTASKS``. The device is ``cuda:LOCAL_RANK`` when CUDA is
@@ -249,6 +250,8 @@ def from_env(environ: Mapping[str, str] = os.environ) -> LaunchEnv:
     started by a launcher, when variables are missing, not numbers, or contradict each other
     (a rank out of range, a local rank without a GPU, both secret variables set).
     """
+    if environ is None:
+        environ = os.environ
     exchange_key = None
     if "RANK" in environ or "WORLD_SIZE" in environ:
         rank = _int(environ, "RANK")

@@ -30,7 +30,8 @@ import pytest
 import torch
 
 import lampdist
-from lampdist import schedules
+from lampdist import checkpoint, schedules
+from lampdist._signal import on_event_loop_thread
 from lampdist.control import local_channels
 
 from .test_docs_code import blocks
@@ -300,7 +301,19 @@ def one_rank_launch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("LAMPDIST_SECRET_FILE", raising=False)
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(checkpoint, "load_latest", _off_the_loop(checkpoint.load_latest))
     return tmp_path
+
+
+def _off_the_loop(blocking: Callable[..., Any]) -> Callable[..., Any]:
+    """``blocking``, refusing to run on an event loop's thread: the pages must show blocking
+    calls made from async code in a worker thread, as the API reference asks."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        assert not on_event_loop_thread(), f"a page calls {blocking.__name__} on the event loop"
+        return blocking(*args, **kwargs)
+
+    return call
 
 
 @pytest.mark.parametrize("page", sorted(PAGES))
@@ -405,6 +418,7 @@ def _run_the_snippet(
 
     snippet = _resume_snippet().replace('"runs/plateau"', repr(str(run)))
     namespace: dict[str, Any] = {
+        "anyio": anyio,
         "lampdist": type("Lampdist", (), {"LoopOptions": lampdist.LoopOptions, "train": train}),
         "__schedule__": schedule,
         "__max_epochs__": max_epochs,
