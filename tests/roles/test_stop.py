@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import logging
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -144,3 +146,28 @@ async def test_a_follower_whose_root_does_not_stop_in_time_abandons_the_run() ->
     # and the root learns it, naming the follower
     assert isinstance(outcome[0], lampdist.LampdistError), outcome[0]
     assert "rank 1" in str(outcome[0])
+
+
+async def test_cancelling_the_local_loop_is_no_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """A service cancelling a job (or a server shutting down) is an orderly end: nothing for
+    the user to act on, so nothing at WARNING."""
+    started = anyio.Event()
+
+    async def on_event(event: lampdist.PassEvent) -> None:
+        started.set()
+
+    caplog.set_level(logging.INFO, logger="lampdist")
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as group:
+            group.start_soon(
+                partial(
+                    lampdist.local_data_parallel_training_loop,
+                    models_with_data_streams=entries(3),
+                    optimizer_factory=sgd,
+                    loop=lampdist.LoopOptions(max_epochs=10_000, on_event=on_event),
+                )
+            )
+            await started.wait()
+            group.cancel_scope.cancel()
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not warnings, [r.getMessage() for r in warnings]

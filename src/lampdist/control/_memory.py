@@ -135,7 +135,12 @@ class LocalRootChannel:
         await anyio.lowlevel.checkpoint()
         if errors:
             for extra in errors[1:]:
-                logger.warning("broadcast of %s: also %s", command.kind.name, extra)
+                logger.log(
+                    self._hub.registry.failure_level,
+                    "broadcast of %s: also %s",
+                    command.kind.name,
+                    extra,
+                )
             raise errors[0]
 
     async def watch(self) -> NoReturn:

@@ -165,8 +165,15 @@ class RootRegistry:
             self.failures[rank] = error
             if self.first_failure is None:
                 self.first_failure = error
-            logger.warning("%s", error, extra={"rank": rank})
+            logger.log(self.failure_level, "%s", error, extra={"rank": rank})
         self.changed.notify()
+
+    @property
+    def failure_level(self) -> int:
+        """How loud a follower's failure is: WARNING while the run goes on; INFO once the root
+        has begun to broadcast STOP (the run is ending, a follower leaving is no news; the
+        broadcast itself raises what went wrong)."""
+        return logging.INFO if self.stop_sent else logging.WARNING
 
     def mark_stopped(self, rank: int) -> None:
         """``rank`` holds STOP: from now on its leaving is no failure."""

@@ -297,7 +297,12 @@ class TcpRootChannel:
         if errors:
             errors.sort(key=lambda error: error.rank or 0)
             for extra in errors[1:]:
-                logger.warning("broadcast of %s: also %s", command.kind.name, extra)
+                logger.log(
+                    self._registry.failure_level,
+                    "broadcast of %s: also %s",
+                    command.kind.name,
+                    extra,
+                )
             raise errors[0]
 
     async def watch(self) -> NoReturn:
