@@ -6,7 +6,8 @@
 ``lampdist.train`` reads the rank and the root's address from torchrun's variables, opens
 the control channel (on a free port published in torchrun's store), and runs the root on
 rank 0 and a follower on the others. Every rank prints its final weights' checksum: they
-are the same everywhere.
+are the same everywhere. Ctrl-C (or SIGTERM) stops the run after the epoch in progress: the
+root exits with 128 + the signal's number, the followers with 0.
 """
 
 from __future__ import annotations
@@ -67,4 +68,8 @@ async def main(epochs: int) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=5)
-    anyio.run(main, parser.parse_args().epochs)
+    try:
+        anyio.run(main, parser.parse_args().epochs)
+    except lampdist.Interrupted as stopped:  # Ctrl-C or SIGTERM: the run ended in order
+        print(f"{type(stopped).__name__}: {stopped}", file=sys.stderr)
+        raise SystemExit(128 + stopped.signum) from None

@@ -101,7 +101,16 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def test_ranks_in_separate_processes_and_a_graceful_stop_on_sigterm(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("signum", "to_every_rank"),
+    [
+        (signal.SIGTERM, False),  # a scheduler's SIGTERM to the root
+        (signal.SIGINT, True),  # Ctrl-C in a terminal, or torchrun forwarding it: every rank
+    ],
+)
+def test_ranks_in_separate_processes_and_a_graceful_stop_on_a_signal(
+    tmp_path: Path, signum: signal.Signals, to_every_rank: bool
+) -> None:
     out = tmp_path / "run"
     flags = ["--nranks", "2", "--port", str(free_port()), "--epochs", "10000", "--out", str(out)]
     root = start_demo("--role", "root", *flags, cwd=tmp_path)
@@ -112,7 +121,9 @@ def test_ranks_in_separate_processes_and_a_graceful_stop_on_sigterm(tmp_path: Pa
             assert root.poll() is None and follower.poll() is None, "a rank ended early"
             assert time.monotonic() < deadline, "the ranks made no progress"
             time.sleep(0.1)
-        root.send_signal(signal.SIGTERM)
+        root.send_signal(signum)
+        if to_every_rank:
+            follower.send_signal(signum)
         _, root_err = root.communicate(timeout=30)
         _, follower_err = follower.communicate(timeout=30)
     finally:
@@ -120,8 +131,8 @@ def test_ranks_in_separate_processes_and_a_graceful_stop_on_sigterm(tmp_path: Pa
             if process.poll() is None:
                 process.kill()
                 process.wait()
-    assert root.returncode == 128 + signal.SIGTERM, root_err
-    assert "stopped by SIGTERM; continue with: lampdist demo --resume" in root_err
+    assert root.returncode == 128 + signum, root_err
+    assert f"stopped by {signum.name}; continue with: lampdist demo --resume" in root_err
     # the root finished its epoch and checkpointed it, then stopped the follower in order
     assert follower.returncode == 0, follower_err
     assert "Traceback" not in root_err + follower_err
@@ -189,3 +200,22 @@ def test_metrics_lines_are_json(tmp_path: Path) -> None:
     path.write_text(json.dumps({"epoch": 0}) + "\n\n" + json.dumps({"epoch": 1}) + "\n")
     assert read_metrics(path) == [{"epoch": 0}, {"epoch": 1}]
     assert read_metrics(tmp_path / "missing.jsonl") == []
+
+
+def test_a_stop_before_the_first_checkpoint_offers_nothing_to_resume(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    flags = ["--nranks", "2", "--port", str(free_port()), "--out", str(out)]
+    root = start_demo("--role", "root", *flags, cwd=tmp_path)  # its follower never comes
+    try:
+        time.sleep(5)  # imports, then waiting for the follower
+        assert root.poll() is None, root.communicate()[1]
+        root.send_signal(signal.SIGINT)
+        _, err = root.communicate(timeout=90)  # the join has Timeouts.stop (30 s) to end
+    finally:
+        if root.poll() is None:
+            root.kill()
+            root.wait()
+    assert root.returncode == 128 + signal.SIGINT, err
+    assert "stopped by SIGINT before the first checkpoint: nothing to resume" in err
+    assert "--resume" not in err
+    assert "Traceback" not in err

@@ -6,8 +6,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -141,3 +144,53 @@ async def test_job_service_stops_a_job_after_its_epoch(service: ModuleType) -> N
             assert passes[-2:] == [(last_epoch, "train"), (last_epoch, "valid")]
             assert last_epoch < 100_000 - 1
             assert (await client.post("/jobs/99/stop")).status_code == 404
+
+
+def test_torchrun_script_stops_in_order_on_ctrl_c(tmp_path: Path) -> None:
+    """Ctrl-C reaches every process of the job (a terminal's process group, or torchrun
+    forwarding it): the run ends in order on every rank, with no traceback."""
+    ports = [_free_port(), _free_port()]
+    base = {
+        **os.environ,
+        "LAMPDIST_SECRET": "example-secret",
+        "PYTHONPATH": os.pathsep.join([str(ROOT_DIR / "src"), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(ports[0]),
+        "LAMPDIST_PORT": str(ports[1]),
+    }
+    command = [sys.executable, str(EXAMPLES / "torchrun_script.py"), "--epochs", "100000"]
+    ranks: list[subprocess.Popen[str]] = []
+    try:
+        for rank in range(2):
+            ranks.append(
+                subprocess.Popen(
+                    command,
+                    cwd=tmp_path,
+                    env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    process_group=ranks[0].pid if ranks else 0,  # one group, as in a terminal
+                )
+            )
+        time.sleep(8)  # imports, join, clique setup, the first epochs
+        assert all(process.poll() is None for process in ranks), "a rank ended early"
+        os.killpg(ranks[0].pid, signal.SIGINT)
+        errors = [process.communicate(timeout=60)[1] for process in ranks]
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert ranks[0].returncode == 128 + signal.SIGINT, errors[0]
+    assert ranks[1].returncode == 0, errors[1]
+    assert "Traceback" not in errors[0] + errors[1], errors
+    assert errors[0].strip().splitlines()[-1].startswith("Interrupted: rank 0, phase 'stop'")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -67,6 +67,14 @@ async def run_until_signal(
     require). Raises :class:`Interrupted` after a signal (chained to any error the work
     raised), else whatever ``work`` raises.
     """
+    return await _run_until_signal(work, rank=rank, done_is_interrupted=True)
+
+
+async def _run_until_signal(
+    work: Callable[[anyio.Event], Awaitable[T]], *, rank: int | None, done_is_interrupted: bool
+) -> T:
+    """:func:`run_until_signal`; with ``done_is_interrupted=False`` a ``work`` that still
+    ends normally after a signal (a follower that the root's STOP ended) returns its result."""
     signals = _Signals()
     results: list[T] = []
     try:
@@ -79,8 +87,11 @@ async def run_until_signal(
         if signals.received:
             raise _interrupted(signals.received[0], rank) from exc
         raise
-    if signals.received:
+    if signals.received and done_is_interrupted:
         raise _interrupted(signals.received[0], rank)
+    if signals.received:
+        name = signal.Signals(signals.received[0]).name
+        logger.info("rank %s: the root's STOP ended the run after %s", rank, name)
     return results[0]
 
 
@@ -123,8 +134,10 @@ async def train(
     With ``stop_on_signals`` (the default; it needs the main thread) the first SIGTERM or
     SIGINT stops the run gracefully: the root finishes the epoch in progress, checkpoints it
     and stops the followers (within ``timeouts.stop``), and a follower follows until that
-    STOP; a second signal stops at once. Either way every resource is released and then
-    :class:`Interrupted` is raised. Raises :class:`~lampdist.ConfigError` for bad arguments
+    STOP; a second signal stops at once. Every resource is released; then the root raises
+    :class:`Interrupted`, and so does a follower that a second signal (or no STOP within
+    ``timeouts.stop``) stopped, while a follower that the root's STOP ended returns ``None``
+    as after a completed run (the root reports the interruption). Raises :class:`~lampdist.ConfigError` for bad arguments
     or launch variables, and every error of the role it runs (see
     :func:`drive_distributed_training` and :func:`follow_distributed_training`), an
     ``ExceptionGroup`` only for several unrelated failures.
@@ -148,8 +161,10 @@ async def train(
     async def run(work: Callable[[anyio.Event | None], Awaitable[T]]) -> T:
         # Only the training stops on a signal, not the channel: the root still tells the
         # followers why it stops.
+        # A follower that the root's STOP ended after a signal ended in order: the root
+        # reports the interruption (exit codes in docs/reliability.md).
         if stop_on_signals:
-            return await run_until_signal(work, rank=env.rank)
+            return await _run_until_signal(work, rank=env.rank, done_is_interrupted=env.is_root)
         return await work(None)
 
     logger.info(

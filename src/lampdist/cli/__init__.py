@@ -41,8 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``lampdist`` command with ``argv`` (default: the process's arguments) and
     return its exit status: 0 on success, 2 for bad flags or settings, 1 for a failed run,
     ``128 + signum`` after a graceful stop on SIGTERM or SIGINT."""
-    parser = _parser()
-    args = parser.parse_args(argv)
+    parser, commands = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the usage of the command they were meant for, not the top level's
+        commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return 2
@@ -55,7 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _demo(args, console)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser, and the parser of each command by name."""
     parser = argparse.ArgumentParser(
         prog="lampdist", description="Data-parallel PyTorch training driven from async Python."
     )
@@ -89,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     ranks.add_argument("--nranks", type=int, help="ranks in the run")
     ranks.add_argument("--host", default="127.0.0.1", help="the root's address")
     ranks.add_argument("--port", type=int, help="the root's control port")
-    return parser
+    return parser, {"demo": demo}
 
 
 def _configure_logging(console: Console, *, verbose: bool) -> None:
@@ -132,9 +135,14 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
         result = anyio.run(run_demo, options, console, os.environ)
     except Interrupted as exc:
         name = signal.Signals(exc.signum).name
-        logger.warning(
-            "stopped by %s; continue with: lampdist demo --resume --out %s", name, options.out
-        )
+        if any((options.out / "checkpoints").glob("epoch-*")):
+            logger.warning(
+                "stopped by %s; continue with: lampdist demo --resume --out %s", name, options.out
+            )
+        elif options.role == "follower":
+            logger.warning("stopped by %s", name)  # the root keeps the checkpoints
+        else:
+            logger.warning("stopped by %s before the first checkpoint: nothing to resume", name)
         return 128 + exc.signum
     except ConfigError as exc:
         logger.error("%s", exc)  # noqa: TRY400  # the message is the whole story
