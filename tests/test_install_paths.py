@@ -35,7 +35,6 @@ def test_trio_has_an_extra_that_the_pages_name() -> None:
 
 
 def test_the_readme_names_the_extra_of_every_example() -> None:
-    base = _requirement_names(PROJECT["dependencies"])
     for example in sorted((ROOT_DIR / "examples").glob("*.py")):
         imported = set(re.findall(r"^(?:from|import) (\w+)", example.read_text(), re.MULTILINE))
         needs = {

@@ -192,7 +192,7 @@ def _inert(value: object) -> bool:
     return attrs.has(type(value)) and _frozen(value)
 
 
-def _frozen(value: object) -> bool:
+def _frozen(value: Any) -> bool:
     fields = attrs.fields(type(value))
     if not fields:
         return True

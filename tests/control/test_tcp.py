@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import ssl
 import struct
 from typing import TypedDict
@@ -16,6 +17,7 @@ from anyio.abc import SocketStream, TaskStatus
 import lampdist
 from lampdist import control
 from lampdist.control import Command, CommandKind, TcpRootChannel
+from lampdist.control import _state as control_state
 from lampdist.control._auth import make_proof, new_nonce
 from lampdist.control._command import MAX_TEXT_CHARS
 from lampdist.control._wire import (
@@ -501,3 +503,65 @@ async def test_a_tls_follower_refuses_a_plain_root(tls: dict[str, ssl.SSLContext
         ):
             with pytest.raises(lampdist.ControlError):
                 await follower.join(send)
+
+
+# -- long waits say what they see -------------------------------------------------------------
+
+
+@pytest.fixture
+def quick_reports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Progress lines of long waits after 0.2 s, then every 0.3 s (10 s and 20 s in use)."""
+    monkeypatch.setattr(control_state, "FIRST_REPORT", 0.2)
+    monkeypatch.setattr(control_state, "REPORT_EVERY", 0.3)
+
+
+async def test_a_join_timeout_names_the_follower_that_was_refused() -> None:
+    send, receive = anyio.create_memory_object_stream[Command](10)
+    with anyio.fail_after(20):
+        async with control.tcp_root(nranks=2, secret=SECRET, **FAST) as root:
+            await root.publish_clique_id(clique_id(2))
+            async with follower_of(root, 1, secret="guess", join_timeout=60) as bad, receive:
+                with pytest.raises(lampdist.AuthenticationError):
+                    await bad.join(send)
+            with pytest.raises(lampdist.JoinTimeout) as timeout:
+                await root.wait_for_peers(1, timeout=0.5)
+    message = str(timeout.value)
+    assert "0 of 1 followers joined; missing ranks [1]" in message
+    assert "refused meanwhile: from 127.0.0.1:" in message
+    assert "authentication failed for rank 1: its secret differs from the root's" in message
+
+
+async def test_a_root_waiting_for_followers_reports_its_progress(
+    caplog: pytest.LogCaptureFixture, quick_reports: None
+) -> None:
+    caplog.set_level(logging.WARNING, logger="lampdist.control")
+    with anyio.fail_after(20):
+        async with control.tcp_root(nranks=3, secret=SECRET, **FAST) as root:
+            await root.publish_clique_id(clique_id(3))
+            with pytest.raises(lampdist.JoinTimeout):
+                await root.wait_for_peers(2, timeout=1.0)
+    lines = [line for line in warnings_in(caplog).splitlines() if "waiting for followers" in line]
+    assert len(lines) >= 2, lines
+    assert "0 of 2 followers joined; missing ranks [1, 2]" in lines[0]
+    assert re.search(r"\d+ s left of 1.0 s", lines[0])
+
+
+async def test_a_follower_without_a_root_reports_its_retries(
+    caplog: pytest.LogCaptureFixture, quick_reports: None
+) -> None:
+    caplog.set_level(logging.WARNING, logger="lampdist.control")
+    port = free_port()  # nothing listens there
+    send, receive = anyio.create_memory_object_stream[Command](10)
+    with anyio.fail_after(20):
+        async with (
+            control.tcp_follower(
+                "127.0.0.1", port, rank=1, secret=SECRET, join_timeout=1.0
+            ) as follower,
+            receive,
+        ):
+            with pytest.raises(lampdist.JoinTimeout, match="could not connect"):
+                await follower.join(send)
+    lines = [line for line in warnings_in(caplog).splitlines() if "no root listening" in line]
+    assert len(lines) >= 2, lines
+    assert f"rank 1: no root listening at 127.0.0.1:{port} yet (Connection refused)" in lines[0]
+    assert re.search(r"retrying, \d+ s left of 1.0 s", lines[0])

@@ -118,7 +118,8 @@ CASES = [
     Case(
         name="fewer followers come than nranks says",
         nranks=3,
-        args={0: ["--join-timeout", "3"]},
+        # long enough for rank 1's process to start and join on a busy machine (3 s was not)
+        args={0: ["--join-timeout", "12"]},
         followers=[1],
         codes={0: {FAILED}, 1: {FAILED}},
         errors={

@@ -137,10 +137,11 @@ async def train(
     STOP; a second signal stops at once. Every resource is released; then the root raises
     :class:`Interrupted`, and so does a follower that a second signal (or no STOP within
     ``timeouts.stop``) stopped, while a follower that the root's STOP ended returns ``None``
-    as after a completed run (the root reports the interruption). Raises :class:`~lampdist.ConfigError` for bad arguments
-    or launch variables, and every error of the role it runs (see
-    :func:`drive_distributed_training` and :func:`follow_distributed_training`), an
-    ``ExceptionGroup`` only for several unrelated failures.
+    as after a completed run (the root reports the interruption). Raises
+    :class:`~lampdist.ConfigError` for bad arguments or launch variables, and every error of
+    the role it runs (see :func:`drive_distributed_training` and
+    :func:`follow_distributed_training`), an ``ExceptionGroup`` only for several unrelated
+    failures.
     """
     env = launch if launch is not None else from_env()
 

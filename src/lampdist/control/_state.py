@@ -32,6 +32,7 @@ __all__ = [
     "FollowerState",
     "Notifier",
     "RootRegistry",
+    "Waiting",
     "close_tasks",
     "copy_error",
 ]
@@ -106,6 +107,8 @@ class RootRegistry:
     stopped: set[int] = attrs.field(factory=set)
     failures: dict[int, LampdistError] = attrs.field(factory=dict)
     first_failure: LampdistError | None = None
+    refusals: list[str] = attrs.field(factory=list)
+    """Connections refused while joining, newest last (``"from HOST:PORT: reason"``)."""
     changed: Notifier = attrs.field(factory=Notifier)
 
     def publish(self, clique_id: CliqueId) -> bool:
@@ -205,19 +208,36 @@ class RootRegistry:
                 phase="join",
             )
         await anyio.lowlevel.checkpoint()
+        waiting = Waiting(timeout)
         with anyio.move_on_after(timeout):
             while len(self.live) < n:
                 if self.first_failure is not None:
                     raise copy_error(self.first_failure)
-                await self.changed.wait()
+                with anyio.move_on_after(waiting.until_report()):
+                    await self.changed.wait()
+                if waiting.report_due():
+                    logger.warning(
+                        "waiting for followers: %s; %s", self._joined_so_far(n), waiting.left()
+                    )
             return
-        missing = [rank for rank in range(1, self.nranks) if rank not in self.live]
         raise JoinTimeout(
-            f"{len(self.live)} of {n} followers joined within {timeout} s; missing ranks "
-            f"{missing} (are they running, with the right address and secret?)",
+            f"{self._joined_so_far(n)} within {timeout} s (are they running, with the right "
+            "address and secret?)",
             rank=0,
             phase="join",
         )
+
+    def refused(self, peer: str, reason: str) -> None:
+        """Record a connection refused while the followers join."""
+        self.refusals.append(f"from {peer}: {reason}")
+        del self.refusals[:-_REFUSALS_KEPT]
+
+    def _joined_so_far(self, n: int) -> str:
+        missing = [rank for rank in range(1, self.nranks) if rank not in self.live]
+        seen = f"{len(self.live)} of {n} followers joined; missing ranks {missing}"
+        if self.refusals:
+            seen += "; refused meanwhile: " + "; ".join(self.refusals)
+        return seen
 
     async def watch(self) -> NoReturn:
         """See :meth:`RootChannel.watch`."""
@@ -346,3 +366,42 @@ async def close_tasks(
         return await group.__aexit__(exc_type, exc, tb)
     await group.__aexit__(None, None, None)  # its tasks are cancelled: this ends at once
     return None
+
+
+_REFUSALS_KEPT = 5
+"""How many refused connections a join keeps to report."""
+
+FIRST_REPORT = 10.0
+"""Seconds of waiting for a peer before the first progress line."""
+
+REPORT_EVERY = 20.0
+"""Seconds between progress lines of a long wait for a peer."""
+
+
+@attrs.define
+class Waiting:
+    """A wait for peers that reports its progress: first after :data:`FIRST_REPORT` s, then
+    every :data:`REPORT_EVERY` s, with the time left of ``timeout`` (``None``: no limit)."""
+
+    timeout: float | None
+    started: float = attrs.field(factory=anyio.current_time)
+    next_report: float = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.next_report = self.started + FIRST_REPORT
+
+    def until_report(self) -> float:
+        return max(0.0, self.next_report - anyio.current_time())
+
+    def report_due(self) -> bool:
+        """Whether a progress line is due now (and then the next one is scheduled)."""
+        if anyio.current_time() < self.next_report:
+            return False
+        self.next_report = anyio.current_time() + REPORT_EVERY
+        return True
+
+    def left(self) -> str:
+        waited = anyio.current_time() - self.started
+        if self.timeout is None:
+            return f"waited {waited:.0f} s (no time limit)"
+        return f"{max(0.0, self.timeout - waited):.0f} s left of {self.timeout} s"

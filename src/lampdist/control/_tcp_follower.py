@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import ssl
 from types import TracebackType
@@ -42,6 +43,7 @@ from ._state import (
     CommandRelay,
     FollowerState,
     Notifier,
+    Waiting,
     check_enter,
     check_open,
     close_tasks,
@@ -142,6 +144,7 @@ class TcpFollowerChannel:
         limit = resolve_timeout(timeout, self._join_timeout, rank=self.rank, phase="join")
         stage = "connect"
         last_error: BaseException | None = None
+        waiting = Waiting(limit)
         with anyio.move_on_after(limit):
             delay = _FIRST_RETRY_DELAY
             while True:
@@ -151,6 +154,16 @@ class TcpFollowerChannel:
                 except OSError as exc:
                     last_error = exc
                     logger.debug("rank %d: root not reachable yet (%s)", self.rank, exc)
+                if waiting.report_due():
+                    logger.warning(
+                        "rank %d: no root listening at %s:%d yet (%s); retrying, %s",
+                        self.rank,
+                        self._host,
+                        self._port,
+                        _reason(last_error),
+                        waiting.left(),
+                        extra={"rank": self.rank},
+                    )
                 await anyio.sleep(delay * random.uniform(0.8, 1.2))
                 delay = min(2 * delay, _MAX_RETRY_DELAY)
             stage = "handshake"
@@ -410,3 +423,19 @@ def tcp_follower(
         settings=settings,
         join_timeout=join_timeout,
     )
+
+
+def _reason(error: BaseException | None) -> str:
+    """An OS error as a person reads it: ``Connection refused``, not ``[Errno 111] ...``.
+
+    anyio's ``connect_tcp`` raises "All connection attempts failed" from the attempts' own errors;
+    the reason is the first attempt's.
+    """
+    cause = error.__cause__ if error is not None else None
+    if isinstance(cause, BaseExceptionGroup) and cause.exceptions:
+        cause = cause.exceptions[0]
+    if isinstance(cause, OSError):
+        error = cause
+    if isinstance(error, OSError) and error.errno:
+        return os.strerror(error.errno)
+    return str(error)

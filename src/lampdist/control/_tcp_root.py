@@ -156,13 +156,16 @@ class TcpRootChannel:
             await session.run()
         except _Refused as exc:
             logger.warning("refused a control connection from %s: %s", peer, exc.reason)
+            self._registry.refused(peer, exc.reason)
             await _try_reject(framed, exc.code, exc.reason)
         except TimeoutError:
             reason = f"no complete handshake within {self._settings.handshake_timeout} s"
             logger.warning("closed a control connection from %s: %s", peer, reason)
+            self._registry.refused(peer, reason)
             await _try_reject(framed, "protocol", reason)
         except (anyio.EndOfStream, anyio.BrokenResourceError, OSError) as exc:
             logger.warning("a control connection from %s broke in the handshake: %r", peer, exc)
+            self._registry.refused(peer, f"the connection broke in the handshake ({exc!r})")
         except Exception:
             logger.exception("unexpected error on a control connection from %s", peer)
             if session is not None:
