@@ -36,6 +36,7 @@ from ._checkpoint import (
     FORMAT_VERSION,
     RngStates,
     capture_rng_states,
+    check_writable,
     read_latest,
     write_checkpoint,
 )
@@ -85,8 +86,11 @@ def to_directory(path: str | os.PathLike[str], *, keep: int = 3) -> CheckpointSt
     (the training loop awaits it before the next epoch). Cancelling the call before the
     commit removes the partial write.
 
-    Give each run its own directory: the effect owns it, and refuses (CheckpointError) to
-    write an epoch older than the newest checkpoint there, which would otherwise shadow it.
+    Give each run its own directory: the effect owns it. Before training, the root refuses
+    (CheckpointError) a new run into a directory that holds checkpoints, and a resumed run
+    into one whose newest checkpoint is newer than the first it would write; the effect
+    itself refuses to write an epoch older than the newest checkpoint there, which would
+    otherwise shadow it.
     (The training entry points check before each checkpoint that the schedule state comes
     back from its JSON form as it was, so that a resumed run gets the same state.)
 
@@ -107,6 +111,15 @@ class _DirectoryCheckpoint:
     directory: Path
     keep: int
 
+    async def check_before_training(self, resume: Resumed | None) -> None:
+        """Raise CheckpointError now, not after an epoch, when this run's checkpoints cannot
+        go into the directory (see :func:`to_directory`)."""
+        next_epoch = resume.epoch if resume is not None else 0
+        check = functools.partial(
+            check_writable, self.directory, next_epoch, resumed=resume is not None
+        )
+        await anyio.to_thread.run_sync(check)
+
     async def __call__(self, training_state: TrainingState, lr_state: Any, /) -> None:
         rng = capture_rng_states()  # on the caller's thread, at the moment of the call
         write = functools.partial(
@@ -119,6 +132,13 @@ class _DirectoryCheckpoint:
             check=anyio.from_thread.check_cancelled,
         )
         await anyio.to_thread.run_sync(write)
+
+
+async def check_before_training(effect: CheckpointState | None, resume: Resumed | None) -> None:
+    """What the root awaits before training: an effect of :func:`to_directory` checks its
+    directory (any other effect is the caller's own)."""
+    if isinstance(effect, _DirectoryCheckpoint):
+        await effect.check_before_training(resume)
 
 
 def load_latest(

@@ -43,7 +43,10 @@ class Case:
     extra: tuple[int, list[str]] | None = None  # one more follower, started after the others
 
 
-MISMATCHED_MODEL = r"phase 'agreement': ranks \[1\] have model parameters"
+MISMATCHED_MODEL = (
+    r"phase 'agreement': ranks \[1\] have model parameters .* that differ from the root's "
+    r"\(rank 1: parameter '0.weight': shape \(7, 3\), torch.float64"
+)
 
 CASES = [
     *[
@@ -88,7 +91,9 @@ CASES = [
         args={2: ["--accumulate", "2"]},
         codes={0: {CONFIG}, 1: {CONFIG}, 2: {CONFIG}},
         errors={
-            r: rf"^MismatchError: rank {r}, phase 'agreement': ranks \[2\] have settings"
+            r: rf"^MismatchError: rank {r}, phase 'agreement': ranks \[2\] have settings that "
+            r"differ from the root's "
+            r"\(rank 2: accumulate_gradient_over_n_batches: 2 \(the root: 1\)\)"
             for r in range(3)
         },
         checkpoint=None,

@@ -116,15 +116,39 @@ async def test_models_that_differ_between_ranks_are_refused_before_training() ->
             return self.inner(x)  # type: ignore[no-any-return]
 
     streams = entries(3, models=[Counting(6), Counting(6), Counting(7)])
-    with pytest.raises(lampdist.MismatchError, match=r"ranks \[2\] have model"):
+    with pytest.raises(lampdist.MismatchError, match=r"ranks \[2\] have model") as caught:
         await run(streams)
     assert trained == []
+    # The error names what differs, not only who.
+    assert (
+        "rank 2: parameter 'inner.0.weight': shape (7, 3), torch.float64, requires_grad=True "
+        "(the root: shape (6, 3), torch.float64, requires_grad=True)"
+    ) in str(caught.value)
+
+
+async def test_a_mismatch_names_missing_and_extra_parameters_and_buffers() -> None:
+    root_model = make_model()
+    other = make_model()
+    other.register_buffer("running", torch.zeros(2))
+    other.register_buffer("count", torch.zeros(1))
+    del other[2]  # a layer fewer: its parameters are missing
+    with pytest.raises(lampdist.MismatchError) as caught:
+        await run(entries(2, models=[root_model, other]))
+    message = str(caught.value)
+    assert "rank 1: no parameter '2.weight' (the root: shape (1, 6), torch.float64" in message
+    assert "no parameter '2.bias' (the root: shape (1,)" in message
+    assert "buffer 'running': shape (2,), torch.float32 (the root has none)" in message
+    assert "; and 1 more)" in message  # the buffer 'count': three differences are shown
+    assert message.count("rank 1:") == 1
 
 
 async def test_validation_on_some_ranks_only_is_a_mismatch() -> None:
     streams = entries(2)
     streams[1] = attrs.evolve(streams[1], validation_batches=None)
-    with pytest.raises(lampdist.MismatchError, match="validation_batches"):
+    with pytest.raises(
+        lampdist.MismatchError,
+        match=r"rank 1: validation_batches given: False \(the root: True\)",
+    ):
         await run(streams)
 
 

@@ -49,7 +49,7 @@ from ._rng import RngStates
 from ._tensor_file import encode
 from ._torch_io import check_weights_only_loadable, save_tensors
 
-__all__ = ["committed_checkpoints", "write_checkpoint"]
+__all__ = ["check_writable", "committed_checkpoints", "write_checkpoint"]
 
 _log = logging.getLogger("lampdist.checkpoint")
 
@@ -216,6 +216,37 @@ def _remove_scratch(directory: Path) -> None:
                 shutil.rmtree(entry.path, ignore_errors=True)
             else:
                 os.unlink(entry.path)
+
+
+def check_writable(directory: Path, next_epoch: int, *, resumed: bool) -> None:
+    """Refuse, before training, a run whose checkpoints ``directory`` cannot take.
+
+    A new run (``resumed=False``) needs a directory without committed checkpoints; a resumed
+    run at ``next_epoch`` one whose newest checkpoint is not newer than the first one it
+    writes (of epoch ``next_epoch + 1``: the write :func:`write_checkpoint` would refuse).
+    """
+    if not directory.is_dir():
+        return
+    existing = committed_checkpoints(directory)
+    if not existing:
+        return
+    newest = existing[0][0].epoch
+    if not resumed:
+        raise CheckpointError(
+            f"{directory} already holds checkpoints (the newest of epoch {newest}) and this is "
+            "a new run: pass resume=load_latest(directory) to continue that run, or give this "
+            "run its own checkpoint directory",
+            rank=0,
+            phase="configure",
+        )
+    if newest > next_epoch + 1:
+        raise CheckpointError(
+            f"{directory} already holds a checkpoint of epoch {newest}, newer than the run "
+            f"resumed at epoch {next_epoch} would write: resume from the newest checkpoint "
+            "there, give this run its own checkpoint directory, or remove the newer checkpoints",
+            rank=0,
+            phase="configure",
+        )
 
 
 def _next_name(directory: Path, epoch: int) -> CheckpointName:

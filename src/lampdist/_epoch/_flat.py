@@ -43,7 +43,8 @@ class FlatParameters:
     gradient_buffers: list[torch.Tensor]
     gradient_views: list[torch.Tensor]
     module_buffers: list[torch.Tensor]
-    fingerprint: bytes
+    layout: tuple[tuple[str, str], ...]
+    """Every parameter and buffer with its shape and dtype, in order (see :meth:`fingerprint`)."""
     slots: list[tuple[int, int, int]] = attrs.field(factory=list)
     """Per parameter: (index of its flat buffer, offset, element count)."""
     gradient_storage: list[torch.Tensor] = attrs.field(factory=list)
@@ -125,7 +126,7 @@ class FlatParameters:
             gradient_buffers=gradient_buffers,
             gradient_views=gradient_views,
             module_buffers=module_buffers,
-            fingerprint=_fingerprint(module),
+            layout=_layout(module),
             slots=slots,
             gradient_storage=gradient_storage,
             meta_tail=meta_tail,
@@ -133,6 +134,10 @@ class FlatParameters:
             root_values_tail=root_values_tail,
             flat_gradients=gradients,
         )
+
+    def fingerprint(self) -> bytes:
+        """A digest of :attr:`layout`: equal on ranks whose models have the same layout."""
+        return hashlib.sha256(repr(self.layout).encode()).digest()
 
     def gradients(self) -> list[torch.Tensor]:
         """The gradients an optimizer step reads: the flat buffers, or autograd's tensors."""
@@ -166,12 +171,18 @@ class FlatParameters:
             parameter.grad = view
 
 
-def _fingerprint(module: torch.nn.Module) -> bytes:
-    """A digest of the parameter and buffer names, shapes and dtypes (not their values)."""
-    digest = hashlib.sha256()
-    for kind, items in (("p", module.named_parameters()), ("b", module.named_buffers())):
-        for name, tensor in items:
-            digest.update(f"{kind}:{name}:{tuple(tensor.shape)}:{tensor.dtype}:".encode())
-            if kind == "p":
-                digest.update(b"T" if tensor.requires_grad else b"F")
-    return digest.digest()
+def _layout(module: torch.nn.Module) -> tuple[tuple[str, str], ...]:
+    """Every parameter and buffer as (``"parameter NAME"``, ``"shape (..), dtype, ..."``):
+    what ranks must share (not the values)."""
+    entries = [
+        (
+            f"parameter {name!r}",
+            f"shape {tuple(t.shape)}, {t.dtype}, requires_grad={t.requires_grad}",
+        )
+        for name, t in module.named_parameters()
+    ]
+    entries += [
+        (f"buffer {name!r}", f"shape {tuple(t.shape)}, {t.dtype}")
+        for name, t in module.named_buffers()
+    ]
+    return tuple(entries)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -20,7 +19,7 @@ import torch._dynamo  # isort: skip
 
 from .._checkpoint import RngStates, restore_rng_states
 from .._effects import OptimizerFactory
-from .._epoch import FlatParameters, PassRunner, Stepper, host_to_device
+from .._epoch import FlatParameters, PassRunner, Stepper
 from .._errors import (
     CheckpointError,
     CliqueTimeout,
@@ -28,14 +27,14 @@ from .._errors import (
     ConfigError,
     LampdistError,
     LampdistTimeout,
-    MismatchError,
     PeerDisconnected,
     RankFailed,
 )
 from .._options import StepOptions, Timeouts
 from ..checkpoint import Resumed
-from ..clique import Clique, Cliques
+from ..clique import Cliques
 from ..schedules import LearningRateSchedule, state_from_json, state_to_json
+from ._agreement import agree
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +45,6 @@ __all__ = [
     "PhaseTracker",
     "RunOptions",
     "Stopping",
-    "agree",
     "agree_and_sync",
     "check_rank",
     "check_schedule_state",
@@ -138,41 +136,6 @@ def most_telling(error: BaseException) -> BaseException:
     return _most_telling(real) or error
 
 
-def agree(clique: Clique, flat: FlatParameters, options: StepOptions, validates: bool) -> None:
-    """Check on every rank that all ranks have the root's model layout and step options, and
-    validate alike (on the rank's compute thread: it waits for the peers and reads the
-    result from the device).
-
-    Raises :class:`MismatchError` on every rank, naming the ranks that differ and in what.
-    """
-    settings = f"{options.describe()}, validation_batches given: {validates}"
-    mine = host_to_device(
-        [_digest64(flat.fingerprint), _digest64(settings.encode())], torch.int64, clique.device
-    )
-    gathered = torch.zeros(2 * clique.nranks, dtype=torch.int64, device=clique.device)
-    clique.start_all_gather(gathered, mine).wait_blocking(None)
-    rows = gathered.view(clique.nranks, 2).tolist()
-    model_ranks = [r for r, row in enumerate(rows) if row[0] != rows[0][0]]
-    settings_ranks = [r for r, row in enumerate(rows) if row[1] != rows[0][1]]
-    problems = []
-    if model_ranks:
-        problems.append(
-            f"ranks {model_ranks} have model parameters or buffers (names, shapes, dtypes, "
-            "requires_grad) that differ from the root's"
-        )
-    if settings_ranks:
-        problems.append(
-            f"ranks {settings_ranks} have settings that differ from the root's "
-            f"(this rank has {settings})"
-        )
-    if problems:
-        raise MismatchError(
-            "; ".join(problems) + ": give every rank the same model and settings",
-            rank=clique.rank,
-            phase="agreement",
-        )
-
-
 async def agree_and_sync(
     runner: PassRunner,
     flat: FlatParameters,
@@ -192,10 +155,6 @@ async def agree_and_sync(
     await runner.sync_parameters()
     if options.step_on == "every_rank":
         await runner.sync_optimizer_state()
-
-
-def _digest64(data: bytes) -> int:
-    return int.from_bytes(hashlib.sha256(data).digest()[:7], "big")
 
 
 async def watch_peers(watch: Callable[[], Awaitable[NoReturn]], tracker: PhaseTracker) -> NoReturn:

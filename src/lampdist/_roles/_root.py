@@ -23,7 +23,7 @@ from .._errors import CheckpointError, CliqueError, CliqueTimeout, ConfigError, 
 from .._loop import epochs
 from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts
 from .._state import LoopState, TrainingState
-from ..checkpoint import Resumed
+from ..checkpoint import Resumed, check_before_training
 from ..clique import Cliques, ProcessGroups, in_process
 from ..control import Command, CommandKind, RootChannel
 from ..schedules import LearningRateSchedule
@@ -129,6 +129,15 @@ async def drive(
     if optimizer_factory is None:
         raise ConfigError("the root needs an optimizer_factory", rank=0, phase="configure")
     lr_state = resumed_schedule_state(loop.learning_rate_schedule, resume)
+    if resume is not None and loop.max_epochs <= resume.epoch:
+        logger.warning(
+            "rank 0: the run resumes at epoch %d and max_epochs=%d: no epoch is left to train; "
+            "raise max_epochs to train on",
+            resume.epoch,
+            loop.max_epochs,
+            extra={"rank": 0},
+        )
+    await check_before_training(loop.checkpoint_state, resume)
     if cliques is None:
         # A root alone has nothing to exchange: an in-process clique of one rank, with no
         # process group, store or thread behind it.

@@ -209,13 +209,7 @@ async def _run_root(
             accuracy, module, data.valid_inputs, data.valid_labels
         )
 
-    if first_epoch >= options.epochs:
-        logger.warning(
-            "the run in %s has %d epochs already: pass a larger --epochs to train on",
-            out,
-            first_epoch,
-        )
-    else:
+    if first_epoch < options.epochs:  # else the library warns, and the summary names --epochs
         logger.info(
             "training on %d ranks (%s), epochs %d..%d, files in %s",
             nranks,
