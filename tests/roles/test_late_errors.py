@@ -34,7 +34,9 @@ async def run(
     """Two ranks in one process, checkpointing into ``directory``; and the batches trained."""
     trained: list[int] = []
 
-    def counted(shard: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterable[object]:
+    def counted(
+        shard: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
         for batch in shard:
             trained.append(1)
             yield batch

@@ -128,10 +128,9 @@ async def test_models_that_differ_between_ranks_are_refused_before_training() ->
 
 async def test_a_mismatch_names_missing_and_extra_parameters_and_buffers() -> None:
     root_model = make_model()
-    other = make_model()
+    other = torch.nn.Sequential(*list(make_model().children())[:2])  # no layer '2'
     other.register_buffer("running", torch.zeros(2))
     other.register_buffer("count", torch.zeros(1))
-    del other[2]  # a layer fewer: its parameters are missing
     with pytest.raises(lampdist.MismatchError) as caught:
         await run(entries(2, models=[root_model, other]))
     message = str(caught.value)
