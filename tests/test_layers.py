@@ -13,7 +13,7 @@ ROOT = Path(lampdist.__file__).parent
 
 LAYERS = [
     {"_errors", "_version", "_defaults"},
-    {"_clique_id", "_signal", "_openmp", "_store", "_state", "_device"},
+    {"_clique_id", "_signal", "_openmp", "_store", "_state", "_device", "_source"},
     {"_effects", "schedules", "_model"},
     {"control", "clique", "_checkpoint", "_loop"},
     {"launch", "checkpoint", "_options"},

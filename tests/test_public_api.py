@@ -46,6 +46,8 @@ PUBLIC_NAMES = {
         "NonFiniteLoss",
         "OnPassEvent",
         "OptimizerFactory",
+        "PassAwareBatchSource",
+        "PassContext",
         "PassEvent",
         "PeerDisconnected",
         "ProtocolError",

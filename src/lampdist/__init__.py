@@ -13,6 +13,7 @@ from ._effects import CheckpointLoopState as CheckpointLoopState
 from ._effects import CheckpointState as CheckpointState
 from ._effects import OnPassEvent as OnPassEvent
 from ._effects import OptimizerFactory as OptimizerFactory
+from ._effects import PassAwareBatchSource as PassAwareBatchSource
 from ._effects import SaveBestModel as SaveBestModel
 from ._effects import TrainEpoch as TrainEpoch
 from ._effects import ValidationEpoch as ValidationEpoch
@@ -47,6 +48,7 @@ from ._roles import follow_distributed_training as follow_distributed_training
 from ._roles import local_data_parallel_training_loop as local_data_parallel_training_loop
 from ._roles import run_until_signal as run_until_signal
 from ._roles import train as train
+from ._source import PassContext as PassContext
 from ._state import CurvePoint as CurvePoint
 from ._state import LoopState as LoopState
 from ._state import PassEvent as PassEvent
@@ -83,6 +85,8 @@ __all__ = [
     "NonFiniteLoss",
     "OnPassEvent",
     "OptimizerFactory",
+    "PassAwareBatchSource",
+    "PassContext",
     "PassEvent",
     "PeerDisconnected",
     "ProtocolError",

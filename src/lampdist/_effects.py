@@ -11,6 +11,7 @@ from typing import Any, Protocol, TypeAlias
 
 import torch
 
+from ._source import PassContext
 from ._state import LoopState, PassEvent, TrainingState
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "CheckpointState",
     "OnPassEvent",
     "OptimizerFactory",
+    "PassAwareBatchSource",
     "SaveBestModel",
     "TrainEpoch",
     "ValidationEpoch",
@@ -70,9 +72,18 @@ class BatchSource(Protocol):
     """A zero-argument factory called once per pass; it returns an iterable (a
     ``torch.utils.data.DataLoader`` works as it is) or an async iterable of batches.
 
-    ``lambda: loader`` is a batch source for a ``DataLoader`` named ``loader``."""
+    ``lambda: loader`` is a batch source for a ``DataLoader`` named ``loader``. A source that
+    shuffles should be a :class:`PassAwareBatchSource` instead, so that its order is exact."""
 
     def __call__(self) -> Iterable[Batch] | AsyncIterable[Batch]: ...
+
+
+class PassAwareBatchSource(Protocol):
+    """A batch source that takes the pass's :class:`~lampdist.PassContext` (epoch, kind,
+    rank, a seed of its own): ``lambda context: DataLoader(dataset, shuffle=True,
+    generator=context.generator())`` shuffles in the same order in every run."""
+
+    def __call__(self, context: PassContext, /) -> Iterable[Batch] | AsyncIterable[Batch]: ...
 
 
 class OnPassEvent(Protocol):

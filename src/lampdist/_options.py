@@ -19,10 +19,11 @@ import attrs
 import torch
 
 from ._defaults import COLLECTIVE_TIMEOUT, JOIN_TIMEOUT, SETUP_TIMEOUT, STOP_TIMEOUT
-from ._effects import BatchSource, CheckpointState, OnPassEvent
+from ._effects import BatchSource, CheckpointState, OnPassEvent, PassAwareBatchSource
 from ._errors import ConfigError
 from ._loop import check_epochs_arguments
 from ._model import SupervisedModel
+from ._source import check_source
 from ._state import LoopState
 from .schedules import LearningRateSchedule, noop
 
@@ -51,7 +52,9 @@ class StepOptions:
     clips the averaged gradients by their global norm; ``non_finite_loss`` says what a step
     whose summed loss is not finite does (``"raise"`` :class:`~lampdist.NonFiniteLoss`, or
     ``"skip"`` the step). ``autocast_dtype`` runs forward passes under ``torch.autocast``
-    (bfloat16, or float16 with dynamic loss scaling).
+    (bfloat16, or float16 with dynamic loss scaling). ``shuffle_seed`` seeds the
+    :class:`~lampdist.PassContext` of every pass, which a batch source that shuffles draws its
+    order from (each rank, epoch and kind of pass gets its own seed).
 
     Raises :class:`~lampdist.ConfigError` for values out of range.
     """
@@ -62,6 +65,7 @@ class StepOptions:
     bucket_cap_mb: float | None = None
     max_grad_norm: float | None = None
     non_finite_loss: Literal["raise", "skip"] = "raise"
+    shuffle_seed: int = 0
 
     def __attrs_post_init__(self) -> None:
         accumulate = self.accumulate_gradient_over_n_batches
@@ -95,16 +99,17 @@ class StepOptions:
                 "exchange the gradients after backward",
                 phase="configure",
             )
+        seed = self.shuffle_seed
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ConfigError(f"shuffle_seed must be an int, got {seed!r}", phase="configure")
         if self.step_on not in ("root", "every_rank"):
             raise ConfigError(
                 f"step_on must be 'root' or 'every_rank', got {self.step_on!r}", phase="configure"
             )
 
-    def describe(self) -> str:
-        """Every field, for the agreement check at join (ranks compare exactly this)."""
-        return ", ".join(
-            f"{field.name}={getattr(self, field.name)!r}" for field in attrs.fields(StepOptions)
-        )
+    def agreed_fields(self) -> list[tuple[str, str]]:
+        """Every field as (name, repr of its value): what ranks compare when they join."""
+        return [(f.name, repr(getattr(self, f.name))) for f in attrs.fields(StepOptions)]
 
 
 def _epoch_set(value: Iterable[int]) -> frozenset[int]:
@@ -188,8 +193,18 @@ class Timeouts:
 class ModelWithData:
     """One rank's model and its batch sources (an entry of lamp's
     ``models_with_data_streams``): the training batches, and the validation batches when the
-    run validates (every rank, or none)."""
+    run validates (every rank, or none). A source takes no argument, or one: the pass's
+    :class:`~lampdist.PassContext` (see :class:`~lampdist.PassAwareBatchSource`).
+
+    Raises :class:`~lampdist.ConfigError` for a source that is not callable or needs more
+    than one argument.
+    """
 
     model: SupervisedModel
-    train_batches: BatchSource
-    validation_batches: BatchSource | None = None
+    train_batches: BatchSource | PassAwareBatchSource
+    validation_batches: BatchSource | PassAwareBatchSource | None = None
+
+    def __attrs_post_init__(self) -> None:
+        check_source(self.train_batches, "train_batches")
+        if self.validation_batches is not None:
+            check_source(self.validation_batches, "validation_batches")

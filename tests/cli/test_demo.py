@@ -88,6 +88,20 @@ async def test_demo_trains_writes_its_files_and_resumes(tmp_path: Path) -> None:
     assert epochs == [0, 0, 1, 1, 2, 2]
 
 
+async def test_a_resumed_demo_ends_bitwise_like_an_uninterrupted_one(tmp_path: Path) -> None:
+    """The demo shuffles its training batches with each pass's generator, so a run resumed
+    at epoch 2 draws the orders an uninterrupted one drew."""
+    quiet = Console(file=io.StringIO())
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    await run_demo(DemoOptions(epochs=3, out=whole), quiet, environ={})
+    await run_demo(DemoOptions(epochs=2, out=split), quiet, environ={})
+    await run_demo(DemoOptions(epochs=3, out=split, resume=True), quiet, environ={})
+    want = torch.load(whole / "model.pt", weights_only=True)
+    got = torch.load(split / "model.pt", weights_only=True)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+
+
 async def test_a_new_run_refuses_to_overwrite_one(tmp_path: Path) -> None:
     (tmp_path / "checkpoints" / "epoch-000001").mkdir(parents=True)
     with pytest.raises(ConfigError, match="already holds a run: pass --resume"):

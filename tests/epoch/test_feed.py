@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import anyio.lowlevel
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import lampdist
-from lampdist import SupervisedModel
+from lampdist import PassContext, SupervisedModel
 from lampdist._epoch import BatchFeed, PassStopped, open_compute_thread, open_feed
 
 
@@ -49,9 +49,13 @@ class Counted:
             yield batch(index)
 
 
-def feed_of(source: Any, *, rank: int = 0, phase: str = "train", ahead: int = 2) -> Any:
+def feed_of(
+    source: Any, *, rank: int = 0, phase: Literal["train", "valid"] = "train", ahead: int = 2
+) -> Any:
+    context = PassContext(epoch=0, kind=phase, rank=rank, nranks=1, seed=0)
     return open_feed(
         source,
+        context,
         model=MODEL,
         device=CPU,
         rank=rank,

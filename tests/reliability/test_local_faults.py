@@ -34,6 +34,9 @@ COLLECTIVE_TIMEOUT = 4.0
 timeout for a Gloo collective stuck on a peer whose sockets are not closed yet (about one run
 in ten of the root-cancel test; docs/reliability.md, Limits): keep it below DEADLINE."""
 
+VANISHED_PAUSE = 1.0
+"""How long a vanished rank's compute thread is held (see :meth:`Run.vanish`)."""
+
 
 @pytest.fixture
 def anyio_backend() -> str:
@@ -71,9 +74,16 @@ class Run:
             anyio.from_thread.run_sync(function, token=self.token)
 
     def vanish(self, rank: int) -> None:
-        """Cancel ``rank``'s task, from any thread."""
+        """Cancel ``rank``'s task, from any thread.
+
+        Called on the rank's compute thread, it then holds that thread for a while: a process
+        that vanished computes nothing more, and without the pause the thread could finish
+        the pass, its last collective included, before the cancellation lands (about one run
+        in five of a validation pass, whose only collective is at its end)."""
         self.fault()
         self.on_loop(self.scopes[rank].cancel)
+        if threading.current_thread() is not self.loop_thread:
+            time.sleep(VANISHED_PAUSE)
 
     def took(self, rank: int) -> float:
         assert self.fault_at is not None

@@ -6,6 +6,9 @@ import copy
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import lampdist
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 Shards = Sequence[Sequence[Batch]]
@@ -84,3 +87,16 @@ def reference_training(
                 y = torch.cat([b[1] for b in batches])
                 valid_losses.append(float(mse(module(x), y)))
     return module, train_losses, valid_losses
+
+
+def shuffled(shard: Sequence[Batch], batch_size: int = 4) -> lampdist.PassAwareBatchSource:
+    """The documented shuffled loader over a shard's examples: a ``DataLoader`` per pass
+    with ``shuffle=True`` and the pass's generator."""
+    dataset = TensorDataset(torch.cat([b[0] for b in shard]), torch.cat([b[1] for b in shard]))
+
+    def source(context: lampdist.PassContext) -> DataLoader[tuple[torch.Tensor, ...]]:
+        return DataLoader(
+            dataset, batch_size=batch_size, shuffle=True, generator=context.generator()
+        )
+
+    return source

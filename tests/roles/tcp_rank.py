@@ -1,10 +1,11 @@
 """One rank of a multi-process training run over TCP, for the tests.
 
-    python -m tests.roles.tcp_rank --rank 0 --nranks 2 --out DIR [--port 0]
+    python -m tests.roles.tcp_rank --rank 0 --nranks 2 --out DIR [--port 0] [--shuffle]
 
 The root prints ``PORT <n>`` once it listens; followers take ``--port``. Each rank writes its
 final weights to ``DIR/rank<r>.pt`` and the root writes its learning curve to
-``DIR/curve.json``. The secret comes from ``LAMPDIST_SECRET``.
+``DIR/curve.json``. The secret comes from ``LAMPDIST_SECRET``. With ``--shuffle`` the training
+batches come from the shuffled loader of :func:`.reference.shuffled`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 import lampdist
 from lampdist import control
 
-from .reference import make_model, make_shards, mse
+from .reference import make_model, make_shards, mse, shuffled
 
 SIZES = [[5, 7, 3, 9, 2], [6, 6, 0, 4]]
 VALID_SIZES = [[5, 3], [4]]
@@ -40,21 +41,25 @@ async def main(argv: list[str]) -> None:
     parser.add_argument("--nranks", type=int, required=True)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--shuffle", action="store_true")
     args = parser.parse_args(argv)
     secret = os.environ["LAMPDIST_SECRET"]
     train = make_shards(SIZES, seed=1)[args.rank]
     valid = make_shards(VALID_SIZES, seed=2)[args.rank]
     module = make_model(seed=0 if args.rank == 0 else 10 + args.rank)
     model = lampdist.SupervisedModel(module, mse)
+    data = lampdist.ModelWithData(
+        model=model,
+        train_batches=shuffled(train) if args.shuffle else lambda: train,
+        validation_batches=lambda: valid,
+    )
     if args.rank == 0:
         async with control.tcp_root(
             "127.0.0.1", args.port, nranks=args.nranks, secret=secret
         ) as root:
             print(f"PORT {root.address[1]}", flush=True)
             state = await lampdist.drive_distributed_training(
-                data=lampdist.ModelWithData(
-                    model=model, train_batches=lambda: train, validation_batches=lambda: valid
-                ),
+                data=data,
                 nranks=args.nranks,
                 device="cpu",
                 control=root,
@@ -70,9 +75,7 @@ async def main(argv: list[str]) -> None:
             "127.0.0.1", args.port, rank=args.rank, secret=secret
         ) as follower:
             await lampdist.follow_distributed_training(
-                data=lampdist.ModelWithData(
-                    model=model, train_batches=lambda: train, validation_batches=lambda: valid
-                ),
+                data=data,
                 rank=args.rank,
                 nranks=args.nranks,
                 device="cpu",

@@ -22,10 +22,11 @@ import anyio
 import attrs
 import torch
 
-from .._effects import BatchSource
+from .._effects import BatchSource, PassAwareBatchSource
 from .._errors import BadBatch, LampdistError, TrainingError
 from .._model import SupervisedModel, check_batch, move_to_device
 from .._signal import Signal
+from .._source import PassContext, call_source
 
 __all__ = ["AHEAD", "BatchFeed", "LoadedBatch", "PassStopped", "open_feed"]
 
@@ -189,7 +190,8 @@ class BatchFeed:
 
 @asynccontextmanager
 async def open_feed(
-    source: BatchSource,
+    source: BatchSource | PassAwareBatchSource,
+    context: PassContext,
     *,
     model: SupervisedModel,
     device: torch.device,
@@ -198,7 +200,8 @@ async def open_feed(
     intra_op_threads: int,
     ahead: int = AHEAD,
 ) -> AsyncIterator[BatchFeed]:
-    """Call ``source()`` and load its batches ``ahead`` ahead into a :class:`BatchFeed`.
+    """Call ``source()`` (or ``source(context)``, see :mod:`lampdist._source`) and load its
+    batches ``ahead`` ahead into a :class:`BatchFeed`.
 
     Sync iterables are advanced on a loading thread for the pass (so a slow ``DataLoader``
     never blocks the event loop); async iterables on the event loop. The feed is stopped when
@@ -208,7 +211,7 @@ async def open_feed(
     target)`` batch.
     """
     try:
-        iterable = source()
+        iterable = call_source(source, context)
     except Exception as exc:
         raise TrainingError(
             f"the {phase} batch source factory raised {type(exc).__name__}: {exc}",

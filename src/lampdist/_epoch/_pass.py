@@ -19,8 +19,9 @@ import anyio
 import attrs
 import torch
 
-from .._effects import BatchSource, OnPassEvent
+from .._effects import BatchSource, OnPassEvent, PassAwareBatchSource
 from .._openmp import release_team
+from .._source import PassContext, PassKind, pass_seed
 from .._state import PassEvent
 from ..clique import Clique
 from ._compute import ComputeThread
@@ -72,10 +73,15 @@ class PassRunner:
         return await self.compute.run(function, *args, on_cancel=self._abort_clique)
 
     async def train_pass(
-        self, source: BatchSource, *, epoch: int, pass_index: int, lr_factor: float
+        self,
+        source: BatchSource | PassAwareBatchSource,
+        *,
+        epoch: int,
+        pass_index: int,
+        lr_factor: float,
     ) -> PassResult:
         """One training pass; the result covers the whole clique where this rank steps."""
-        async with self._feed(source, "train") as feed:
+        async with self._feed(source, "train", epoch) as feed:
             progress = None
             if self.on_event is not None and self.kernel.is_root:
                 progress = Progress()
@@ -96,11 +102,11 @@ class PassRunner:
             return await _with_delivery(run, progress, self.on_event)
 
     async def validation_pass(
-        self, source: BatchSource, *, epoch: int, pass_index: int
+        self, source: BatchSource | PassAwareBatchSource, *, epoch: int, pass_index: int
     ) -> PassResult:
         """One validation pass in eval mode without gradients; one reduce at the end."""
         started = time.perf_counter()
-        async with self._feed(source, "valid") as feed:
+        async with self._feed(source, "valid", epoch) as feed:
             work = partial(self.kernel.validation_pass, feed, epoch=epoch)
             result = await self.compute.run(work, on_cancel=lambda: self._stop(feed))
             batches = feed.batches_read
@@ -121,12 +127,19 @@ class PassRunner:
             )
         return result
 
-    def _feed(self, source: BatchSource, phase: str) -> AbstractAsyncContextManager[BatchFeed]:
+    def _feed(
+        self, source: BatchSource | PassAwareBatchSource, phase: PassKind, epoch: int
+    ) -> AbstractAsyncContextManager[BatchFeed]:
         # An effect between passes (a checkpoint, on_event) may have run parallel torch ops
         # on the loop: give its idle OpenMP team back before the pass (see ``_openmp``).
         release_team()
+        seed = pass_seed(self.kernel.options.shuffle_seed, self.rank, epoch, phase)
+        context = PassContext(
+            epoch=epoch, kind=phase, rank=self.rank, nranks=self.clique.nranks, seed=seed
+        )
         return open_feed(
             source,
+            context,
             model=self.kernel.model,
             device=self.device,
             rank=self.rank,

@@ -11,7 +11,6 @@ import hashlib
 import json
 import zlib
 
-import attrs
 import torch
 
 from .._epoch import FlatParameters, host_to_device
@@ -78,8 +77,7 @@ def agree(clique: Clique, flat: FlatParameters, options: StepOptions, validates:
 
 def _settings(options: StepOptions, validates: bool) -> list[tuple[str, str]]:
     """Every step option and whether validation batches were given, as (name, value)."""
-    fields = [(f.name, repr(getattr(options, f.name))) for f in attrs.fields(StepOptions)]
-    return [*fields, ("validation_batches given", repr(validates))]
+    return [*options.agreed_fields(), ("validation_batches given", repr(validates))]
 
 
 def _gather_descriptions(

@@ -8,8 +8,9 @@ from collections.abc import Iterator
 import attrs
 import torch
 
-from .._effects import Batch, BatchSource
+from .._effects import Batch, PassAwareBatchSource
 from .._errors import ConfigError
+from .._source import PassContext
 
 __all__ = ["Digits", "accuracy", "batch_source", "create_model", "cross_entropy", "load_digits"]
 
@@ -76,16 +77,16 @@ def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def batch_source(
-    inputs: torch.Tensor, labels: torch.Tensor, batch_size: int, *, shuffle_seed: int | None
-) -> BatchSource:
-    """A batch source over ``(inputs, labels)``: a list of batches per call, reshuffled on
-    each call when ``shuffle_seed`` is given (the same order on every run with that seed)."""
-    generator = torch.Generator().manual_seed(shuffle_seed or 0)
+    inputs: torch.Tensor, labels: torch.Tensor, batch_size: int, *, shuffle: bool
+) -> PassAwareBatchSource:
+    """A batch source over ``(inputs, labels)``: a list of batches per pass, shuffled with the
+    pass's generator when ``shuffle`` (the same order in every run with the same
+    ``StepOptions.shuffle_seed``, resumed or not)."""
 
-    def batches() -> list[Batch]:
+    def batches(context: PassContext) -> list[Batch]:
         order = (
-            torch.randperm(len(labels), generator=generator)
-            if shuffle_seed is not None
+            torch.randperm(len(labels), generator=context.generator())
+            if shuffle
             else torch.arange(len(labels))
         )
         return list(_chunks(inputs[order], labels[order], batch_size))

@@ -20,7 +20,7 @@ from rich.console import Console
 from .. import checkpoint
 from .._errors import ConfigError
 from .._model import SupervisedModel
-from .._options import LoopOptions, ModelWithData
+from .._options import LoopOptions, ModelWithData, StepOptions
 from .._roles import local_data_parallel_training_loop, run_until_signal, train
 from .._state import LoopState
 from ..checkpoint import Resumed
@@ -120,11 +120,12 @@ async def run_demo(
             launch=launch,
             data=ModelWithData(
                 model=SupervisedModel(create_model(options.seed), cross_entropy),
-                train_batches=_train_batches(shard, options, launch.rank),
+                train_batches=_train_batches(shard, options),
                 validation_batches=_valid_batches(shard, options),
             ),
             optimizer_factory=_optimizer(options.lr),
             loop=LoopOptions(max_epochs=options.epochs),
+            step=_step(options),
         )
         logger.info("rank %d: done", launch.rank)
         return None
@@ -166,19 +167,22 @@ def _optimizer(lr: float) -> Any:
     return create
 
 
-def _train_batches(shard: Digits, options: DemoOptions, rank: int) -> Any:
+def _step(options: DemoOptions) -> StepOptions:
+    """Every rank's step options: the shuffles follow ``--seed``."""
+    return StepOptions(shuffle_seed=options.seed)
+
+
+def _train_batches(shard: Digits, options: DemoOptions) -> Any:
     return batch_source(
         shard.train_inputs,
         shard.train_labels,
         options.batch_size,
-        shuffle_seed=options.seed * 1000 + rank,
+        shuffle=True,
     )
 
 
 def _valid_batches(shard: Digits, options: DemoOptions) -> Any:
-    return batch_source(
-        shard.valid_inputs, shard.valid_labels, options.batch_size, shuffle_seed=None
-    )
+    return batch_source(shard.valid_inputs, shard.valid_labels, options.batch_size, shuffle=False)
 
 
 async def _run_root(
@@ -230,11 +234,12 @@ async def _run_root(
                 launch=launch,
                 data=ModelWithData(
                     model=SupervisedModel(module, cross_entropy),
-                    train_batches=_train_batches(root_shard, options, 0),
+                    train_batches=_train_batches(root_shard, options),
                     validation_batches=_valid_batches(root_shard, options),
                 ),
                 optimizer_factory=_optimizer(options.lr),
                 loop=loop,
+                step=_step(options),
                 resume=resumed,
             )
             assert state is not None  # train returns the loop state on the root
@@ -275,7 +280,7 @@ async def _train_here(
         entries.append(
             ModelWithData(
                 model=SupervisedModel(module, cross_entropy),
-                train_batches=_train_batches(shard, options, rank),
+                train_batches=_train_batches(shard, options),
                 validation_batches=_valid_batches(shard, options),
             )
         )
@@ -285,6 +290,7 @@ async def _train_here(
             models_with_data_streams=entries,
             optimizer_factory=_optimizer(options.lr),
             loop=loop,
+            step=_step(options),
             resume=resumed,
             stop=stop,
         )
