@@ -50,24 +50,19 @@ def agree(clique: Clique, flat: FlatParameters, options: StepOptions, validates:
         return
     described = _gather_descriptions(clique, flat.layout, settings)
     problems = []
-    if model_ranks:
-        details = [
-            _differences(rank, described[rank]["layout"], described[0]["layout"])
-            for rank in model_ranks
-        ]
-        problems.append(
-            f"ranks {model_ranks} have model parameters or buffers (names, shapes, dtypes, "
-            f"requires_grad) that differ from the root's ({'; '.join(details)})"
-        )
-    if settings_ranks:
-        details = [
-            _differences(rank, described[rank]["settings"], described[0]["settings"])
-            for rank in settings_ranks
-        ]
-        problems.append(
-            f"ranks {settings_ranks} have settings that differ from the root's "
-            f"({'; '.join(details)})"
-        )
+    for ranks, key, what in (
+        (
+            model_ranks,
+            "layout",
+            "model parameters or buffers (names, shapes, dtypes, requires_grad)",
+        ),
+        (settings_ranks, "settings", "settings"),
+    ):
+        if ranks:
+            details = "; ".join(
+                _differences(rank, described[rank][key], described[0][key]) for rank in ranks
+            )
+            problems.append(f"ranks {ranks} have {what} that differ from the root's ({details})")
     raise MismatchError(
         "; ".join(problems) + ": give every rank the same model and settings",
         rank=clique.rank,
