@@ -1,4 +1,4 @@
-"""Developer sessions: ``nox -s tests lint typecheck docs bench``."""
+"""Developer sessions: ``nox -s tests lint typecheck docs bench slow mutants``."""
 
 from __future__ import annotations
 
@@ -27,6 +27,13 @@ def slow(session: nox.Session) -> None:
     """The fault-injection and soak tests marked ``slow``."""
     install(session, "test")
     session.run("python", "-m", "pytest", "-m", "slow", "--run-slow", *session.posargs)
+
+
+@nox.session
+def mutants(session: nox.Session) -> None:
+    """Hand-written mutants of the central paths; every one must make its tests fail."""
+    install(session, "test")
+    session.run("python", "tests/mutants.py", *session.posargs)
 
 
 @nox.session

@@ -93,8 +93,10 @@ def summarize(
     configs: Sequence[Config], runs: dict[str, list[list[RankResult]]]
 ) -> dict[str, dict[str, Any]]:
     """Per configuration: samples/s of each repeat and their median, scaling efficiency
-    (median / (ranks x the single loop's median)), the median of the per-repeat ratios to DDP,
-    and each rank's peak memory (the largest over the repeats)."""
+    (median / (ranks x the single loop's median)), the ratio to DDP (``vs_ddp``: this median
+    over DDP's median; ``vs_ddp_paired``: the median of the per-repeat ratios, each repeat
+    against the DDP run beside it), and each rank's peak memory (the largest over the
+    repeats)."""
     throughput: dict[str, list[float]] = {}
     summary: dict[str, dict[str, Any]] = {}
     for config in configs:
@@ -128,12 +130,16 @@ def summarize(
             if efficient and single is not None
             else None
         )
+        compared = "ddp" in summary and name != "ddp"
         entry["vs_ddp"] = (
+            entry["samples_per_s"] / summary["ddp"]["samples_per_s"] if compared else None
+        )
+        entry["vs_ddp_paired"] = (
             statistics.median(
                 mine / theirs
                 for mine, theirs in zip(throughput[name], throughput["ddp"], strict=True)
             )
-            if "ddp" in summary and name != "ddp"
+            if compared
             else None
         )
     return summary
@@ -149,10 +155,23 @@ def format_table(meta: dict[str, Any], summary: dict[str, dict[str, Any]]) -> st
         f"torch {meta['torch']}",
         "",
     ]
-    header = ("config", "ranks", "samples/s", "runs", "efficiency", "vs DDP", "peak MiB per rank")
+    header = (
+        "config",
+        "ranks",
+        "samples/s",
+        "runs",
+        "efficiency",
+        "vs DDP",
+        "paired",
+        "peak MiB per rank",
+    )
     rows = [header]
     for name, entry in summary.items():
-        efficiency, ratio = entry["scaling_efficiency"], entry["vs_ddp"]
+        efficiency, ratio, paired = (
+            entry["scaling_efficiency"],
+            entry["vs_ddp"],
+            entry["vs_ddp_paired"],
+        )
         rows.append(
             (
                 name,
@@ -161,13 +180,14 @@ def format_table(meta: dict[str, Any], summary: dict[str, dict[str, Any]]) -> st
                 " / ".join(f"{value:.0f}" for value in entry["samples_per_s_runs"]),
                 "-" if efficiency is None else f"{100 * efficiency:.1f}%",
                 "-" if ratio is None else f"{ratio:.3f}",
+                "-" if paired is None else f"{paired:.3f}",
                 " / ".join(f"{peak / 2**20:.0f}" for peak in entry["peak_memory_bytes"]),
             )
         )
     widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
     for row in rows:
         cells = [
-            cell.ljust(width) if column in (0, 3, 6) else cell.rjust(width)
+            cell.ljust(width) if column in (0, 3, 7) else cell.rjust(width)
             for column, (cell, width) in enumerate(zip(row, widths, strict=True))
         ]
         lines.append("  ".join(cells).rstrip())

@@ -21,12 +21,18 @@ EPOCHS = 3
 _references: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
 
-def entries(nranks: int) -> list[lampdist.ModelWithData]:
-    """The rank script's models and batches, for the in-process loop."""
+RESUMED_SEED = 1000
+"""The resumed runs build their models from other seeds: only the checkpoint can make them end
+where the uninterrupted run ends."""
+
+
+def entries(nranks: int, *, seed: int = 0) -> list[lampdist.ModelWithData]:
+    """The rank script's models (the root's from ``seed``) and batches, for the in-process
+    loop."""
     train, valid = rank_script.shards(nranks)
     return [
         lampdist.ModelWithData(
-            model=lampdist.SupervisedModel(make_model(seed=0 if r == 0 else 10 + r), mse),
+            model=lampdist.SupervisedModel(make_model(seed=seed if r == 0 else 10 + r), mse),
             train_batches=functools.partial(list, train[r]),
             validation_batches=functools.partial(list, valid[r]),
         )
@@ -42,9 +48,19 @@ async def train_in_process(
     checkpoints: Path | None = None,
 ) -> dict[str, torch.Tensor]:
     """Train in one process (from ``resume_from``'s latest checkpoint, if given) to ``epochs``
-    and return the final weights."""
-    streams = entries(nranks)
+    and return the final weights.
+
+    A resumed run starts from other initial weights (:data:`RESUMED_SEED`) and must train
+    exactly the epochs from the checkpoint's on.
+    """
     resumed = checkpoint.load_latest(resume_from) if resume_from is not None else None
+    streams = entries(nranks, seed=RESUMED_SEED if resumed is not None else 0)
+    trained: list[int] = []
+
+    async def record(event: lampdist.PassEvent) -> None:
+        if event.kind == "train" and event.done:
+            trained.append(event.epoch)
+
     with anyio.fail_after(60):
         await lampdist.local_data_parallel_training_loop(
             models_with_data_streams=streams,
@@ -53,8 +69,11 @@ async def train_in_process(
             loop=lampdist.LoopOptions(
                 max_epochs=epochs,
                 checkpoint_state=checkpoint.to_directory(checkpoints) if checkpoints else None,
+                on_event=record,
             ),
         )
+    first = resumed.epoch if resumed is not None else 0
+    assert trained == list(range(first, epochs)), (first, trained)
     return {name: value.clone() for name, value in streams[0].model.module.state_dict().items()}
 
 
@@ -69,7 +88,7 @@ async def reference(nranks: int, epochs: int = EPOCHS) -> dict[str, torch.Tensor
 def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert got.keys() == want.keys()
     for name, value in want.items():
-        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-9, msg=name)
+        assert torch.equal(got[name], value), name
 
 
 def latest_epoch(directory: Path) -> int | None:

@@ -47,13 +47,20 @@ def reference_training(
     *,
     epochs: int,
     accumulate: int = 1,
+    max_grad_norm: float | None = None,
+    autocast_dtype: torch.dtype | None = None,
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.nn.Module, list[float], list[float]]:
-    """Train one process on the concatenation of every rank's batches of each step.
+    """Train one process on the concatenation of every rank's batches of each step: plain
+    PyTorch, with ``torch.nn.utils.clip_grad_norm_`` for ``max_grad_norm``, and
+    ``torch.autocast`` (plus a default ``GradScaler`` for float16) for ``autocast_dtype``.
 
     Returns the trained module and the per-epoch mean training and validation losses.
     """
+    loss_of = loss or mse
     module = copy.deepcopy(module)
     optimizer = optimizer_factory(list(module.parameters()))
+    scaler = torch.amp.GradScaler("cpu", enabled=autocast_dtype == torch.float16)
     train_losses: list[float] = []
     valid_losses: list[float] = []
     steps = max((len(shard) + accumulate - 1) // accumulate for shard in train)
@@ -73,10 +80,25 @@ def reference_training(
             x = torch.cat([b[0] for b in window])
             y = torch.cat([b[1] for b in window])
             optimizer.zero_grad()
-            loss = mse(module(x), y)
-            loss.backward()  # type: ignore[no-untyped-call]  # torch's backward is untyped
-            optimizer.step()
-            loss_sum += float(loss.detach()) * len(y)
+            if autocast_dtype is None:
+                step_loss = loss_of(module(x), y)
+                step_loss.backward()  # type: ignore[no-untyped-call]  # torch's is untyped
+            else:
+                # Each batch's forward on its own, as each rank runs it: low-precision matmuls
+                # round differently on other batch shapes. The losses are weighted by their
+                # share of the step's examples, as one loss over the concatenation would be.
+                step_loss = torch.zeros((), dtype=torch.float64)
+                for bx, by in window:
+                    with torch.autocast("cpu", dtype=autocast_dtype):
+                        batch_loss = loss_of(module(bx), by) * (len(by) / len(y))
+                    scaler.scale(batch_loss).backward()  # type: ignore[no-untyped-call]
+                    step_loss = step_loss + batch_loss.detach().double()
+            if max_grad_norm is not None:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(module.parameters(), max_grad_norm)
+            scaler.step(optimizer)
+            scaler.update()
+            loss_sum += float(step_loss.detach()) * len(y)
             count += len(y)
         train_losses.append(loss_sum / count)
         if valid is not None:
@@ -85,7 +107,7 @@ def reference_training(
                 batches = [b for shard in valid for b in shard if len(b[1]) > 0]
                 x = torch.cat([b[0] for b in batches])
                 y = torch.cat([b[1] for b in batches])
-                valid_losses.append(float(mse(module(x), y)))
+                valid_losses.append(float(loss_of(module(x), y)))
     return module, train_losses, valid_losses
 
 

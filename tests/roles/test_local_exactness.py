@@ -265,3 +265,98 @@ async def test_mixed_precision_trains_and_keeps_ranks_equal(
 
 def _as_float(batches: Sequence[Batch]) -> list[Batch]:
     return [(x.float(), y.float()) for x, y in batches]
+
+
+async def _train_in_process(
+    shards: Sequence[Sequence[Batch]],
+    initial: torch.nn.Module,
+    optimizer_factory: OptimizerFactory,
+    step: lampdist.StepOptions,
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = mse,
+) -> list[torch.nn.Module]:
+    """The ranks' modules after two epochs on ``shards``; followers start from other weights."""
+    modules = [copy.deepcopy(initial)] + [
+        make_model(seed=10 + rank).to(next(initial.parameters()).dtype)
+        for rank in range(1, len(shards))
+    ]
+    with anyio.fail_after(60):
+        await lampdist.local_data_parallel_training_loop(
+            models_with_data_streams=[
+                lampdist.ModelWithData(
+                    model=lampdist.SupervisedModel(module, loss), train_batches=source(shard)
+                )
+                for module, shard in zip(modules, shards, strict=True)
+            ],
+            optimizer_factory=optimizer_factory,
+            loop=lampdist.LoopOptions(max_epochs=2),
+            step=step,
+        )
+    return modules
+
+
+def _assert_weights(
+    modules: Sequence[torch.nn.Module], want: torch.nn.Module, *, rtol: float, atol: float
+) -> None:
+    for module in modules:
+        for (name, got), expected in zip(
+            module.state_dict().items(), want.state_dict().values(), strict=True
+        ):
+            torch.testing.assert_close(got, expected, rtol=rtol, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("step_on", ["root", "every_rank"])
+@pytest.mark.parametrize("sizes", [[[5, 7, 3], [6, 6]], [[5, 7, 3], [6, 6], [4, 0, 8]]])
+async def test_clipping_matches_clip_grad_norm_in_a_plain_loop(
+    sizes: list[list[int]], step_on: lampdist._options.StepOn
+) -> None:
+    train = make_shards(sizes, seed=3)
+    initial = make_model()
+    expected, _, _ = reference_training(initial, sgd, train, None, epochs=2, max_grad_norm=0.05)
+    unclipped, _, _ = reference_training(initial, sgd, train, None, epochs=2)
+    weight = expected.state_dict()["0.weight"]
+    assert not torch.allclose(weight, unclipped.state_dict()["0.weight"], atol=1e-3)  # it clips
+    modules = await _train_in_process(
+        train, initial, sgd, lampdist.StepOptions(max_grad_norm=0.05, step_on=step_on)
+    )
+    _assert_weights(modules, expected, rtol=0, atol=1e-9)
+
+
+def big_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Large enough that float16 gradients overflow at GradScaler's initial scale (2**16)
+    for the first steps, which both loops must skip while the scale backs off."""
+    return mse(output, target) * 1e3
+
+
+@pytest.mark.parametrize(
+    ("dtype", "nranks"),
+    [(torch.bfloat16, 1), (torch.bfloat16, 2), (torch.float16, 1)],
+    ids=["bf16-1", "bf16-2", "fp16-1"],
+)
+async def test_mixed_precision_matches_autocast_and_grad_scaler_in_a_plain_loop(
+    dtype: torch.dtype, nranks: int
+) -> None:
+    """The same updates, bitwise, as ``torch.autocast`` (and, for float16, a default
+    ``GradScaler``, which skips the overflowing steps and backs off as lampdist must) in a
+    plain loop that runs each rank's batch through forward and backward on its own.
+
+    Not float16 on several ranks: there a rank's backward carries its loss times its example
+    count times the scale, so it overflows where ``GradScaler`` on the same batches does not,
+    and the scale settles lower (docs/reliability.md, Limits)."""
+    train = [_as_float(shard) for shard in make_shards([[8] * 6] * nranks, seed=9)]
+    initial = make_model().float()
+
+    def sgd_small(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=1e-5)
+
+    expected, _, _ = reference_training(
+        initial, sgd_small, train, None, epochs=2, autocast_dtype=dtype, loss=big_loss
+    )
+    in_float32, _, _ = reference_training(initial, sgd_small, train, None, epochs=2, loss=big_loss)
+    modules = await _train_in_process(
+        train, initial, sgd_small, lampdist.StepOptions(autocast_dtype=dtype), big_loss
+    )
+    _assert_weights(modules, expected, rtol=0, atol=0)
+    # The comparison can tell: the weights moved, and full float32 ends elsewhere.
+    weight = expected.state_dict()["0.weight"]
+    assert not torch.equal(weight, initial.state_dict()["0.weight"])
+    assert not torch.allclose(weight, in_float32.state_dict()["0.weight"], rtol=1e-5, atol=1e-6)

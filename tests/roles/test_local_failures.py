@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -182,18 +183,42 @@ async def test_non_finite_loss_can_skip_the_step() -> None:
 
 
 async def test_cancelling_the_loop_from_outside_ends_every_rank() -> None:
+    yielded = 0
+    training = anyio.Event()  # every rank has taken a few batches
+
     async def slow() -> Any:
+        nonlocal yielded
         for batch in make_shards([[4] * 1000], seed=8)[0]:
             await anyio.sleep(0.01)
+            yielded += 1
+            if yielded >= 3 * 5:
+                training.set()
             yield batch
+
+    ended: list[str] = []
+
+    async def run_and_note() -> None:
+        try:
+            await run(streams)
+        finally:
+            ended.append("loop")
 
     streams = entries(3)
     streams = [attrs.evolve(entry, train_batches=slow) for entry in streams]
     with anyio.fail_after(10):
         async with anyio.create_task_group() as group:
-            group.start_soon(run, streams)
-            await anyio.sleep(1.0)
+            group.start_soon(run_and_note)
+            await training.wait()
+            assert len(_lampdist_threads(prefix="lampdist-compute-")) == 3  # every rank runs
             group.cancel_scope.cancel()
+    assert group.cancel_scope.cancelled_caught
+    assert ended == ["loop"]
+    # Every rank ended: their compute threads, and every other thread lampdist started.
+    assert _lampdist_threads() == []
+
+
+def _lampdist_threads(prefix: str = "lampdist") -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(prefix) and t.is_alive()]
 
 
 @pytest.mark.parametrize(

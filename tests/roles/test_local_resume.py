@@ -46,7 +46,9 @@ async def train(
 ) -> tuple[list[torch.nn.Module], lampdist.LoopState | None, list[tuple[Any, Any]]]:
     shards = make_shards([[6, 5, 7], [4, 8]], seed=11)
     valid = make_shards([[6], [5]], seed=12)
-    modules = [make_model(), make_model(seed=3)]
+    # A resumed run starts from other weights: only the checkpoint can make it end the same.
+    seed = 0 if resume is None else 50
+    modules = [make_model(seed=seed), make_model(seed=seed + 3)]
     saved: list[tuple[Any, Any]] = []
 
     async def checkpoint(state: lampdist.TrainingState, lr_state: Any) -> None:
@@ -115,6 +117,8 @@ async def test_interrupted_and_resumed_equals_uninterrupted(
         max_epochs=6,
         step_on=step_on,
     )
+    # It ran epochs 3, 4 and 5 only (each checkpoint holds the next epoch to run).
+    assert [state.loop_state.epoch for state, _ in resumed_saved] == [4, 5, 6]
     assert resumed_state == whole_state
     for a, b in zip(whole, resumed, strict=True):
         for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
