@@ -1,11 +1,12 @@
 """One rank of a multi-process training run over TCP, for the tests.
 
-    python -m tests.roles.tcp_rank --rank 0 --nranks 2 --out DIR [--port 0] [--shuffle]
+    python -m tests.roles.tcp_rank --rank 0 --nranks 2 --out DIR [--port 0] [--shuffle] [--cuda]
 
 The root prints ``PORT <n>`` once it listens; followers take ``--port``. Each rank writes its
 final weights to ``DIR/rank<r>.pt`` and the root writes its learning curve to
 ``DIR/curve.json``. The secret comes from ``LAMPDIST_SECRET``. With ``--shuffle`` the training
-batches come from the shuffled loader of :func:`.reference.shuffled`.
+batches come from the shuffled loader of :func:`.reference.shuffled`; with ``--cuda`` rank r
+trains on ``cuda:r`` and the clique is NCCL.
 """
 
 from __future__ import annotations
@@ -42,11 +43,13 @@ async def main(argv: list[str]) -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shuffle", action="store_true")
+    parser.add_argument("--cuda", action="store_true", help="rank r on cuda:r, over NCCL")
     args = parser.parse_args(argv)
+    device = f"cuda:{args.rank}" if args.cuda else "cpu"
     secret = os.environ["LAMPDIST_SECRET"]
     train = make_shards(SIZES, seed=1)[args.rank]
     valid = make_shards(VALID_SIZES, seed=2)[args.rank]
-    module = make_model(seed=0 if args.rank == 0 else 10 + args.rank)
+    module = make_model(seed=0 if args.rank == 0 else 10 + args.rank).to(device)
     model = lampdist.SupervisedModel(module, mse)
     data = lampdist.ModelWithData(
         model=model,
@@ -61,7 +64,7 @@ async def main(argv: list[str]) -> None:
             state = await lampdist.drive_distributed_training(
                 data=data,
                 nranks=args.nranks,
-                device="cpu",
+                device=device,
                 control=root,
                 optimizer_factory=sgd,
                 loop=lampdist.LoopOptions(max_epochs=EPOCHS),
@@ -78,7 +81,7 @@ async def main(argv: list[str]) -> None:
                 data=data,
                 rank=args.rank,
                 nranks=args.nranks,
-                device="cpu",
+                device=device,
                 control=follower,
                 step=lampdist.StepOptions(accumulate_gradient_over_n_batches=ACCUMULATE),
                 timeouts=lampdist.Timeouts(join=30),
