@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -20,9 +19,8 @@ import torch
 import lampdist
 import lampdist._options
 
-from . import tcp_rank
 from .reference import Batch, make_model, make_shards, mse, reference_training
-from .test_tcp_exactness import run_two_processes
+from .test_tcp_exactness import assert_matches_the_reference, run_two_processes
 
 pytestmark = pytest.mark.gpu
 
@@ -102,18 +100,4 @@ def test_one_process_per_gpu_over_nccl_matches_the_reference(tmp_path: Path) -> 
     follower starts from other weights, so the first broadcast over NCCL is checked too.
     float64 on the GPUs: the reference on the CPU agrees to a few ulp."""
     run_two_processes(tmp_path, "--cuda")
-    expected, train_losses, valid_losses = reference_training(
-        make_model(seed=0),
-        tcp_rank.sgd,
-        make_shards(tcp_rank.SIZES, seed=1),
-        make_shards(tcp_rank.VALID_SIZES, seed=2),
-        epochs=tcp_rank.EPOCHS,
-        accumulate=tcp_rank.ACCUMULATE,
-    )
-    for rank in range(2):
-        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True, map_location="cpu")
-        for name, want in expected.state_dict().items():
-            torch.testing.assert_close(got[name], want, rtol=0, atol=1e-9, msg=name)
-    curve = json.loads((tmp_path / "curve.json").read_text())
-    assert [c[0] for c in curve] == pytest.approx(train_losses, rel=1e-9)
-    assert [c[1] for c in curve] == pytest.approx(valid_losses, rel=1e-9)
+    assert_matches_the_reference(tmp_path)
