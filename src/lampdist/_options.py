@@ -35,7 +35,7 @@ __all__ = [
     "Timeouts",
 ]
 
-StepOn = Literal["root", "every_rank"]
+StepOn = Literal["root", "every_rank", "sharded"]
 
 
 @attrs.frozen(kw_only=True)
@@ -45,7 +45,12 @@ class StepOptions:
     ``step_on="root"`` (lamp's design) keeps the optimizer on the root: gradients are reduced
     to it and the parameters broadcast back. ``step_on="every_rank"`` all-reduces the
     gradients and every rank steps its own optimizer (followers need ``optimizer_factory``
-    too): one collective a step instead of two, the same updates.
+    too): one collective a step instead of two, the same updates. ``step_on="sharded"``
+    reduce-scatters the gradients, so that each rank steps only the slice of the parameters it
+    owns with ``1/n`` of the optimizer state, and all-gathers the parameters (followers need
+    ``optimizer_factory`` too, and the optimizer must treat each element on its own: SGD,
+    Adam, AdamW, Adagrad, RMSprop and the like; others raise
+    :class:`~lampdist.ConfigError`); checkpoints still hold the whole optimizer state.
     ``accumulate_gradient_over_n_batches`` batches make one step. ``bucket_cap_mb`` cuts the
     gradients into buckets of about that many megabytes whose exchange starts while backward
     still runs (``None``: one exchange per flat buffer after backward). ``max_grad_norm``
@@ -102,9 +107,10 @@ class StepOptions:
         seed = self.shuffle_seed
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ConfigError(f"shuffle_seed must be an int, got {seed!r}", phase="configure")
-        if self.step_on not in ("root", "every_rank"):
+        if self.step_on not in ("root", "every_rank", "sharded"):
             raise ConfigError(
-                f"step_on must be 'root' or 'every_rank', got {self.step_on!r}", phase="configure"
+                f"step_on must be 'root', 'every_rank' or 'sharded', got {self.step_on!r}",
+                phase="configure",
             )
 
     def agreed_fields(self) -> list[tuple[str, str]]:

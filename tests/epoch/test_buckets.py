@@ -212,7 +212,7 @@ def sgd(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-@pytest.mark.parametrize("step_on", ["root", "every_rank"])
+@pytest.mark.parametrize("step_on", ["root", "every_rank", "sharded"])
 async def test_unused_and_shared_parameters_train_exactly_with_tiny_buckets(
     step_on: lampdist._options.StepOn,
 ) -> None:

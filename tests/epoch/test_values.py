@@ -149,7 +149,7 @@ def float32_shards(sizes: Sequence[Sequence[int]], seed: int) -> list[list[Batch
     return [[(x.float(), y.float()) for x, y in shard] for shard in make_shards(sizes, seed=seed)]
 
 
-@pytest.mark.parametrize("step_on", ["root", "every_rank"])
+@pytest.mark.parametrize("step_on", ["root", "every_rank", "sharded"])
 async def test_float32_model_trains_like_one_process(step_on: lampdist._options.StepOn) -> None:
     sizes = [[5, 7, 3, 9, 2], [6, 6], []]
     train = float32_shards(sizes, seed=1)

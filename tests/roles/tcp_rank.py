@@ -1,6 +1,7 @@
 """One rank of a multi-process training run over TCP, for the tests.
 
     python -m tests.roles.tcp_rank --rank 0 --nranks 2 --out DIR [--port 0] [--shuffle] [--cuda]
+        [--step-on root|every_rank|sharded]
 
 The root prints ``PORT <n>`` once it listens; followers take ``--port``. Each rank writes its
 final weights to ``DIR/rank<r>.pt`` and the root writes its learning curve to
@@ -44,7 +45,9 @@ async def main(argv: list[str]) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shuffle", action="store_true")
     parser.add_argument("--cuda", action="store_true", help="rank r on cuda:r, over NCCL")
+    parser.add_argument("--step-on", default="root", choices=["root", "every_rank", "sharded"])
     args = parser.parse_args(argv)
+    step = lampdist.StepOptions(accumulate_gradient_over_n_batches=ACCUMULATE, step_on=args.step_on)
     device = f"cuda:{args.rank}" if args.cuda else "cpu"
     secret = os.environ["LAMPDIST_SECRET"]
     train = make_shards(SIZES, seed=1)[args.rank]
@@ -68,7 +71,7 @@ async def main(argv: list[str]) -> None:
                 control=root,
                 optimizer_factory=sgd,
                 loop=lampdist.LoopOptions(max_epochs=EPOCHS),
-                step=lampdist.StepOptions(accumulate_gradient_over_n_batches=ACCUMULATE),
+                step=step,
                 timeouts=lampdist.Timeouts(join=30),
             )
         curve = [[p.training_loss, p.validation_loss] for p in state.learning_curve]
@@ -83,7 +86,8 @@ async def main(argv: list[str]) -> None:
                 nranks=args.nranks,
                 device=device,
                 control=follower,
-                step=lampdist.StepOptions(accumulate_gradient_over_n_batches=ACCUMULATE),
+                optimizer_factory=sgd,
+                step=step,
                 timeouts=lampdist.Timeouts(join=30),
             )
     torch.save(module.state_dict(), args.out / f"rank{args.rank}.pt")

@@ -61,6 +61,9 @@ ONE_PARAMETER_PER_BUCKET = 1e-9  # megabytes: every parameter gets a bucket of i
         (adamw, "every_rank", True, ONE_PARAMETER_PER_BUCKET),
         (sgd, "root", False, None),
         (adamw, "every_rank", False, 25.0),
+        (adamw, "sharded", True, None),
+        (adamw, "sharded", True, ONE_PARAMETER_PER_BUCKET),
+        (sgd, "sharded", False, 25.0),
     ],
     ids=[
         "sgd",
@@ -68,6 +71,9 @@ ONE_PARAMETER_PER_BUCKET = 1e-9  # megabytes: every parameter gets a bucket of i
         "adamw-every-rank-buckets",
         "sgd-unsized-unbucketed",
         "adamw-every-rank-unsized",
+        "adamw-sharded",
+        "adamw-sharded-buckets",
+        "sgd-sharded-unsized",
     ],
 )
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -304,7 +310,7 @@ def _assert_weights(
             torch.testing.assert_close(got, expected, rtol=rtol, atol=atol, msg=name)
 
 
-@pytest.mark.parametrize("step_on", ["root", "every_rank"])
+@pytest.mark.parametrize("step_on", ["root", "every_rank", "sharded"])
 @pytest.mark.parametrize("sizes", [[[5, 7, 3], [6, 6]], [[5, 7, 3], [6, 6], [4, 0, 8]]])
 async def test_clipping_matches_clip_grad_norm_in_a_plain_loop(
     sizes: list[list[int]], step_on: lampdist._options.StepOn
@@ -328,12 +334,17 @@ def big_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "nranks"),
-    [(torch.bfloat16, 1), (torch.bfloat16, 2), (torch.float16, 1)],
-    ids=["bf16-1", "bf16-2", "fp16-1"],
+    ("dtype", "nranks", "step_on"),
+    [
+        (torch.bfloat16, 1, "root"),
+        (torch.bfloat16, 2, "root"),
+        (torch.bfloat16, 2, "sharded"),
+        (torch.float16, 1, "root"),
+    ],
+    ids=["bf16-1", "bf16-2", "bf16-2-sharded", "fp16-1"],
 )
 async def test_mixed_precision_matches_autocast_and_grad_scaler_in_a_plain_loop(
-    dtype: torch.dtype, nranks: int
+    dtype: torch.dtype, nranks: int, step_on: lampdist._options.StepOn
 ) -> None:
     """The same updates, bitwise, as ``torch.autocast`` (and, for float16, a default
     ``GradScaler``, which skips the overflowing steps and backs off as lampdist must) in a
@@ -353,10 +364,42 @@ async def test_mixed_precision_matches_autocast_and_grad_scaler_in_a_plain_loop(
     )
     in_float32, _, _ = reference_training(initial, sgd_small, train, None, epochs=2, loss=big_loss)
     modules = await _train_in_process(
-        train, initial, sgd_small, lampdist.StepOptions(autocast_dtype=dtype), big_loss
+        train,
+        initial,
+        sgd_small,
+        lampdist.StepOptions(autocast_dtype=dtype, step_on=step_on),
+        big_loss,
     )
     _assert_weights(modules, expected, rtol=0, atol=0)
     # The comparison can tell: the weights moved, and full float32 ends elsewhere.
     weight = expected.state_dict()["0.weight"]
     assert not torch.equal(weight, initial.state_dict()["0.weight"])
     assert not torch.allclose(weight, in_float32.state_dict()["0.weight"], rtol=1e-5, atol=1e-6)
+
+
+async def test_sharded_fp16_loss_scaling_sees_an_overflow_in_any_slice() -> None:
+    """Sharded, each rank checks only its own slice for an fp16 overflow; the ranks sum their
+    counts, so they skip the same steps and back off alike: the same weights, bitwise, as
+    every rank checking the whole gradient."""
+    train = [_as_float(shard) for shard in make_shards([[8] * 6] * 2, seed=9)]
+    initial = make_model().float()
+
+    def sgd_small(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=1e-5)
+
+    def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return mse(output, target) * 30  # the first steps overflow, the later ones do not
+
+    runs = {
+        step_on: await _train_in_process(
+            train,
+            initial,
+            sgd_small,
+            lampdist.StepOptions(autocast_dtype=torch.float16, step_on=step_on),
+            loss,
+        )
+        for step_on in ("every_rank", "sharded")
+    }
+    _assert_weights(runs["sharded"], runs["every_rank"][0], rtol=0, atol=0)
+    weight = runs["sharded"][0].state_dict()["0.weight"]
+    assert not torch.equal(weight, initial.state_dict()["0.weight"])

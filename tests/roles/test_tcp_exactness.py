@@ -74,8 +74,9 @@ def assert_matches_the_reference(out: Path) -> None:
     assert [c[1] for c in curve] == pytest.approx(valid_losses, rel=1e-9)
 
 
-def test_two_processes_match_the_reference(tmp_path: Path) -> None:
-    run_two_processes(tmp_path)
+@pytest.mark.parametrize("step_on", ["root", "sharded"])
+def test_two_processes_match_the_reference(tmp_path: Path, step_on: str) -> None:
+    run_two_processes(tmp_path, "--step-on", step_on)
     assert_matches_the_reference(tmp_path)
 
 

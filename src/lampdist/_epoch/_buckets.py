@@ -8,6 +8,9 @@ parameters are marked *and* every bucket before it in the fixed order has starte
 rank issues the same collectives in the same order whatever order autograd ran in. After the
 backward, buckets still waiting (parameters that got no gradient this step, a rank without a
 batch) start in that same order.
+
+Sharded, the flat buffers are laid out one per bucket already (see ``_flat``): each bucket is
+a whole padded buffer, reduce-scattered so that each rank gets the slice it owns.
 """
 
 from __future__ import annotations
@@ -36,6 +39,19 @@ class _Bucket:
     parameters: tuple[int, ...]
     """Indices into ``FlatParameters.parameters`` of the parameters it covers."""
     waiting: int = 0
+
+
+def whole_buffer_buckets(flat: FlatParameters) -> list[_Bucket]:
+    """One bucket per flat gradient buffer (padding included), the last buffer first."""
+    buckets: list[_Bucket] = []
+    for buffer_index in reversed(range(len(flat.gradient_storage))):
+        members = tuple(
+            index
+            for index in reversed(range(len(flat.parameters)))
+            if flat.slots[index][0] == buffer_index
+        )
+        buckets.append(_Bucket(gradients=flat.gradient_storage[buffer_index], parameters=members))
+    return buckets
 
 
 def plan_buckets(flat: FlatParameters, cap_bytes: int) -> list[_Bucket]:
@@ -97,11 +113,21 @@ class GradientBuckets:
 
     @classmethod
     def create(
-        cls, rank: int, flat: FlatParameters, start: StartCollective, *, bucket_cap_mb: float
+        cls,
+        rank: int,
+        flat: FlatParameters,
+        start: StartCollective,
+        *,
+        bucket_cap_mb: float,
+        whole_buffers: bool = False,
     ) -> GradientBuckets:
-        """Buckets of about ``bucket_cap_mb`` MB over ``flat``'s gradients."""
-        cap_bytes = max(1, int(bucket_cap_mb * 2**20))
-        return cls(rank=rank, flat=flat, start=start, buckets=plan_buckets(flat, cap_bytes))
+        """Buckets of about ``bucket_cap_mb`` MB over ``flat``'s gradients, or with
+        ``whole_buffers`` (sharded: the buffers were cut to that size), one per buffer."""
+        if whole_buffers:
+            buckets = whole_buffer_buckets(flat)
+        else:
+            buckets = plan_buckets(flat, max(1, int(bucket_cap_mb * 2**20)))
+        return cls(rank=rank, flat=flat, start=start, buckets=buckets)
 
     @contextmanager
     def attached(self) -> Iterator[GradientBuckets]:

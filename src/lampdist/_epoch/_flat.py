@@ -11,6 +11,13 @@ sum, whether the rank has more batches: summed with the gradients), and the firs
 buffer carries the root values' 16 bytes (copied with the parameters). A model without such
 a buffer sends those values on their own.
 
+Sharded (``step_on="sharded"``), each rank owns a contiguous ``1/n`` of every flat buffer
+(:meth:`FlatParameters.shard`): the buffers are padded with zeros to a multiple of ``n``
+elements, carry no tails (the meta values travel on their own, and there are no root values),
+and with ``bucket_cap_mb`` each dtype's parameters are cut into buffers of about that size,
+from the last parameter backwards, so that a gradient bucket is a whole buffer and its
+reduce-scatter leaves each rank the slice it owns.
+
 A rank alone in its clique exchanges nothing: it gets no gradient buffers (``gradients=False``)
 and autograd keeps the gradients as a plain loop's, set to ``None`` after each step, which saves
 a fill and a read of every gradient a step (see ``_kernel``).
@@ -58,18 +65,37 @@ class FlatParameters:
     """The ``ROOT_VALUES_BYTES`` bytes behind the first parameter buffer, as uint8."""
     flat_gradients: bool = True
     """Whether the gradients live in ``gradient_buffers`` (else autograd owns them)."""
+    shards: int = 1
+    """How many ranks share each buffer (``step_on="sharded"``); 1 otherwise."""
 
     @classmethod
     def create(
-        cls, module: torch.nn.Module, device: torch.device, *, gradients: bool = True
+        cls,
+        module: torch.nn.Module,
+        device: torch.device,
+        *,
+        gradients: bool = True,
+        shards: int = 1,
+        bucket_cap_mb: float | None = None,
     ) -> FlatParameters:
         """Move ``module`` to ``device`` and lay its trainable parameters out flat, and their
-        gradients too unless ``gradients`` is False (a rank alone exchanges none)."""
+        gradients too unless ``gradients`` is False (a rank alone exchanges none).
+
+        With ``shards`` > 1 the buffers are laid out for that many ranks to own a slice each
+        (see the module docstring), one buffer per bucket of about ``bucket_cap_mb``."""
         module.to(device)
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
         for _, parameter in named:
             by_dtype.setdefault(parameter.dtype, []).append(parameter)
+        sharded = shards > 1
+        groups: list[tuple[torch.dtype, list[torch.nn.Parameter]]] = []
+        for dtype, members in by_dtype.items():
+            if sharded and bucket_cap_mb is not None:
+                cap = max(1, int(bucket_cap_mb * 2**20))
+                groups += [(dtype, bucket) for bucket in _cut(members, cap)]
+            else:
+                groups.append((dtype, members))
         parameters: list[torch.nn.Parameter] = []
         parameter_buffers: list[torch.Tensor] = []
         gradient_buffers: list[torch.Tensor] = []
@@ -79,21 +105,27 @@ class FlatParameters:
         parameter_storage: list[torch.Tensor] = []
         meta_tail: torch.Tensor | None = None
         root_values_tail: torch.Tensor | None = None
-        for buffer_index, (dtype, group) in enumerate(by_dtype.items()):
+        for buffer_index, (dtype, group) in enumerate(groups):
             total = sum(p.numel() for p in group)
-            # The root values' tail starts on an 8-byte boundary, so it can be read as float64.
             size = torch.empty(0, dtype=dtype).element_size()
-            start = -(-total * size // 8) * 8 // size
-            tail = 0 if buffer_index else start - total + -(-ROOT_VALUES_BYTES // size)
-            storage = torch.empty(total + tail, dtype=dtype, device=device)
+            if sharded:
+                tail = -total % shards  # zeros, so that every rank owns as many elements
+            else:
+                # The root values' tail starts on an 8-byte boundary, so it can be read as
+                # float64.
+                start = -(-total * size // 8) * 8 // size
+                tail = 0 if buffer_index else start - total + -(-ROOT_VALUES_BYTES // size)
+            storage = torch.zeros(total + tail, dtype=dtype, device=device)
             flat = storage[:total]
-            if tail:
+            if tail and not sharded:
                 root_values_tail = storage.view(torch.uint8)[
                     start * size : start * size + ROOT_VALUES_BYTES
                 ]
-            carries_meta = gradients and meta_tail is None and dtype in _META_DTYPES
+            carries_meta = gradients and not sharded and meta_tail is None and dtype in _META_DTYPES
             grad_storage = torch.zeros(
-                (total + (META_SLOTS if carries_meta else 0)) if gradients else 0,
+                (total + (META_SLOTS if carries_meta else tail if sharded else 0))
+                if gradients
+                else 0,
                 dtype=dtype,
                 device=device,
             )
@@ -133,7 +165,13 @@ class FlatParameters:
             parameter_storage=parameter_storage,
             root_values_tail=root_values_tail,
             flat_gradients=gradients,
+            shards=shards,
         )
+
+    def shard(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s contiguous slice of ``tensor``, a padded parameter or gradient
+        storage of a sharded layout."""
+        return tensor.view(self.shards, -1)[rank]
 
     def fingerprint(self) -> bytes:
         """A digest of :attr:`layout`: equal on ranks whose models have the same layout."""
@@ -169,6 +207,24 @@ class FlatParameters:
             else:
                 view.copy_(grad)
             parameter.grad = view
+
+
+def _cut(parameters: list[torch.nn.Parameter], cap_bytes: int) -> list[list[torch.nn.Parameter]]:
+    """``parameters`` cut into runs of at most ``cap_bytes`` (or one parameter, when larger),
+    filled from the last parameter backwards, in parameter order."""
+    runs: list[list[torch.nn.Parameter]] = []
+    current: list[torch.nn.Parameter] = []
+    current_bytes = 0
+    for parameter in reversed(parameters):
+        size = parameter.numel() * parameter.element_size()
+        if current and current_bytes + size > cap_bytes:
+            runs.append(current[::-1])
+            current, current_bytes = [], 0
+        current.append(parameter)
+        current_bytes += size
+    if current:
+        runs.append(current[::-1])
+    return runs[::-1]
 
 
 def _layout(module: torch.nn.Module) -> tuple[tuple[str, str], ...]:

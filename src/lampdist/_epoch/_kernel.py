@@ -13,8 +13,13 @@ with the step's ``meta`` values (examples, loss sum, whether this rank has more 
 behind them (see ``_values``); the root divides by the clique's example count, steps and
 broadcasts the parameters, the module's buffers and its root values (a ``more`` flag, the
 loss scale) behind them. With ``step_on="every_rank"`` the same tensors are all-reduced and
-every rank steps. The pass ends when no rank has batches left. Either way the update equals
-one process stepping on the concatenation of every rank's batches of the step.
+every rank steps. With ``step_on="sharded"`` each gradient buffer is reduce-scattered (bucket
+by bucket during the last backward, with ``bucket_cap_mb``), so that each rank holds the sums
+of the slice it owns, and the meta values are all-reduced on their own; every rank steps its
+slice (see ``_shard``) and all-gathers the parameters, which the next step's first forward
+waits for (on CUDA: its stream; the host goes on). The pass ends when no rank has batches
+left. Whatever the design, the update equals one process stepping on the concatenation of
+every rank's batches of the step.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import math
 import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import attrs
 import torch
@@ -40,7 +46,7 @@ from ._feed import BatchFeed, LoadedBatch, PassStopped
 from ._flat import FlatParameters
 from ._progress import Progress
 from ._result import PassResult
-from ._stepper import LossScale, Stepper
+from ._stepper import Combine, LossScale, Stepper
 from ._tally import ReadBack, Tally
 from ._values import (
     EXAMPLES,
@@ -57,7 +63,8 @@ __all__ = ["StepKernel"]
 @attrs.define(eq=False)
 class StepKernel:
     """One rank's passes on its compute thread. ``stepper`` is the root's optimizer, and
-    every rank's with ``step_on="every_rank"``; followers stepping on the root hold none.
+    every rank's with ``step_on="every_rank"`` or ``"sharded"``; followers stepping on the
+    root hold none.
 
     Every method runs on the compute thread, which owns every field: the event loop reads
     none of them while a pass runs.
@@ -71,8 +78,11 @@ class StepKernel:
     stepper: Stepper | None = None
     loss_scale: LossScale = attrs.field()
     _buckets: GradientBuckets | None = attrs.field(default=None, init=False)
-    _sent: PendingCollective | None = attrs.field(default=None, init=False)
+    _sent: list[PendingCollective] = attrs.field(factory=list, init=False)
     _read_back: ReadBack | None = attrs.field(default=None, init=False)
+    gathered_state: dict[str, Any] | None = attrs.field(default=None, init=False)
+    """Sharded, on the root: the whole optimizer state gathered at the end of the last
+    training pass that was asked to (for the root's checkpoint)."""
 
     @loss_scale.default
     def _default_loss_scale(self) -> LossScale:
@@ -95,6 +105,11 @@ class StepKernel:
         """Whether the clique has this rank only (collectives are skipped)."""
         return self.clique.nranks == 1
 
+    @property
+    def sharded(self) -> bool:
+        """Whether each rank steps its own slice of the flat buffers."""
+        return self.flat.shards > 1
+
     # -- between passes ----------------------------------------------------------------------
 
     def _check_thread(self) -> None:
@@ -113,30 +128,54 @@ class StepKernel:
             self.clique.start_broadcast(tensors).wait_blocking(None)
 
     def sync_optimizer_state(self) -> None:
-        """Give every rank the root's optimizer state (for ``step_on="every_rank"``): its
-        bytes, their length first."""
-        assert self.stepper is not None
+        """Give every rank the root's optimizer state (for ``step_on="every_rank"``), or
+        sharded, each rank its slice of the state the root resumed from (none for a new
+        run): the state's bytes, their length first."""
+        stepper = self.stepper
+        assert stepper is not None
         self._check_thread()
         if self.alone:
             return
-        optimizer, device = self.stepper.optimizer, self.device
+        device = self.device
         payload = torch.zeros(0, dtype=torch.uint8, device=device)
         length = torch.zeros(1, dtype=torch.int64, device=device)
         if self.is_root:
-            buffer = io.BytesIO()
-            torch.save(optimizer.state_dict(), buffer)
-            payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-            payload = payload.to(device)
-            length = host_to_device([payload.numel()], torch.int64, device)
+            state = stepper.resumed_state if self.sharded else stepper.optimizer.state_dict()
+            if state is not None:
+                buffer = io.BytesIO()
+                torch.save(state, buffer)
+                payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+                payload = payload.to(device)
+                length = host_to_device([payload.numel()], torch.int64, device)
+            stepper.resumed_state = None
         self.clique.start_broadcast([length]).wait_blocking(None)
+        count = int(length.item())
+        if count == 0:
+            return
         if not self.is_root:
-            payload = torch.zeros(int(length.item()), dtype=torch.uint8, device=device)
+            payload = torch.zeros(count, dtype=torch.uint8, device=device)
         self.clique.start_broadcast([payload]).wait_blocking(None)
-        if not self.is_root:
-            state = torch.load(
-                io.BytesIO(payload.cpu().numpy().tobytes()), map_location=device, weights_only=True
-            )
-            optimizer.load_state_dict(state)
+        if self.is_root:
+            return
+        # Sharded, the whole state stays in host memory: each rank moves its slice only.
+        state = torch.load(
+            io.BytesIO(payload.cpu().numpy().tobytes()),
+            map_location="cpu" if self.sharded else device,
+            weights_only=True,
+        )
+        stepper.load_state_dict(state)
+        stepper.resumed_state = None
+
+    def checkpoint_optimizer_state(self) -> dict[str, Any]:
+        """The root's whole optimizer state for a checkpoint: its optimizer's, or sharded,
+        what the last training pass gathered."""
+        assert self.stepper is not None and self.is_root
+        if self.stepper.shard is None:
+            return self.stepper.optimizer.state_dict()
+        if self.gathered_state is None:
+            raise AssertionError("the sharded optimizer state was not gathered for this checkpoint")
+        state, self.gathered_state = self.gathered_state, None
+        return state
 
     # -- the training pass -------------------------------------------------------------------
 
@@ -148,9 +187,12 @@ class StepKernel:
         pass_index: int,
         lr_factor: float,
         progress: Progress | None,
+        gather_state: bool = False,
     ) -> PassResult:
         """One training pass over ``feed``; the result covers the whole clique where this
-        rank steps. ``progress`` (the root's) gets an event after every step. Raises
+        rank steps. ``progress`` (the root's) gets an event after every step. With
+        ``gather_state`` (sharded, when the root will checkpoint) every rank helps gather the
+        whole optimizer state at the end, which the root keeps. Raises
         :class:`PassStopped` between steps once the feed is stopped."""
         self._check_thread()
         if self.stepper is not None:
@@ -195,6 +237,9 @@ class StepKernel:
                         )
                     )
         self._settle_sent()
+        if gather_state and self.stepper is not None and self.stepper.shard is not None:
+            state = self.stepper.shard.full_state_dict(self._all_gather)
+            self.gathered_state = state if self.is_root else None
         if self.stepper is None:
             return PassResult(loss=math.nan, examples=0, steps=step)
         if tally.examples == 0 and tally.skipped == 0:
@@ -217,6 +262,8 @@ class StepKernel:
         loss_sum: torch.Tensor | None = None
         examples = 0
         accumulate = self.options.accumulate_gradient_over_n_batches
+        if self.sharded:
+            self._settle_sent()  # the last step's parameters, before this step's forward
         for index in range(accumulate):
             batch = feed.next()
             if batch is None:
@@ -287,21 +334,45 @@ class StepKernel:
             return nullcontext()
         if self._buckets is None:
             self._buckets = GradientBuckets.create(
-                self.rank, self.flat, self._start_gradient_exchange, bucket_cap_mb=cap
+                self.rank,
+                self.flat,
+                self._start_gradient_exchange,
+                bucket_cap_mb=cap,
+                whole_buffers=self.sharded,
             )
         return self._buckets.attached()
 
     def _start_gradient_exchange(self, tensors: Sequence[torch.Tensor]) -> PendingCollective:
-        """Start the sum of ``tensors`` over the clique: to every rank or to the root."""
+        """Start the sum of ``tensors`` over the clique: to every rank, to the root, or
+        sharded (one padded gradient buffer), each rank's slice to that rank, in place."""
+        if self.sharded:
+            (storage,) = tensors
+            return self.clique.start_reduce_scatter(self.flat.shard(storage, self.rank), storage)
         if self.options.step_on == "every_rank":
             return self.clique.start_all_reduce(tensors)
         return self.clique.start_reduce(tensors, root=0)
 
     def _settle_sent(self) -> None:
-        """Wait for the root's last parameter broadcast (its errors, if any, surface here)."""
-        sent, self._sent = self._sent, None
-        if sent is not None:
-            sent.wait_blocking(None)
+        """Wait for the root's last parameter broadcast, or sharded, the last all-gathers of
+        the parameters (their errors, if any, surface here)."""
+        sent, self._sent = self._sent, []
+        for pending in sent:
+            pending.wait_blocking(None)
+
+    def _sum_over_clique(self, tensor: torch.Tensor) -> None:
+        """Sum a small tensor over the clique in place, and wait (a sharded step's scalars)."""
+        self.clique.start_all_reduce([tensor]).wait_blocking(None)
+
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        self.clique.start_all_gather(output, input).wait_blocking(None)
+
+    def _start_parameter_gathers(self) -> None:
+        """Sharded: start gathering every rank's stepped slice into every parameter buffer,
+        first layers first; the next forward waits for them (see :meth:`_settle_sent`)."""
+        self._sent = [
+            self.clique.start_all_gather(storage, self.flat.shard(storage, self.rank))
+            for storage in self.flat.parameter_storage
+        ]
 
     def _planned_steps(self, feed: BatchFeed) -> int | None:
         """The pass's step count when every rank's source has a length, else ``None`` (then
@@ -346,9 +417,18 @@ class StepKernel:
             own = [] if meta is None else [meta]
             if self._buckets is not None:
                 exchanges = self._buckets.start_remaining()
-                exchanges.append(self._start_gradient_exchange(own))
+            elif self.sharded:
+                exchanges = [
+                    self._start_gradient_exchange([storage])
+                    for storage in reversed(self.flat.gradient_storage)
+                ]
             else:
-                exchanges = [self._start_gradient_exchange([*self.flat.gradient_storage, *own])]
+                own = [*self.flat.gradient_storage, *own]
+                exchanges = []
+            if self.sharded:
+                exchanges.append(self.clique.start_all_reduce(own))
+            else:
+                exchanges.append(self._start_gradient_exchange(own))
             self._settle_sent()
             for exchange in exchanges:
                 exchange.wait_blocking(None)
@@ -358,18 +438,21 @@ class StepKernel:
         stepper = self.stepper
         must_read = learn_more or stepper.needs_host_values or local_examples == 0
         values = read_meta(self.flat, meta)  # before the step zeroes the gradients' tail
+        combine: Combine | None = self._sum_over_clique if self.sharded else None
         if must_read:
             examples, loss_sum, flag = values.tolist()
-            counted = stepper.step(examples, loss_sum, epoch=epoch, step=step)
+            counted = stepper.step(examples, loss_sum, epoch=epoch, step=step, combine=combine)
             tally.record(examples, loss_sum, counted=counted)
             more = bool(flag > 0)
         else:
-            stepper.step_on_device(values[EXAMPLES])
+            stepper.step_on_device(values[EXAMPLES], combine=combine)
             tally.submit(step, values)
             more = True
         if self.alone:
             return more
-        if self.options.step_on == "every_rank":
+        if self.sharded:
+            self._start_parameter_gathers()
+        if self.options.step_on != "root":
             if self.flat.module_buffers:
                 self.clique.start_broadcast(self.flat.module_buffers).wait_blocking(None)
         else:
@@ -390,7 +473,7 @@ class StepKernel:
         if self.flat.module_buffers or self.device.type != "cuda":
             sent.wait_blocking(None)
         else:
-            self._sent = sent
+            self._sent = [sent]
 
     def _receive_parameters(self, *, read: bool) -> bool:
         """Receive the root's parameters; read the root values (a host sync on CUDA) only

@@ -64,7 +64,8 @@ class PassRunner:
         await self.compute.run(self.kernel.sync_parameters, on_cancel=self._abort_clique)
 
     async def sync_optimizer_state(self) -> None:
-        """Give every rank the root's optimizer state (for ``step_on="every_rank"``)."""
+        """Give every rank the root's optimizer state (``step_on="every_rank"``), or its
+        slice of the resumed state (``"sharded"``)."""
         await self.compute.run(self.kernel.sync_optimizer_state, on_cancel=self._abort_clique)
 
     async def run(self, function: Callable[..., T], *args: object) -> T:
@@ -79,8 +80,10 @@ class PassRunner:
         epoch: int,
         pass_index: int,
         lr_factor: float,
+        gather_state: bool = False,
     ) -> PassResult:
-        """One training pass; the result covers the whole clique where this rank steps."""
+        """One training pass; the result covers the whole clique where this rank steps.
+        ``gather_state``: see :meth:`StepKernel.train_pass`."""
         async with self._feed(source, "train", epoch) as feed:
             progress = None
             if self.on_event is not None and self.kernel.is_root:
@@ -94,6 +97,7 @@ class PassRunner:
                     pass_index=pass_index,
                     lr_factor=lr_factor,
                     progress=progress,
+                    gather_state=gather_state,
                 )
                 return await self.compute.run(work, on_cancel=lambda: self._stop(feed))
 

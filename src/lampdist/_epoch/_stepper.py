@@ -1,9 +1,16 @@
-"""The optimizer step: averaging, fp16 loss scaling, clipping and the non-finite loss policy."""
+"""The optimizer step: averaging, fp16 loss scaling, clipping and the non-finite loss policy.
+
+A sharded stepper (``step_on="sharded"``) steps the rank's slice with its slice optimizer
+(see ``_shard``): the clipping norm and the fp16 overflow check need the whole gradient, so
+their one scalar each is summed over the clique through ``combine`` (see :data:`Combine`).
+"""
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 import torch
@@ -11,8 +18,13 @@ import torch
 from .._errors import NonFiniteLoss
 from .._options import StepOptions
 from ._flat import FlatParameters
+from ._shard import ShardedOptimizer
 
-__all__ = ["LossScale", "Stepper"]
+__all__ = ["Combine", "LossScale", "Stepper"]
+
+Combine = Callable[[torch.Tensor], None]
+"""Sums a small float64 tensor over the clique in place and waits (a sharded step's norm and
+overflow count); ``None`` where a rank holds whole gradients."""
 
 logger = logging.getLogger(__name__)
 
@@ -32,11 +44,16 @@ class LossScale:
         """What each rank multiplies its loss by before backward."""
         return self.scale if self.enabled else 1.0
 
-    def update(self, gradients: list[torch.Tensor]) -> bool:
-        """Whether ``gradients`` are finite; adjusts the scale (one host sync)."""
-        finite = not gradients or bool(
-            torch.stack([g.isfinite().all() for g in gradients]).all().item()
-        )
+    def update(self, gradients: list[torch.Tensor], combine: Combine | None = None) -> bool:
+        """Whether ``gradients`` (with ``combine``: every rank's) are finite; adjusts the
+        scale (one host sync)."""
+        device = gradients[0].device if gradients else torch.device("cpu")
+        overflowed = torch.zeros(1, dtype=torch.float64, device=device)
+        if gradients:
+            overflowed += torch.stack([~g.isfinite().all() for g in gradients]).sum()
+        if combine is not None:
+            combine(overflowed)
+        finite = overflowed.item() == 0
         if not finite:
             self.scale /= 2.0
             self._clean_steps = 0
@@ -61,12 +78,22 @@ class Stepper:
     options: StepOptions
     loss_scale: LossScale
     base_lrs: list[float]
+    shard: ShardedOptimizer | None = None
+    """The rank's slice optimizer when sharded (``optimizer`` is then its slice optimizer)."""
+    resumed_state: dict[str, Any] | None = None
+    """Sharded: the whole optimizer state the root resumed from, until the followers have
+    taken their slices of it."""
 
     @classmethod
     def create(
         cls, rank: int, optimizer: torch.optim.Optimizer, flat: FlatParameters, options: StepOptions
     ) -> Stepper:
-        """A stepper for ``optimizer``, whose current learning rates are the base ones."""
+        """A stepper for ``optimizer``, whose current learning rates are the base ones; over
+        ``flat``'s slice for rank ``rank`` when ``flat`` is sharded."""
+        shard = None
+        if flat.shards > 1:
+            shard = ShardedOptimizer.create(rank, optimizer, flat)
+            optimizer = shard.optimizer
         return cls(
             rank=rank,
             optimizer=optimizer,
@@ -74,7 +101,23 @@ class Stepper:
             options=options,
             loss_scale=LossScale(enabled=options.autocast_dtype == torch.float16),
             base_lrs=[float(group["lr"]) for group in optimizer.param_groups],
+            shard=shard,
         )
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The gradients this rank steps on: its slices when sharded, else all of them."""
+        if self.shard is not None:
+            return self.shard.gradients()
+        return self.flat.gradients()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a whole optimizer's state (sharded: this rank's slice of it, kept for the
+        followers' slices)."""
+        if self.shard is None:
+            self.optimizer.load_state_dict(state)
+            return
+        self.shard.load_full_state_dict(state)
+        self.resumed_state = state
 
     def set_lr_factor(self, factor: float) -> None:
         """Set every param group's learning rate to its base rate times ``factor``."""
@@ -87,21 +130,48 @@ class Stepper:
         skip policy and fp16 loss scaling decide per step; the rest can step on the device)."""
         return self.options.non_finite_loss == "skip" or self.loss_scale.enabled
 
-    def step_on_device(self, examples: torch.Tensor | None) -> None:
+    def step_on_device(
+        self, examples: torch.Tensor | None, *, combine: Combine | None = None
+    ) -> None:
         """Average over ``examples`` (a device scalar, known to be > 0; ``None`` when the
         losses were averaged before backward) and step, without waiting for the device."""
         try:
             if examples is not None:
-                for grads in self.flat.gradient_buffers:
+                for grads in self.gradients():
                     grads.div_(examples)
-            if self.options.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(self.flat.parameters, self.options.max_grad_norm)
+            self._clip(combine)
             self.optimizer.step()
         finally:
             self.flat.zero_gradients()
 
+    def _clip(self, combine: Combine | None) -> None:
+        """Clip the averaged gradients by their global norm, if asked to: with whole
+        gradients as ``clip_grad_norm_`` does; sharded, over every rank's slices (the sum of
+        squares through ``combine``), with the same formula."""
+        max_norm = self.options.max_grad_norm
+        if max_norm is None:
+            return
+        if self.shard is None:
+            torch.nn.utils.clip_grad_norm_(self.flat.parameters, max_norm)
+            return
+        assert combine is not None
+        gradients = self.shard.gradients()
+        norms = [torch.linalg.vector_norm(g).to(torch.float64) for g in gradients]
+        squares = torch.stack(norms).square().sum().reshape(1)
+        combine(squares)
+        coefficient = (max_norm / (squares.sqrt() + 1e-6)).clamp(max=1.0)
+        for grads in gradients:
+            grads.mul_(coefficient.to(grads.dtype))
+
     def step(
-        self, examples: float, loss_sum: float, *, epoch: int, step: int, averaged: bool = False
+        self,
+        examples: float,
+        loss_sum: float,
+        *,
+        epoch: int,
+        step: int,
+        averaged: bool = False,
+        combine: Combine | None = None,
     ) -> bool:
         """Average the summed gradients over ``examples`` and step (``averaged``: the losses
         were weighted by their share of ``examples`` before backward, so the gradients are
@@ -126,11 +196,11 @@ class Stepper:
                 logger.warning("%s: skipping a step whose loss is %s", where, loss_sum)
                 return False
             divisor = (1.0 if averaged else examples) * self.loss_scale.factor
-            gradients = self.flat.gradients()
+            gradients = self.gradients()
             if divisor != 1.0:
                 for grads in gradients:
                     grads.div_(divisor)
-            if self.loss_scale.enabled and not self.loss_scale.update(gradients):
+            if self.loss_scale.enabled and not self.loss_scale.update(gradients, combine):
                 logger.info(
                     "epoch %d, step %d: fp16 gradients overflowed; skipping the step, "
                     "loss scale now %g",
@@ -139,8 +209,7 @@ class Stepper:
                     self.loss_scale.scale,
                 )
                 return True
-            if self.options.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(self.flat.parameters, self.options.max_grad_norm)
+            self._clip(combine)
             self.optimizer.step()
             return True
         finally:

@@ -19,7 +19,7 @@ import torch._dynamo  # isort: skip
 
 from .._checkpoint import RngStates, restore_rng_states
 from .._effects import OptimizerFactory
-from .._epoch import FlatParameters, PassRunner, Stepper
+from .._epoch import FlatParameters, PassRunner, Stepper, check_elementwise
 from .._errors import (
     CheckpointError,
     CliqueTimeout,
@@ -48,6 +48,7 @@ __all__ = [
     "agree_and_sync",
     "check_rank",
     "check_schedule_state",
+    "create_flat",
     "create_stepper",
     "describe",
     "find_culprit",
@@ -62,10 +63,30 @@ CULPRIT_TIMEOUT = 2.0
 """How long a rank whose collective failed waits for the control channel to name the culprit."""
 
 
+def create_flat(
+    module: torch.nn.Module, device: torch.device, nranks: int, options: StepOptions
+) -> FlatParameters:
+    """``module``'s flat buffers on ``device`` for a clique of ``nranks``: without gradient
+    buffers for a rank alone (it exchanges nothing), laid out in ``nranks`` slices for
+    ``step_on="sharded"``."""
+    sharded = options.step_on == "sharded" and nranks > 1
+    return FlatParameters.create(
+        module,
+        device,
+        gradients=nranks > 1,
+        shards=nranks if sharded else 1,
+        bucket_cap_mb=options.bucket_cap_mb,
+    )
+
+
 def create_stepper(
     rank: int, optimizer_factory: OptimizerFactory, flat: FlatParameters, options: StepOptions
 ) -> Stepper:
-    """The optimizer of ``optimizer_factory`` over the flat parameters, wrapped to step."""
+    """The optimizer of ``optimizer_factory`` over the flat parameters, wrapped to step (over
+    the rank's slice when ``flat`` is sharded). Raises :class:`ConfigError` for a factory that
+    returns no optimizer, and with ``step_on="sharded"`` (alone too, so that a run's
+    configuration fails the same way on any number of ranks) for an optimizer that cannot
+    step a slice."""
     optimizer = optimizer_factory(flat.parameters)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(
@@ -74,6 +95,8 @@ def create_stepper(
             rank=rank,
             phase="configure",
         )
+    if options.step_on == "sharded":
+        check_elementwise(rank, optimizer)
     return Stepper.create(rank, optimizer, flat, options)
 
 
@@ -146,14 +169,15 @@ async def agree_and_sync(
 ) -> None:
     """What every rank does, in the same order, once its clique is open: :func:`agree`
     (phase ``'agreement'``), then take the root's parameters and buffers, and with
-    ``step_on="every_rank"`` its optimizer state.
+    with ``step_on="every_rank"`` its optimizer state (sharded: each rank's slice of the
+    state the root resumed from).
 
     Raises :class:`MismatchError` as :func:`agree` does, and the clique's errors.
     """
     tracker.current = "agreement"
     await runner.run(partial(agree, runner.clique, flat, options, validates))
     await runner.sync_parameters()
-    if options.step_on == "every_rank":
+    if options.step_on != "root":
         await runner.sync_optimizer_state()
 
 

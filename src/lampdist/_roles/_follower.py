@@ -40,6 +40,7 @@ from ._common import (
     Stopping,
     agree_and_sync,
     check_rank,
+    create_flat,
     create_stepper,
     describe,
     find_culprit,
@@ -79,8 +80,8 @@ async def follow_distributed_training(
     or validation pass over ``data``'s batches on its compute thread. Stepping on the root
     (lamp's design), it holds no optimizer: each step sends its example-weighted gradients
     to the root and receives the root's parameters; with ``step.step_on="every_rank"`` it
-    steps its own, built by ``optimizer_factory``. On STOP it receives the final (or best)
-    weights into ``data.model.module`` and returns.
+    steps its own, built by ``optimizer_factory``, and with ``"sharded"`` its slice of it.
+    On STOP it receives the final (or best) weights into ``data.model.module`` and returns.
 
     ``step`` must equal the root's (checked when the ranks agree), and ``cliques`` must be
     the root's kind (process groups by default; the in-process cliques shared with a root in
@@ -113,17 +114,18 @@ async def follow(
     package's entry points: the device resolved, the options built once."""
     optimizer_factory, step, timeouts = run.optimizer_factory, run.step, run.timeouts
     stop, cliques = run.stop, run.cliques
-    if step.step_on == "every_rank" and optimizer_factory is None:
+    if step.step_on != "root" and optimizer_factory is None:
         raise ConfigError(
-            "step_on='every_rank' needs optimizer_factory on the followers too: pass the root's",
+            f"step_on={step.step_on!r} needs optimizer_factory on the followers too: pass the "
+            "root's",
             rank=rank,
             phase="configure",
         )
     async with open_compute_thread(rank, torch_device) as compute:
         # On the compute thread: the control channel must keep answering meanwhile.
-        flat = await compute.run(FlatParameters.create, data.model.module, torch_device)
+        flat = await compute.run(create_flat, data.model.module, torch_device, nranks, step)
         stepper = None
-        if step.step_on == "every_rank":
+        if step.step_on != "root":
             assert optimizer_factory is not None
             stepper = await compute.run(create_stepper, rank, optimizer_factory, flat, step)
         tracker = PhaseTracker("join")
@@ -284,6 +286,7 @@ class _Follower:
                     epoch=command.epoch,
                     pass_index=command.pass_index,
                     lr_factor=command.lr_factor if command.lr_factor is not None else 1.0,
+                    gather_state=command.gather_state,
                 )
             elif command.kind is CommandKind.VALID:
                 tracker.current = "valid"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from functools import partial
 from typing import Any
 
 import anyio
@@ -35,6 +34,7 @@ from ._common import (
     agree_and_sync,
     check_rank,
     check_schedule_state,
+    create_flat,
     create_stepper,
     describe,
     find_culprit,
@@ -150,10 +150,7 @@ async def drive(
         # On the compute thread, with every other torch operation of this rank: moving the
         # model and building the optimizer can take seconds, and the control channel must
         # keep answering meanwhile. A root alone exchanges nothing: no gradient buffers.
-        layout = partial(
-            FlatParameters.create, data.model.module, torch_device, gradients=nranks > 1
-        )
-        flat = await compute.run(layout)
+        flat = await compute.run(create_flat, data.model.module, torch_device, nranks, step)
         stepper = await compute.run(create_stepper, 0, optimizer_factory, flat, step)
         tracker = PhaseTracker("join")
         stopping = Stopping(stop, timeouts.stop, rank=0)
@@ -371,7 +368,7 @@ class _Root:
         """Load the checkpointed model and optimizer (the compute thread); the best model."""
         state = resume.training_state
         self.data.model.module.load_state_dict(state.model_state)
-        self.stepper.optimizer.load_state_dict(dict(state.optimizer_state))
+        self.stepper.load_state_dict(dict(state.optimizer_state))
         if state.best_model_state is None:
             return None
         return _snapshot(state.best_model_state, self.device)
@@ -385,11 +382,23 @@ class _Root:
             epoch,
             pass_index,
         )
+        # Sharded, every rank gathers the optimizer state for the checkpoint after the pass.
+        gather = self.stepper.shard is not None and self.loop.checkpoint_state is not None
         await self.control.broadcast(
-            Command(kind=CommandKind.TRAIN, epoch=epoch, pass_index=pass_index, lr_factor=lr_factor)
+            Command(
+                kind=CommandKind.TRAIN,
+                epoch=epoch,
+                pass_index=pass_index,
+                lr_factor=lr_factor,
+                gather_state=gather,
+            )
         )
         result = await self.runner.train_pass(
-            self.data.train_batches, epoch=epoch, pass_index=pass_index, lr_factor=lr_factor
+            self.data.train_batches,
+            epoch=epoch,
+            pass_index=pass_index,
+            lr_factor=lr_factor,
+            gather_state=gather,
         )
         self.pass_index += 1
         return result.loss
@@ -418,9 +427,10 @@ class _Root:
         assert checkpoint_state is not None
         self.tracker.current = "checkpoint"
         check_schedule_state(self.loop.learning_rate_schedule, lr_state, epoch=state.epoch - 1)
-        module, optimizer = self.data.model.module, self.stepper.optimizer
+        module, kernel = self.data.model.module, self.runner.kernel if self.runner else None
+        assert kernel is not None
         model_state, optimizer_state = await self.compute.run(
-            lambda: (module.state_dict(), optimizer.state_dict())
+            lambda: (module.state_dict(), kernel.checkpoint_optimizer_state())
         )
         training_state = TrainingState(
             loop_state=state,

@@ -77,14 +77,16 @@ class Clique:
     async def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """Sum the ranks' ``input`` (``nranks`` equal chunks) and give rank ``r`` chunk ``r``.
 
-        ``input`` has ``nranks * output.numel()`` elements.
+        ``input`` has ``nranks * output.numel()`` elements. ``output`` may be chunk ``r`` of
+        ``input`` itself (in place); the rest of ``input`` is then scratch.
         """
         await self.start_reduce_scatter(output, input)
 
     async def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """Concatenate every rank's ``input`` into every rank's ``output``, in rank order.
 
-        ``output`` has ``nranks * input.numel()`` elements.
+        ``output`` has ``nranks * input.numel()`` elements; ``input`` may be this rank's chunk
+        of ``output`` itself (in place).
         """
         await self.start_all_gather(output, input)
 

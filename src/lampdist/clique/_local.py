@@ -395,9 +395,11 @@ def _issue_on_cpu(name: str, parts: list[_Part]) -> None:
         for part in parts:
             output = part.tensors[0]
             chunks = [other.tensors[1].view(nranks, -1)[part.rank] for other in parts]
-            output.view(-1).copy_(chunks[0])
+            # Summed aside first: in place, ``output`` is one of the chunks.
+            total = chunks[0].clone()
             for chunk in chunks[1:]:
-                output.view(-1).add_(chunk)
+                total.add_(chunk)
+            output.view(-1).copy_(total)
     elif name == "all_gather":
         for part in parts:
             rows = part.tensors[0].view(nranks, -1)

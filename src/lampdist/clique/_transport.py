@@ -110,10 +110,16 @@ class GroupTransport:
             # and take this rank's chunk once the sum is complete (on Gloo's thread).
             nranks, rank = self.group.nranks, self.group.rank
 
+            # In place (``output`` is this rank's chunk of ``input``): sum ``input`` itself.
+            in_place = is_own_chunk(output, input, rank, nranks)
+
             def issue(pg: Any, works: list[Any]) -> None:
-                scratch = input.clone()
                 options = dist.AllreduceOptions()
                 options.timeout = timeout
+                if in_place:
+                    works.append(pg.allreduce([input], options))
+                    return
+                scratch = input.clone()
                 mine = scratch.view(nranks, -1)[rank].view(output.shape)
                 works.append(Then(pg.allreduce([scratch], options), lambda: output.copy_(mine)))
 
@@ -157,3 +163,14 @@ class GroupTransport:
         """Drop what the transport keeps (the root's gather buffers) once the clique closed."""
         if self.gather_reduce is not None:
             self.gather_reduce.clear()
+
+
+def is_own_chunk(output: torch.Tensor, input: torch.Tensor, rank: int, nranks: int) -> bool:
+    """Whether ``output`` is chunk ``rank`` of ``input`` split in ``nranks`` (an in-place
+    reduce-scatter or all-gather)."""
+    chunk = output.numel()
+    return (
+        output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr()
+        and output.storage_offset() == input.storage_offset() + rank * chunk
+        and input.numel() == nranks * chunk
+    )

@@ -35,11 +35,14 @@ class Command:
 
     ``epoch`` is the epoch the pass belongs to, ``pass_index`` counts passes from 0 and
     increases over the run. ``lr_factor`` is the learning-rate factor of a training pass (the
-    followers do not step an optimizer, but may log it). ``error`` is set only on a STOP that
-    aborts the run: followers then raise :class:`lampdist.RankFailed` (``rank=0``) with it.
+    followers stepping on the root do not step an optimizer, the others scale their learning
+    rates by it). ``gather_state`` asks every rank, at the end of a sharded training pass, to
+    help gather the whole optimizer state for the root's checkpoint. ``error`` is set only on a
+    STOP that aborts the run: followers then raise :class:`lampdist.RankFailed` (``rank=0``)
+    with it.
 
-    Raises :class:`lampdist.ConfigError` for a negative count, a non-finite ``lr_factor`` or an
-    ``error`` on anything but STOP.
+    Raises :class:`lampdist.ConfigError` for a negative count, a non-finite ``lr_factor``, an
+    ``error`` on anything but STOP or ``gather_state`` on anything but TRAIN.
     """
 
     kind: CommandKind
@@ -47,6 +50,7 @@ class Command:
     pass_index: int
     lr_factor: float | None = None
     error: str | None = None
+    gather_state: bool = False
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.kind, CommandKind):
@@ -64,6 +68,10 @@ class Command:
                 raise ConfigError(f"Command.error must be a string, got {self.error!r}")
             if self.kind is not CommandKind.STOP:
                 raise ConfigError("only a STOP command carries an error")
+        if not isinstance(self.gather_state, bool):
+            raise ConfigError(f"Command.gather_state must be a bool, got {self.gather_state!r}")
+        if self.gather_state and self.kind is not CommandKind.TRAIN:
+            raise ConfigError("only a TRAIN command asks to gather the optimizer state")
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (the wire form); an overlong ``error`` is cut to MAX_TEXT_CHARS."""
@@ -76,6 +84,8 @@ class Command:
             data["lr_factor"] = float(self.lr_factor)
         if self.error is not None:
             data["error"] = clip_text(self.error)
+        if self.gather_state:
+            data["gather_state"] = True
         return data
 
     @classmethod
@@ -96,9 +106,17 @@ class Command:
             raise ProtocolError(f"a command's 'lr_factor' must be a number, got {lr_factor!r}")
         if error is not None and (not isinstance(error, str) or len(error) > MAX_TEXT_CHARS):
             raise ProtocolError("a command's 'error' must be a string of bounded length")
+        gather_state = data.get("gather_state", False)
+        if not isinstance(gather_state, bool):
+            raise ProtocolError(f"a command's 'gather_state' must be a bool, got {gather_state!r}")
         try:
             return cls(
-                kind=kind, epoch=epoch, pass_index=pass_index, lr_factor=lr_factor, error=error
+                kind=kind,
+                epoch=epoch,
+                pass_index=pass_index,
+                lr_factor=lr_factor,
+                error=error,
+                gather_state=gather_state,
             )
         except ConfigError as exc:
             raise ProtocolError(f"invalid command: {exc.message}") from None
