@@ -27,6 +27,7 @@ import attrs
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from _models import Batch, Workload, build_workload
 
@@ -70,9 +71,31 @@ class RankResult:
     timed_steps: int | None
     samples: int | None
     peak_memory_bytes: int
+    optimizer_state_bytes: int = 0
+    """The bytes of the state of every optimizer that stepped in this process (the slice
+    optimizer of a sharded lampdist rank: what the rank holds)."""
     progress_events: int | None = None
     """How many progress events reached lampdist's ``on_event`` (coalesced when the loop
     falls behind); None for the other configurations."""
+
+
+_STEPPED: dict[int, torch.optim.Optimizer] = {}
+
+
+def _remember_stepped(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    _STEPPED[id(optimizer)] = optimizer
+
+
+
+def optimizer_state_bytes() -> int:
+    """The bytes of the state tensors of every optimizer that has stepped in this process."""
+    return sum(
+        value.numel() * value.element_size()
+        for optimizer in _STEPPED.values()
+        for state in optimizer.state.values()
+        for value in state.values()
+        if torch.is_tensor(value)
+    )
 
 
 def synchronize(device: torch.device) -> None:
@@ -201,6 +224,7 @@ def run_plain(spec: RunSpec, workload: Workload, device: torch.device) -> RankRe
         timed_steps=spec.steps,
         samples=spec.steps * workload.spec.batch_size,
         peak_memory_bytes=peak_memory(device),
+        optimizer_state_bytes=optimizer_state_bytes(),
     )
 
 
@@ -226,6 +250,7 @@ def run_ddp(spec: RunSpec, workload: Workload, device: torch.device) -> RankResu
         timed_steps=spec.steps if spec.rank == 0 else None,
         samples=spec.steps * workload.spec.batch_size * spec.nranks if spec.rank == 0 else None,
         peak_memory_bytes=peak_memory(device),
+        optimizer_state_bytes=optimizer_state_bytes(),
     )
 
 
@@ -298,6 +323,7 @@ async def run_lampdist(spec: RunSpec, workload: Workload, device: torch.device) 
             timed_steps=None,
             samples=None,
             peak_memory_bytes=peak_memory(device),
+            optimizer_state_bytes=optimizer_state_bytes(),
         )
 
     # The start of the timed steps, taken on the compute thread as the first timed batch's
@@ -355,6 +381,7 @@ async def run_lampdist(spec: RunSpec, workload: Workload, device: torch.device) 
         # every rank takes a batch of the same size at every step
         samples=spec.steps * workload.spec.batch_size * spec.nranks,
         peak_memory_bytes=peak_memory(device),
+        optimizer_state_bytes=optimizer_state_bytes(),
         progress_events=events,
     )
 
@@ -362,6 +389,7 @@ async def run_lampdist(spec: RunSpec, workload: Workload, device: torch.device) 
 def main(argv: list[str]) -> None:
     """Run the configuration the spec file ``argv[0]`` names and write the rank's result."""
     spec = RunSpec(**json.loads(Path(argv[0]).read_text()))
+    register_optimizer_step_post_hook(_remember_stepped)
     if spec.device_type == "cuda":
         device = torch.device("cuda", spec.rank)
         torch.cuda.set_device(device)

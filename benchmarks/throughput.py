@@ -37,8 +37,11 @@ BUILT_IN: dict[str, Config] = {
     "lampdist-every": Config(
         name="lampdist-every", kind="lampdist", kwargs={"step_on": "every_rank"}
     ),
+    "lampdist-sharded": Config(
+        name="lampdist-sharded", kind="lampdist", kwargs={"step_on": "sharded"}
+    ),
 }
-DEFAULT_CONFIGS = ("single", "ddp", "lampdist", "lampdist-every")
+DEFAULT_CONFIGS = ("single", "ddp", "lampdist", "lampdist-every", "lampdist-sharded")
 CPU_RANKS = 2
 
 
@@ -95,8 +98,8 @@ def summarize(
     """Per configuration: samples/s of each repeat and their median, scaling efficiency
     (median / (ranks x the single loop's median)), the ratio to DDP (``vs_ddp``: this median
     over DDP's median; ``vs_ddp_paired``: the median of the per-repeat ratios, each repeat
-    against the DDP run beside it), and each rank's peak memory (the largest over the
-    repeats)."""
+    against the DDP run beside it), each rank's peak memory (the largest over the repeats)
+    and the bytes of the optimizer state it held at the end."""
     throughput: dict[str, list[float]] = {}
     summary: dict[str, dict[str, Any]] = {}
     for config in configs:
@@ -119,6 +122,10 @@ def summarize(
             ],
             "peak_memory_bytes": [
                 max(results[rank].peak_memory_bytes for results in runs[config.name])
+                for rank in range(ranks)
+            ],
+            "optimizer_state_bytes": [
+                max(results[rank].optimizer_state_bytes for results in runs[config.name])
                 for rank in range(ranks)
             ],
         }
@@ -164,6 +171,7 @@ def format_table(meta: dict[str, Any], summary: dict[str, dict[str, Any]]) -> st
         "vs DDP",
         "paired",
         "peak MiB per rank",
+        "optimizer MiB per rank",
     )
     rows = [header]
     for name, entry in summary.items():
@@ -182,12 +190,13 @@ def format_table(meta: dict[str, Any], summary: dict[str, dict[str, Any]]) -> st
                 "-" if ratio is None else f"{ratio:.3f}",
                 "-" if paired is None else f"{paired:.3f}",
                 " / ".join(f"{peak / 2**20:.0f}" for peak in entry["peak_memory_bytes"]),
+                " / ".join(f"{size / 2**20:.1f}" for size in entry["optimizer_state_bytes"]),
             )
         )
     widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
     for row in rows:
         cells = [
-            cell.ljust(width) if column in (0, 3, 7) else cell.rjust(width)
+            cell.ljust(width) if column in (0, 3, 7, 8) else cell.rjust(width)
             for column, (cell, width) in enumerate(zip(row, widths, strict=True))
         ]
         lines.append("  ".join(cells).rstrip())

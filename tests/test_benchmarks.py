@@ -37,7 +37,7 @@ def test_cpu_mode_measures_every_configuration(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     report: dict[str, Any] = json.loads((tmp_path / "result.json").read_text())
     configs = report["configs"]
-    assert list(configs) == ["single", "ddp", "lampdist", "lampdist-every"]
+    assert list(configs) == ["single", "ddp", "lampdist", "lampdist-every", "lampdist-sharded"]
     assert report["meta"]["nranks"] == 2
     assert report["meta"]["parameters"] > 0
     for name, entry in configs.items():
@@ -49,7 +49,14 @@ def test_cpu_mode_measures_every_configuration(tmp_path: Path) -> None:
     assert configs["ddp"]["ranks"] == configs["lampdist"]["ranks"] == 2
     assert configs["lampdist-every"]["ranks"] == 2
     assert configs["lampdist-every"]["kwargs"] == {"step_on": "every_rank"}
-    for name in ("lampdist", "lampdist-every"):
+    assert configs["lampdist-sharded"]["kwargs"] == {"step_on": "sharded"}
+    # The benchmark's AdamW holds two values per parameter; sharded, each rank half of them.
+    parameters = report["meta"]["parameters"]
+    assert configs["lampdist-every"]["optimizer_state_bytes"][0] >= 8 * parameters
+    sharded_state = configs["lampdist-sharded"]["optimizer_state_bytes"]
+    assert sum(sharded_state) <= configs["lampdist-every"]["optimizer_state_bytes"][0] + 64
+    assert max(sharded_state) < 0.6 * configs["lampdist-every"]["optimizer_state_bytes"][0]
+    for name in ("lampdist", "lampdist-every", "lampdist-sharded"):
         assert configs[name]["scaling_efficiency"] > 0, name
         assert configs[name]["vs_ddp"] > 0, name
     assert configs["single"]["scaling_efficiency"] is None
