@@ -44,7 +44,7 @@ def on(device: str, batches: Sequence[Batch]) -> list[Batch]:
 
 
 @needs_two_gpus
-@pytest.mark.parametrize("step_on", ["root", "every_rank"])
+@pytest.mark.parametrize("step_on", ["root", "every_rank", "sharded"])
 @pytest.mark.parametrize("accumulate", [1, 3])
 @pytest.mark.parametrize("bucket_cap_mb", [25.0, 1e-9, None], ids=["bucket", "tiny", "none"])
 async def test_two_gpus_match_the_single_gpu_reference(

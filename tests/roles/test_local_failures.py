@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import lampdist
+import lampdist._options
 
 from .reference import Batch, make_model, make_shards, mse
 
@@ -152,18 +153,22 @@ async def test_validation_on_some_ranks_only_is_a_mismatch() -> None:
         await run(streams)
 
 
+@pytest.mark.parametrize("step_on", ["root", "sharded"])
 @pytest.mark.parametrize("value", [math.nan, math.inf])
-async def test_non_finite_loss_raises_naming_epoch_and_step(value: float) -> None:
+async def test_non_finite_loss_raises_naming_epoch_and_step(
+    value: float, step_on: lampdist._options.StepOn
+) -> None:
     def poisoned(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return mse(output, target) * value
 
     streams = entries(2)
     streams[1] = with_loss(streams[1], poisoned)
     with pytest.raises(lampdist.NonFiniteLoss, match="epoch 0, step 0"):
-        await run(streams)
+        await run(streams, step=lampdist.StepOptions(step_on=step_on))
 
 
-async def test_non_finite_loss_can_skip_the_step() -> None:
+@pytest.mark.parametrize("step_on", ["root", "sharded"])
+async def test_non_finite_loss_can_skip_the_step(step_on: lampdist._options.StepOn) -> None:
     calls = 0
 
     def sometimes_nan(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -175,7 +180,9 @@ async def test_non_finite_loss_can_skip_the_step() -> None:
     before = [p.detach().clone() for p in streams[0].model.module.parameters()]
     streams[1] = with_loss(streams[1], sometimes_nan)
     state = await run(
-        streams, lampdist.LoopOptions(max_epochs=1), lampdist.StepOptions(non_finite_loss="skip")
+        streams,
+        lampdist.LoopOptions(max_epochs=1),
+        lampdist.StepOptions(non_finite_loss="skip", step_on=step_on),
     )
     assert math.isfinite(state.learning_curve[0].training_loss)
     after = list(streams[0].model.module.parameters())

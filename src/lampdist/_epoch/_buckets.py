@@ -44,13 +44,13 @@ class _Bucket:
 def whole_buffer_buckets(flat: FlatParameters) -> list[_Bucket]:
     """One bucket per flat gradient buffer (padding included), the last buffer first."""
     buckets: list[_Bucket] = []
-    for buffer_index in reversed(range(len(flat.gradient_storage))):
+    for buffer_index in reversed(range(len(flat.padded_gradients))):
         members = tuple(
             index
             for index in reversed(range(len(flat.parameters)))
             if flat.slots[index][0] == buffer_index
         )
-        buckets.append(_Bucket(gradients=flat.gradient_storage[buffer_index], parameters=members))
+        buckets.append(_Bucket(gradients=flat.padded_gradients[buffer_index], parameters=members))
     return buckets
 
 

@@ -13,10 +13,11 @@ a buffer sends those values on their own.
 
 Sharded (``step_on="sharded"``), each rank owns a contiguous ``1/n`` of every flat buffer
 (:meth:`FlatParameters.shard`): the buffers are padded with zeros to a multiple of ``n``
-elements, carry no tails (the meta values travel on their own, and there are no root values),
-and with ``bucket_cap_mb`` each dtype's parameters are cut into buffers of about that size,
-from the last parameter backwards, so that a gradient bucket is a whole buffer and its
-reduce-scatter leaves each rank the slice it owns.
+elements (:attr:`FlatParameters.padded_gradients`), there are no root values, and with
+``bucket_cap_mb`` each dtype's parameters are cut into buffers of about that size, from the
+last parameter backwards, so that a gradient bucket is a whole buffer and its reduce-scatter
+leaves each rank the slice it owns. The meta tail sits behind the padding, for an exchange
+that all-reduces the whole buffer (Gloo, where a reduce-scatter costs an all-reduce).
 
 A rank alone in its clique exchanges nothing: it gets no gradient buffers (``gradients=False``)
 and autograd keeps the gradients as a plain loop's, set to ``None`` after each step, which saves
@@ -67,6 +68,9 @@ class FlatParameters:
     """Whether the gradients live in ``gradient_buffers`` (else autograd owns them)."""
     shards: int = 1
     """How many ranks share each buffer (``step_on="sharded"``); 1 otherwise."""
+    padded_gradients: list[torch.Tensor] = attrs.field(factory=list)
+    """Each gradient buffer with its padding (sharded), without the meta tail: what a
+    reduce-scatter sends."""
 
     @classmethod
     def create(
@@ -102,6 +106,7 @@ class FlatParameters:
         gradient_views: list[torch.Tensor] = []
         slots: list[tuple[int, int, int]] = []
         gradient_storage: list[torch.Tensor] = []
+        padded_gradients: list[torch.Tensor] = []
         parameter_storage: list[torch.Tensor] = []
         meta_tail: torch.Tensor | None = None
         root_values_tail: torch.Tensor | None = None
@@ -121,17 +126,16 @@ class FlatParameters:
                 root_values_tail = storage.view(torch.uint8)[
                     start * size : start * size + ROOT_VALUES_BYTES
                 ]
-            carries_meta = gradients and not sharded and meta_tail is None and dtype in _META_DTYPES
+            carries_meta = gradients and meta_tail is None and dtype in _META_DTYPES
+            padded = total + tail if sharded else total
             grad_storage = torch.zeros(
-                (total + (META_SLOTS if carries_meta else tail if sharded else 0))
-                if gradients
-                else 0,
+                (padded + (META_SLOTS if carries_meta else 0)) if gradients else 0,
                 dtype=dtype,
                 device=device,
             )
             grads = grad_storage[:total]
             if carries_meta:
-                meta_tail = grad_storage[total:]
+                meta_tail = grad_storage[padded:]
             offset = 0
             for parameter in group:
                 n = parameter.numel()
@@ -150,6 +154,7 @@ class FlatParameters:
             if gradients:
                 gradient_buffers.append(grads)
                 gradient_storage.append(grad_storage)
+                padded_gradients.append(grad_storage[:padded])
         frozen = [p for p in module.parameters() if not p.requires_grad]
         module_buffers = [b for b in module.buffers()] + frozen
         return cls(
@@ -166,6 +171,7 @@ class FlatParameters:
             root_values_tail=root_values_tail,
             flat_gradients=gradients,
             shards=shards,
+            padded_gradients=padded_gradients,
         )
 
     def shard(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:

@@ -110,6 +110,13 @@ class StepKernel:
         """Whether each rank steps its own slice of the flat buffers."""
         return self.flat.shards > 1
 
+    @property
+    def _all_reduces_shards(self) -> bool:
+        """Whether a sharded step all-reduces whole gradient buffers, the meta values behind
+        them, instead of reduce-scattering them: over Gloo, whose reduce-scatter costs an
+        all-reduce of the whole buffer, so the meta values ride in it for free."""
+        return self.clique.backend == "gloo"
+
     # -- between passes ----------------------------------------------------------------------
 
     def _check_thread(self) -> None:
@@ -278,9 +285,10 @@ class StepKernel:
         more = feed.has_next()  # after the backward: the next batch loaded meanwhile
         if loss_sum is None:
             loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        # Behind the gradients unless alone (nothing is sent) or bucketing (the buckets'
-        # exchanges start before the meta values are known).
+        # Behind the gradients unless alone (nothing is sent), bucketing (the buckets'
+        # exchanges start before the meta values are known) or reduce-scattering.
         tail = not self.alone and self._buckets is None
+        tail = tail and (not self.sharded or self._all_reduces_shards)
         meta = write_meta(self.flat, examples, loss_sum, more, tail=tail)
         return self._synchronise(meta, examples, more, epoch, step, tally, planned)
 
@@ -346,8 +354,8 @@ class StepKernel:
         """Start the sum of ``tensors`` over the clique: to every rank, to the root, or
         sharded (one padded gradient buffer), each rank's slice to that rank, in place."""
         if self.sharded:
-            (storage,) = tensors
-            return self.clique.start_reduce_scatter(self.flat.shard(storage, self.rank), storage)
+            (padded,) = tensors
+            return self.clique.start_reduce_scatter(self.flat.shard(padded, self.rank), padded)
         if self.options.step_on == "every_rank":
             return self.clique.start_all_reduce(tensors)
         return self.clique.start_reduce(tensors, root=0)
@@ -417,10 +425,10 @@ class StepKernel:
             own = [] if meta is None else [meta]
             if self._buckets is not None:
                 exchanges = self._buckets.start_remaining()
-            elif self.sharded:
+            elif self.sharded and meta is not None:
                 exchanges = [
-                    self._start_gradient_exchange([storage])
-                    for storage in reversed(self.flat.gradient_storage)
+                    self._start_gradient_exchange([padded])
+                    for padded in reversed(self.flat.padded_gradients)
                 ]
             else:
                 own = [*self.flat.gradient_storage, *own]

@@ -153,7 +153,7 @@ class ShardedOptimizer:
     def gradients(self) -> list[torch.Tensor]:
         """The rank's slice of every flat gradient buffer (the reduced sums, after the
         exchange)."""
-        return [self.flat.shard(storage, self.rank) for storage in self.flat.gradient_storage]
+        return [self.flat.shard(padded, self.rank) for padded in self.flat.padded_gradients]
 
     # -- the whole optimizer's state ----------------------------------------------------------
 
