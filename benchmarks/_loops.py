@@ -86,7 +86,6 @@ def _remember_stepped(optimizer: torch.optim.Optimizer, *_: Any) -> None:
     _STEPPED[id(optimizer)] = optimizer
 
 
-
 def optimizer_state_bytes() -> int:
     """The bytes of the state tensors of every optimizer that has stepped in this process."""
     return sum(
