@@ -62,8 +62,9 @@ def _run_all(jobs: Sequence[Callable[[], None]]) -> None:
 @attrs.define(eq=False)
 class JsonLinesTracker(BufferedTracker):
     """Appends one JSON object a line to ``path``: an ``{"record": "event", ...}`` line for
-    every :class:`~lampdist.PassEvent` the root reports (the fields of :data:`EVENT_FIELDS`),
-    one ``{"record": "hyperparameters", "hyperparameters": {...}}`` line and one
+    every :class:`~lampdist.PassEvent` the root reports (with the fields of
+    :class:`~lampdist.trackers.CsvTracker`'s columns), one
+    ``{"record": "hyperparameters", "hyperparameters": {...}}`` line and one
     ``{"record": "summary", "global_step": ..., "summary": {...}}`` line.
 
     ``global_step`` counts the optimizer steps from ``first_step`` on (see
@@ -109,13 +110,17 @@ def _csv_text(rows: Iterable[Sequence[Any]]) -> str:
 @attrs.define(eq=False)
 class CsvTracker(BufferedTracker):
     """Writes CSV tables into ``directory``: ``events.csv``, one row for every
-    :class:`~lampdist.PassEvent` the root reports (the columns of :data:`EVENT_FIELDS`,
-    appended to an existing file), and ``hyperparameters.csv`` and ``summary.csv`` with
-    ``name,value`` rows (the summary's first row is the ``global_step``).
+    :class:`~lampdist.PassEvent` the root reports (appended to an existing file), and
+    ``hyperparameters.csv`` and ``summary.csv`` with ``name,value`` rows (the summary's
+    first row is the ``global_step``).
 
-    An empty cell is ``None`` (``total_batches`` of a source without a length). Rows are
-    written in a worker thread at the end of every pass, at least every 5 seconds and on
-    closing; no file stays open between writes. ``async with`` opens the tracker; see
+    The events' columns: ``global_step`` (the optimizer steps from ``first_step`` on; see
+    :class:`~lampdist.trackers.TensorBoardTracker`), the event's fields (``epoch``,
+    ``kind``, ``pass_index``, ``step``, ``batches``, ``total_batches``, ``examples``,
+    ``loss``, ``seconds``), ``examples_per_second`` and ``done``. An empty cell is ``None``
+    (``total_batches`` of a source without a length). Rows are written in a worker thread
+    at the end of every pass, at least every 5 seconds and on closing; no file stays open
+    between writes. ``async with`` opens the tracker; see
     :class:`~lampdist.trackers.Tracker`.
     """
 
