@@ -336,6 +336,26 @@ async def test_a_sink_is_flushed_and_closed_on_error_and_cancellation(
     assert tensorboard_writer_threads() == []
 
 
+@pytest.mark.parametrize("sink", ["jsonl", "csv", "tensorboard"])
+async def test_each_pass_end_is_written_while_the_run_goes_on(
+    tmp_path: Path, sink: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass's end is on disk before the next pass starts, and within a pass the events
+    are written every ``FLUSH_INTERVAL`` seconds (0 here: at every event)."""
+    if sink == "tensorboard":
+        pytest.importorskip("tensorboard")
+    sent = [event(0, 1), event(0, 3, done=True)]
+    want = [(e.step, float32(e.loss) if sink == "tensorboard" else e.loss) for e in sent]
+    async with every_sink(tmp_path)[sink] as tracker:
+        for each in sent:
+            await tracker(each)
+        assert await anyio.to_thread.run_sync(events_written, sink, tmp_path) == want
+        monkeypatch.setattr("lampdist.trackers._base.FLUSH_INTERVAL", 0.0)
+        await tracker(event(1, 1))
+        written = await anyio.to_thread.run_sync(events_written, sink, tmp_path)
+        assert [step for step, _ in written] == [1, 3, 4]
+
+
 @pytest.mark.parametrize(
     ("ending", "status"),
     [("success", "FINISHED"), ("error", "FAILED"), ("cancellation", "KILLED")],
