@@ -356,6 +356,29 @@ async def test_each_pass_end_is_written_while_the_run_goes_on(
         assert [step for step, _ in written] == [1, 3, 4]
 
 
+async def test_a_tracker_cancelled_while_opening_is_closed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cancellation comes while the worker thread opens the writer: the tracker still
+    closes it (its thread ends) once open."""
+    summary_writer = pytest.importorskip("torch.utils.tensorboard").SummaryWriter
+    opening = summary_writer.__init__
+    opened = threading.Event()
+
+    def slow_open(*args: Any, **kwargs: Any) -> None:
+        time.sleep(0.3)
+        opening(*args, **kwargs)
+        opened.set()
+
+    monkeypatch.setattr(summary_writer, "__init__", slow_open)
+    with anyio.move_on_after(0.05) as scope:
+        async with trackers.TensorBoardTracker(tmp_path / "tb"):
+            await anyio.sleep_forever()
+    assert scope.cancelled_caught
+    assert await anyio.to_thread.run_sync(opened.wait, 30)  # the writer was opened
+    assert tensorboard_writer_threads() == []
+
+
 @pytest.mark.parametrize(
     ("ending", "status"),
     [("success", "FINISHED"), ("error", "FAILED"), ("cancellation", "KILLED")],

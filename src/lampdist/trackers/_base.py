@@ -228,8 +228,8 @@ class BufferedTracker(abc.ABC):
         check_first_step(self.first_step)
         self._clock = StepClock(self.first_step)
 
-    # What a subclass does: ``_open``, ``_write`` and ``_close`` run in a worker thread, the
-    # ``_record_*`` methods and ``_take`` on the event loop.
+    # What a subclass does: ``_open``, the job that ``_take`` returns and ``_close`` run in a
+    # worker thread; the ``_record_*`` methods and ``_take`` on the event loop.
 
     @abc.abstractmethod
     def _open(self) -> None:
@@ -263,6 +263,8 @@ class BufferedTracker(abc.ABC):
                 f"{type(self).__name__} was opened before: create a new one for each run",
                 phase="configure",
             )
+        # Not abandoned on cancellation: a sink opened meanwhile reaches __aexit__ (the body's
+        # first await raises the cancellation), which closes it.
         await anyio.to_thread.run_sync(self._open)
         self._flushed_at = time.monotonic()
         self._state = "open"
