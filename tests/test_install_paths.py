@@ -45,3 +45,17 @@ def test_the_readme_names_the_extra_of_every_example() -> None:
         assert not imported & {"starlette", "uvicorn"} or needs, example.name
         for extra in needs:
             assert f".[{extra}]" in README, f"{example.name} needs .[{extra}]"
+
+
+def test_the_extras_that_the_trackers_name_bring_their_packages() -> None:
+    """A missing package's error says ``pip install "lampdist[tensorboard]"`` (or
+    ``[mlflow]``): those extras exist, and the tests install them."""
+    assert "tensorboard" in _requirement_names(EXTRAS["tensorboard"])
+    assert "mlflow-skinny" in _requirement_names(EXTRAS["mlflow"])  # the package `mlflow`
+    included = {
+        extra
+        for requirement in EXTRAS["test"]
+        if (found := re.fullmatch(r"lampdist\[([a-z,]+)\]", requirement))
+        for extra in found.group(1).split(",")
+    }
+    assert {"tensorboard", "mlflow"} <= included

@@ -16,7 +16,7 @@ LAYERS = [
     {"_clique_id", "_signal", "_openmp", "_store", "_state", "_device", "_source"},
     {"_effects", "schedules", "_model"},
     {"control", "clique", "_checkpoint", "_loop"},
-    {"launch", "checkpoint", "_options"},
+    {"launch", "checkpoint", "_options", "trackers"},
     {"_epoch"},
     {"_roles"},
     {"cli"},

@@ -71,6 +71,7 @@ PUBLIC_NAMES = {
         "open_clique",
         "run_until_signal",
         "schedules",
+        "trackers",
         "train",
     ],
     "lampdist.checkpoint": [
@@ -131,6 +132,14 @@ PUBLIC_NAMES = {
         "state_to_json",
         "step_after",
         "warmup",
+    ],
+    "lampdist.trackers": [
+        "CsvTracker",
+        "JsonLinesTracker",
+        "MlflowTracker",
+        "TensorBoardTracker",
+        "Tracker",
+        "fan_out",
     ],
 }
 PUBLIC_MODULES = sorted(PUBLIC_NAMES)

@@ -8,6 +8,7 @@ from . import checkpoint as checkpoint
 from . import control as control
 from . import launch as launch
 from . import schedules as schedules
+from . import trackers as trackers
 from ._effects import BatchSource as BatchSource
 from ._effects import CheckpointLoopState as CheckpointLoopState
 from ._effects import CheckpointState as CheckpointState
@@ -110,5 +111,6 @@ __all__ = [
     "open_clique",
     "run_until_signal",
     "schedules",
+    "trackers",
     "train",
 ]

@@ -12,8 +12,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 import torch
 from rich.console import Console
@@ -49,9 +51,10 @@ def start_demo(*args: str, cwd: Path) -> subprocess.Popen[str]:
 
 
 async def test_demo_trains_writes_its_files_and_resumes(tmp_path: Path) -> None:
-    out = tmp_path / "run"
+    out, tensorboard = tmp_path / "run", tmp_path / "tb"
+    flags = ["--epochs", "2", "--out", str(out), "--tensorboard", str(tensorboard)]
     first = await anyio.run_process(
-        [sys.executable, "-m", "lampdist", "demo", "--epochs", "2", "--out", str(out)],
+        [sys.executable, "-m", "lampdist", "demo", *flags],
         cwd=tmp_path,
         env=environment(),
         check=False,
@@ -77,8 +80,11 @@ async def test_demo_trains_writes_its_files_and_resumes(tmp_path: Path) -> None:
     state = torch.load(out / "model.pt", weights_only=True)
     assert state["0.weight"].shape == (128, 64)
 
+    assert f"tensorboard --logdir {tensorboard}" in stdout
+
     # --resume, in this process (what the command runs after parsing its flags)
-    options = DemoOptions(epochs=3, resume=True, out=out)
+    await anyio.sleep(1.01 - time.time() % 1)  # a later event file (see test_trackers.py)
+    options = DemoOptions(epochs=3, resume=True, out=out, tensorboard=tensorboard)
     resumed = await run_demo(options, Console(file=io.StringIO()), environ={})
     assert resumed is not None
     assert (resumed.first_epoch, resumed.state.epoch) == (2, 3)
@@ -86,6 +92,32 @@ async def test_demo_trains_writes_its_files_and_resumes(tmp_path: Path) -> None:
     assert "1 epoch (3-3) on 2 ranks (cpu)" in summary_lines(resumed)[0]
     epochs = [m["epoch"] for m in read_metrics(out / "metrics.jsonl")]
     assert epochs == [0, 0, 1, 1, 2, 2]
+    # the TensorBoard scalars of both runs: the steps go on across the resume
+    check_tensorboard(tensorboard, read_metrics(out / "metrics.jsonl"))
+
+
+def check_tensorboard(log_dir: Path, metrics: list[dict[str, Any]]) -> None:
+    """The passes' losses in ``log_dir`` are those of ``metrics`` (the demo's file), at
+    the global steps: the root's batch count of a training pass is its steps."""
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    reader = accumulator.EventAccumulator(str(log_dir), size_guidance={accumulator.SCALARS: 0})
+    reader.Reload()
+    steps = metrics[0]["batches"]
+
+    def passes(kind: str) -> list[tuple[int, float]]:
+        return [
+            (steps * (m["epoch"] + 1), float(np.float32(m["loss"])))
+            for m in metrics
+            if m["kind"] == kind
+        ]
+
+    assert [(s.step, s.value) for s in reader.Scalars("train/loss")] == passes("train")
+    assert [(s.step, s.value) for s in reader.Scalars("valid/loss")] == passes("valid")
+    running = [s.step for s in reader.Scalars("train/running_loss")]
+    assert running == sorted(set(running))
+    assert [s.value for s in reader.Scalars("summary/epochs")][-1] == max(
+        m["epoch"] + 1 for m in metrics
+    )
 
 
 async def test_a_resumed_demo_ends_bitwise_like_an_uninterrupted_one(tmp_path: Path) -> None:
@@ -153,6 +185,29 @@ def test_ranks_in_separate_processes_and_a_graceful_stop_on_a_signal(
     metrics = read_metrics(out / "metrics.jsonl")
     newest = max(int(path.name.split("-")[1]) for path in (out / "checkpoints").glob("epoch-*"))
     assert newest == 1 + max(m["epoch"] for m in metrics)  # the last epoch begun was committed
+
+
+def test_the_demo_writes_tensorboard_on_the_root_only(tmp_path: Path) -> None:
+    """Ranks in separate processes, each given --tensorboard: the root writes the event
+    files during its run; the follower opens no tracker."""
+    pytest.importorskip("tensorboard")
+    out = tmp_path / "run"
+    flags = ["--nranks", "2", "--port", str(free_port()), "--epochs", "2", "--out", str(out)]
+    root = start_demo("--role", "root", *flags, "--tensorboard", "tb-root", cwd=tmp_path)
+    follower = start_demo(
+        "--role", "follower", "--rank", "1", *flags, "--tensorboard", "tb-follower", cwd=tmp_path
+    )
+    try:
+        _, root_err = root.communicate(timeout=120)
+        _, follower_err = follower.communicate(timeout=30)
+    finally:
+        for process in (root, follower):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert (root.returncode, follower.returncode) == (0, 0), root_err + follower_err
+    check_tensorboard(tmp_path / "tb-root", read_metrics(out / "metrics.jsonl"))
+    assert not (tmp_path / "tb-follower").exists()
 
 
 def test_choose_launch_from_role_flags() -> None:

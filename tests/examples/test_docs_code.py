@@ -22,11 +22,13 @@ PAGES = [
     "docs/howto-checkpoint-resume.md",
     "docs/howto-uneven-data.md",
     "docs/howto-service.md",
+    "docs/howto-trackers.md",
     "docs/comparison.md",
 ]
 BLOCK = re.compile(r"^( *)```python\n(.*?)^\1```", re.DOTALL | re.MULTILINE)
 MODULES = {"lampdist": "lampdist", "checkpoint": "lampdist.checkpoint"}
 MODULES |= {"schedules": "lampdist.schedules", "control": "lampdist.control"}
+MODULES |= {"trackers": "lampdist.trackers"}
 
 
 def blocks(page: str) -> list[str]:

@@ -248,6 +248,36 @@ def _shared(directory: Path) -> dict[str, Any]:
     }
 
 
+def _trackers_page(directory: Path) -> dict[str, Any]:
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("mlflow")
+    namespace = _shared(directory)
+    namespace["__given__"]["tracking_uri"] = f"file://{directory / 'mlruns'}"
+    return namespace
+
+
+def _written_by_main() -> None:
+    assert list(Path("runs/digits").glob("events.out.tfevents.*"))
+    assert Path("runs/digits/csv/summary.csv").read_text().startswith("name,value\n")
+
+
+async def then_trackers(namespace: dict[str, Any]) -> None:
+    """The first block wrote TensorBoard and CSV files; ``root`` makes a finished MLflow run
+    with the hyperparameters and the summary."""
+    _written_by_main()
+    async with namespace["__control__"]:
+        state = await namespace["root"]()
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=namespace["__given__"]["tracking_uri"])
+    experiment = client.get_experiment_by_name("digits")
+    assert experiment is not None
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["model/width"] == "64"
+    assert run.data.metrics["summary/epochs"] == state.epoch
+
+
 def _given(*parts: Callable[[Path], dict[str, Any]]) -> Callable[[Path], dict[str, Any]]:
     def given(directory: Path) -> dict[str, Any]:
         namespace: dict[str, Any] = {}
@@ -271,6 +301,7 @@ PAGES: dict[str, Page] = {
     "docs/howto-multinode.md": Page(given=_shared),
     "docs/howto-service.md": Page(given=_service, then=_open_the_service),
     "docs/howto-tls-secrets.md": Page(given=_given(_shared, _tls_files)),
+    "docs/howto-trackers.md": Page(given=_trackers_page, then=then_trackers),
     "docs/howto-uneven-data.md": Page(
         given=_given(
             _shared,
@@ -300,6 +331,9 @@ def one_rank_launch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     }.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("LAMPDIST_SECRET_FILE", raising=False)
+    # docs/howto-trackers.md writes to an MLflow directory store, which MLflow 3 must allow
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(checkpoint, "load_latest", _off_the_loop(checkpoint.load_latest))
     return tmp_path

@@ -30,6 +30,7 @@ examples:
   lampdist demo                                  2 ranks in this process, on the CPU
   lampdist demo --device cuda                    one rank per GPU
   lampdist demo --resume                         continue the run in --out
+  lampdist demo --tensorboard runs/demo          and: tensorboard --logdir runs
   torchrun --nproc-per-node 2 -m lampdist demo             one process per rank
   lampdist demo --role root --nranks 2 --port 29400        ranks started by hand
   lampdist demo --role follower --rank 1 --nranks 2 --port 29400
@@ -86,6 +87,12 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
     demo.add_argument("--seed", type=int, default=0, help="split, start, shuffling (default: 0)")
     demo.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
+    demo.add_argument(
+        "--tensorboard",
+        type=Path,
+        metavar="DIR",
+        help='TensorBoard event files in DIR, from the root (pip install "lampdist[tensorboard]")',
+    )
     ranks = demo.add_argument_group("ranks in separate processes, started by hand")
     ranks.add_argument("--role", choices=["root", "follower"])
     ranks.add_argument("--rank", type=int, help="this process's rank (the root is 0)")
@@ -130,6 +137,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
         nranks=args.nranks,
         host=args.host,
         port=args.port,
+        tensorboard=args.tensorboard,
     )
     try:
         result = anyio.run(run_demo, options, console, os.environ)

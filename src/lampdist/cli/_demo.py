@@ -8,6 +8,7 @@ import math
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,6 +26,7 @@ from .._roles import local_data_parallel_training_loop, run_until_signal, train
 from .._state import LoopState
 from ..checkpoint import Resumed
 from ..launch import LaunchEnv, from_env
+from ..trackers import TensorBoardTracker, Tracker
 from ._data import Digits, accuracy, batch_source, create_model, cross_entropy, load_digits
 from ._plot import plot_learning_curve
 from ._progress import MetricsFile, PassCounter, on_pass_event, open_reporter, read_metrics
@@ -56,6 +58,7 @@ class DemoOptions:
     nranks: int | None = None
     host: str = "127.0.0.1"
     port: int | None = None
+    tensorboard: Path | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -69,6 +72,7 @@ class DemoResult:
     device: str
     out: Path
     first_epoch: int
+    tensorboard: Path | None = None
 
 
 def choose_launch(options: DemoOptions, environ: Mapping[str, str]) -> LaunchEnv | None:
@@ -201,9 +205,8 @@ async def _run_root(
     metrics.restart(first_epoch)
     module = create_model(options.seed).to(devices[0])
     root_shard = data.shard(0, nranks)
-    per_epoch = math.ceil(len(root_shard.train_labels) / options.batch_size) + math.ceil(
-        len(root_shard.valid_labels) / options.batch_size
-    )
+    train_steps = math.ceil(len(root_shard.train_labels) / options.batch_size)  # the most
+    per_epoch = train_steps + math.ceil(len(root_shard.valid_labels) / options.batch_size)
     counter = PassCounter(
         first_epoch=first_epoch, epochs=options.epochs, batches_per_epoch=per_epoch
     )
@@ -213,38 +216,44 @@ async def _run_root(
             accuracy, module, data.valid_inputs, data.valid_labels
         )
 
-    if first_epoch < options.epochs:  # else the library warns, and the summary names --epochs
-        logger.info(
-            "training on %d ranks (%s), epochs %d..%d, files in %s",
-            nranks,
-            devices[0].type,
-            first_epoch + 1,
-            options.epochs,
-            out,
+    async with AsyncExitStack() as trackers:
+        tracker = await _open_tensorboard(
+            trackers, options, nranks=nranks, first_step=first_epoch * train_steps
         )
-    with open_reporter(console, epochs=options.epochs, total=counter.total) as reporter:
-        loop = LoopOptions(
-            max_epochs=options.epochs,
-            checkpoint_state=checkpoint.to_directory(out / CHECKPOINTS, keep=3),
-            return_min_validation_loss_model=range(options.epochs),
-            on_event=on_pass_event(reporter, counter, metrics, validation_accuracy),
-        )
-        if launch is not None:
-            state = await train(
-                launch=launch,
-                data=ModelWithData(
-                    model=SupervisedModel(module, cross_entropy),
-                    train_batches=_train_batches(root_shard, options),
-                    validation_batches=_valid_batches(root_shard, options),
-                ),
-                optimizer_factory=_optimizer(options.lr),
-                loop=loop,
-                step=_step(options),
-                resume=resumed,
+        if first_epoch < options.epochs:  # else the library warns, and the summary names --epochs
+            logger.info(
+                "training on %d ranks (%s), epochs %d..%d, files in %s",
+                nranks,
+                devices[0].type,
+                first_epoch + 1,
+                options.epochs,
+                out,
             )
-            assert state is not None  # train returns the loop state on the root
-        else:
-            state = await _train_here(options, data, module, devices, loop, resumed)
+        with open_reporter(console, epochs=options.epochs, total=counter.total) as reporter:
+            loop = LoopOptions(
+                max_epochs=options.epochs,
+                checkpoint_state=checkpoint.to_directory(out / CHECKPOINTS, keep=3),
+                return_min_validation_loss_model=range(options.epochs),
+                on_event=on_pass_event(reporter, counter, metrics, validation_accuracy, tracker),
+            )
+            if launch is not None:
+                state = await train(
+                    launch=launch,
+                    data=ModelWithData(
+                        model=SupervisedModel(module, cross_entropy),
+                        train_batches=_train_batches(root_shard, options),
+                        validation_batches=_valid_batches(root_shard, options),
+                    ),
+                    optimizer_factory=_optimizer(options.lr),
+                    loop=loop,
+                    step=_step(options),
+                    resume=resumed,
+                )
+                assert state is not None  # train returns the loop state on the root
+            else:
+                state = await _train_here(options, data, module, devices, loop, resumed)
+        if tracker is not None:
+            await tracker.log_summary(state)
     final_accuracy = await anyio.to_thread.run_sync(
         accuracy, module, data.valid_inputs, data.valid_labels
     )
@@ -260,7 +269,32 @@ async def _run_root(
         device=str(devices[0]),
         out=out,
         first_epoch=first_epoch,
+        tensorboard=options.tensorboard.resolve() if options.tensorboard is not None else None,
     )
+
+
+async def _open_tensorboard(
+    stack: AsyncExitStack, options: DemoOptions, *, nranks: int, first_step: int
+) -> Tracker | None:
+    """The root's TensorBoard tracker for ``--tensorboard`` (``None`` without it), open in
+    ``stack`` and with the demo's hyperparameters logged. A resumed run's steps go on from
+    ``first_step``, the steps of the epochs it resumes after."""
+    if options.tensorboard is None:
+        return None
+    tracker = TensorBoardTracker(options.tensorboard.resolve(), first_step=first_step)
+    await stack.enter_async_context(tracker)
+    await tracker.log_hyperparameters(
+        {
+            "epochs": options.epochs,
+            "batch_size": options.batch_size,
+            "lr": options.lr,
+            "optimizer": "adam",
+            "ranks": nranks,
+            "device": options.device,
+            "seed": options.seed,
+        }
+    )
+    return tracker
 
 
 async def _train_here(

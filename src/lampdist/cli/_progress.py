@@ -25,6 +25,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from .._effects import OnPassEvent
 from .._state import PassEvent
 
 __all__ = ["MetricsFile", "PassCounter", "Reporter", "open_reporter", "read_metrics"]
@@ -201,9 +202,11 @@ def on_pass_event(
     counter: PassCounter,
     metrics: MetricsFile,
     validation_accuracy: Callable[[], Awaitable[float]],
+    tracker: OnPassEvent | None = None,
 ) -> Callable[[PassEvent], Awaitable[None]]:
     """The ``on_event`` effect of the demo's root: count, measure accuracy after a
-    validation pass, write the metrics line, show progress."""
+    validation pass, write the metrics line, give the event to ``tracker`` (if any), show
+    progress."""
 
     async def on_event(event: PassEvent) -> None:
         counter.advance(event)
@@ -212,6 +215,8 @@ def on_pass_event(
             accuracy = await validation_accuracy()
         if event.done:
             await metrics.record(event, accuracy)
+        if tracker is not None:
+            await tracker(event)
         reporter.update(event, counter, accuracy)
 
     return on_event

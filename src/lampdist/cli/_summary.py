@@ -36,6 +36,8 @@ def summary_lines(result: DemoResult) -> list[str]:
         f"  {CURVE}  loss and accuracy per epoch",
         f"  {MODEL}  the model's state dict",
     ]
+    if result.tensorboard is not None:
+        lines.append(f"TensorBoard: tensorboard --logdir {result.tensorboard}")
     return lines
 
 
