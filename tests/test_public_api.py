@@ -120,6 +120,7 @@ PUBLIC_NAMES = {
     "lampdist.schedules": [
         "LearningRateSchedule",
         "ReduceOnPlateauState",
+        "StepSchedule",
         "WarmupState",
         "cosine",
         "cyclic",
@@ -132,6 +133,8 @@ PUBLIC_NAMES = {
         "state_to_json",
         "step_after",
         "warmup",
+        "warmup_cosine_steps",
+        "warmup_linear_steps",
     ],
     "lampdist.trackers": [
         "CsvTracker",

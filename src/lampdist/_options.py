@@ -25,7 +25,7 @@ from ._loop import check_epochs_arguments
 from ._model import SupervisedModel
 from ._source import check_source
 from ._state import LoopState
-from .schedules import LearningRateSchedule, noop
+from .schedules import LearningRateSchedule, StepSchedule, noop
 
 __all__ = [
     "LoopOptions",
@@ -61,6 +61,17 @@ class StepOptions:
     :class:`~lampdist.PassContext` of every pass, which a batch source that shuffles draws its
     order from (each rank, epoch and kind of pass gets its own seed).
 
+    ``steps_per_epoch`` makes each epoch a window of that many optimizer steps over the
+    training data instead of one pass over it: every rank reads its training source as one
+    stream across epochs, calling it again for its next pass over the data when it runs out
+    (the source's :class:`~lampdist.PassContext` then counts those passes in ``epoch``), so
+    validation, checkpoints, the schedule and the best model come every N steps under lamp's
+    rules. Checkpoints then hold each rank's place in its data (the source's
+    ``state_dict()`` when it has one, as torchdata's ``StatefulDataLoader`` does, else the
+    batches to skip), and a resumed run goes on with the next batch.
+    ``learning_rate_per_step`` (needs ``steps_per_epoch``) multiplies the learning rate of
+    each step by a :class:`~lampdist.schedules.StepSchedule` of the global step.
+
     Raises :class:`~lampdist.ConfigError` for values out of range.
     """
 
@@ -71,6 +82,8 @@ class StepOptions:
     max_grad_norm: float | None = None
     non_finite_loss: Literal["raise", "skip"] = "raise"
     shuffle_seed: int = 0
+    steps_per_epoch: int | None = None
+    learning_rate_per_step: StepSchedule | None = None
 
     def __attrs_post_init__(self) -> None:
         accumulate = self.accumulate_gradient_over_n_batches
@@ -107,6 +120,29 @@ class StepOptions:
         seed = self.shuffle_seed
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ConfigError(f"shuffle_seed must be an int, got {seed!r}", phase="configure")
+        steps = self.steps_per_epoch
+        if steps is not None and (
+            isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
+        ):
+            raise ConfigError(
+                f"steps_per_epoch must be an int >= 1 or None (an epoch is a pass over the "
+                f"data), got {steps!r}",
+                phase="configure",
+            )
+        per_step = self.learning_rate_per_step
+        if per_step is not None:
+            if not callable(getattr(per_step, "factor", None)):
+                raise ConfigError(
+                    "learning_rate_per_step must be a schedules.StepSchedule (e.g. "
+                    f"schedules.warmup_cosine_steps(...)), got {per_step!r}",
+                    phase="configure",
+                )
+            if steps is None:
+                raise ConfigError(
+                    "learning_rate_per_step needs steps_per_epoch: the global step of a "
+                    "step is epoch * steps_per_epoch + the step in the epoch",
+                    phase="configure",
+                )
         if self.step_on not in ("root", "every_rank", "sharded"):
             raise ConfigError(
                 f"step_on must be 'root', 'every_rank' or 'sharded', got {self.step_on!r}",
@@ -133,7 +169,10 @@ class LoopOptions:
     :mod:`lampdist.schedules`). With ``return_min_validation_loss_model`` (a set of epochs),
     the model of the epoch with the lowest smoothed validation loss among them is kept, and
     every rank ends holding it. ``checkpoint_state`` is awaited after every epoch
-    (:func:`lampdist.checkpoint.to_directory` builds one); ``on_event`` receives the root's
+    (:func:`lampdist.checkpoint.to_directory` builds one), or with ``checkpoint_interval``
+    (seconds of wall time: for preemptible jobs with short epochs) after the first epoch that
+    ends that long after the last checkpoint, and always after the last epoch and on a
+    requested stop; ``on_event`` receives the root's
     progress (:class:`~lampdist.PassEvent`). The rules are :func:`lampdist.epochs`'.
 
     Raises :class:`~lampdist.ConfigError` for values out of range.
@@ -147,9 +186,18 @@ class LoopOptions:
         default=frozenset(), converter=_epoch_set
     )
     checkpoint_state: CheckpointState | None = None
+    checkpoint_interval: float | None = None
     on_event: OnPassEvent | None = None
 
     def __attrs_post_init__(self) -> None:
+        interval = self.checkpoint_interval
+        if interval is not None and (
+            isinstance(interval, bool) or not isinstance(interval, int | float) or not interval > 0
+        ):
+            raise ConfigError(
+                f"checkpoint_interval must be > 0 seconds or None (every epoch), got {interval!r}",
+                phase="configure",
+            )
         check_epochs_arguments(
             self.max_epochs,
             self.validation_frequency,

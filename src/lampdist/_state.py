@@ -47,15 +47,20 @@ class LoopState:
 class TrainingState:
     """Everything a distributed run needs to resume: the loop state and three state dicts.
 
-    ``model_state`` and ``optimizer_state`` are the root's ``state_dict()`` results;
+    ``model_state`` and ``optimizer_state`` are the root's ``state_dict()`` results (with
+    ``step_on="sharded"``, the whole optimizer's state gathered from the ranks);
     ``best_model_state`` is the model's state dict at the minimum validation loss, or ``None``
-    when no best model has been saved.
+    when no best model has been saved. ``rank_states`` holds, per rank in rank order, what it
+    needs to go on exactly where it stopped: its place in its training data
+    (``"position"``, with ``StepOptions.steps_per_epoch``) and its RNG states; ``None`` in
+    checkpoints that predate them.
     """
 
     loop_state: LoopState
     model_state: Mapping[str, Any]
     optimizer_state: Mapping[str, Any]
     best_model_state: Mapping[str, Any] | None = None
+    rank_states: tuple[Mapping[str, Any], ...] | None = None
 
 
 @attrs.frozen(kw_only=True)

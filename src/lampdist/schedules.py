@@ -10,6 +10,11 @@ the run's schedule (:func:`state_to_json`, :func:`state_from_json`)::
     state = schedule.init
     state, factor = schedule.learning_rate_factor(state, 0, None)
 
+A step schedule (:class:`StepSchedule`, ``StepOptions.learning_rate_per_step``) gives a factor
+per optimizer step instead, from the run's global step alone: warm-up then a cosine or linear
+decay over steps (:func:`warmup_cosine_steps`, :func:`warmup_linear_steps`). It multiplies the
+epoch schedule's factor.
+
 Nothing here does I/O or touches torch.
 """
 
@@ -30,6 +35,7 @@ from ._errors import ConfigError
 __all__ = [
     "LearningRateSchedule",
     "ReduceOnPlateauState",
+    "StepSchedule",
     "WarmupState",
     "cosine",
     "cyclic",
@@ -42,6 +48,8 @@ __all__ = [
     "state_to_json",
     "step_after",
     "warmup",
+    "warmup_cosine_steps",
+    "warmup_linear_steps",
 ]
 
 S = TypeVar("S")
@@ -279,6 +287,70 @@ class _ReduceOnPlateau:
                 factor = 0.0
             return attrs.evolve(state, factor=factor, last_improvement_epoch=epoch), factor
         return state, state.factor
+
+
+class StepSchedule(Protocol):
+    """A learning-rate factor for each optimizer step, from the run's global step (counted
+    from 0 over the whole run: with ``StepOptions.steps_per_epoch=N``, step ``i`` of epoch
+    ``e`` is ``e * N + i``). Every stepping rank evaluates it on the host before each step,
+    so it must be a pure function of the step, and a value whose ``repr`` is the same on every
+    rank (the ranks compare their ``StepOptions``): a frozen attrs or dataclass value, such as
+    the ones below."""
+
+    def factor(self, step: int) -> float:
+        """The factor for global step ``step`` (>= 0)."""
+        ...
+
+
+@attrs.frozen(kw_only=True)
+class _WarmupDecaySteps:
+    warmup_steps: int
+    total_steps: int
+    final_factor: float
+    shape: str
+
+    def factor(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if step >= self.total_steps:
+            return self.final_factor
+        progress = (step - self.warmup_steps) / (self.total_steps - self.warmup_steps)
+        if self.shape == "cosine":
+            half = (1.0 + math.cos(math.pi * progress)) / 2.0
+            return self.final_factor + (1.0 - self.final_factor) * half
+        return 1.0 + (self.final_factor - 1.0) * progress
+
+
+def _warmup_decay(
+    warmup_steps: int, total_steps: int, final_factor: float, shape: str
+) -> StepSchedule:
+    _check_int("warmup_steps", warmup_steps, 0)
+    _check_int("total_steps", total_steps, warmup_steps + 1)
+    _check_float("final_factor", final_factor, low=0.0, high=1.0)
+    return _WarmupDecaySteps(
+        warmup_steps=warmup_steps,
+        total_steps=total_steps,
+        final_factor=float(final_factor),
+        shape=shape,
+    )
+
+
+def warmup_cosine_steps(
+    warmup_steps: int, total_steps: int, final_factor: float = 0.0
+) -> StepSchedule:
+    """Per step: a linear warm-up over ``warmup_steps`` steps (step ``s`` gets ``(s + 1) /
+    warmup_steps``), then a half-cosine from 1 down to ``final_factor`` at step
+    ``total_steps``, held there after. Raises :class:`~lampdist.ConfigError` unless
+    ``0 <= warmup_steps < total_steps`` and ``0 <= final_factor <= 1``."""
+    return _warmup_decay(warmup_steps, total_steps, final_factor, "cosine")
+
+
+def warmup_linear_steps(
+    warmup_steps: int, total_steps: int, final_factor: float = 0.0
+) -> StepSchedule:
+    """Per step: :func:`warmup_cosine_steps`'s warm-up, then a straight line from 1 down to
+    ``final_factor`` at step ``total_steps``, held there after."""
+    return _warmup_decay(warmup_steps, total_steps, final_factor, "linear")
 
 
 def noop() -> LearningRateSchedule[None]:

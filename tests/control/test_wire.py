@@ -48,22 +48,11 @@ commands = st.builds(
     epoch=counts,
     pass_index=counts,
     lr_factor=st.none() | st.floats(allow_nan=False, allow_infinity=False),
-).flatmap(
+).map(
     lambda c: (
-        st.builds(
-            Command,
-            kind=st.just(c.kind),
-            epoch=st.just(c.epoch),
-            pass_index=st.just(c.pass_index),
-            lr_factor=st.just(c.lr_factor),
-            gather_state=st.booleans(),
-        )
-        if c.kind is CommandKind.TRAIN
-        else st.just(
-            c
-            if c.kind is not CommandKind.STOP
-            else Command(kind=c.kind, epoch=c.epoch, pass_index=c.pass_index, error="a failure")
-        )
+        c
+        if c.kind is not CommandKind.STOP
+        else Command(kind=c.kind, epoch=c.epoch, pass_index=c.pass_index, error="a failure")
     )
 )
 clique_ids = st.builds(
@@ -88,7 +77,6 @@ messages: st.SearchStrategy[Message] = st.one_of(
 )
 FIELDS = ["rank", "nonce", "heartbeat_interval", "proof", "code", "reason", "clique_id"]
 FIELDS += ["seq", "command", "phase", "message", "kind", "epoch", "pass_index", "lr_factor"]
-FIELDS += ["gather_state"]
 field_names = st.sampled_from(FIELDS) | st.text(max_size=8)
 json_values = st.recursive(
     st.none()
@@ -216,8 +204,6 @@ def test_commands_survive_json(command: Command) -> None:
         {"kind": CommandKind.TRAIN, "epoch": 0, "pass_index": True},
         {"kind": CommandKind.TRAIN, "epoch": 0, "pass_index": 0, "lr_factor": math.inf},
         {"kind": CommandKind.VALID, "epoch": 0, "pass_index": 0, "error": "no"},
-        {"kind": CommandKind.VALID, "epoch": 0, "pass_index": 0, "gather_state": True},
-        {"kind": CommandKind.TRAIN, "epoch": 0, "pass_index": 0, "gather_state": 1},
     ],
 )
 def test_invalid_commands_are_config_errors(kwargs: dict[str, Any]) -> None:

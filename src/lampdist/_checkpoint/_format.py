@@ -39,6 +39,7 @@ __all__ = [
     "MANIFEST",
     "MODEL",
     "OPTIMIZER",
+    "RANKS",
     "RNG",
     "STATE",
     "TEMP_PREFIX",
@@ -65,7 +66,9 @@ RNG = "rng"
 MODEL = "model"
 OPTIMIZER = "optimizer"
 BEST_MODEL = "best_model"
-"""The state dict files, without their suffix."""
+RANKS = "ranks"
+"""The state dict files, without their suffix (``ranks``: what each rank holds of the
+checkpoint, when the run gathered it)."""
 TENSORS = ".tensors"
 """The suffix of a tensor file (format 2)."""
 TORCH = ".pt"

@@ -19,6 +19,7 @@ from ._format import (
     MANIFEST,
     MODEL,
     OPTIMIZER,
+    RANKS,
     RNG,
     STATE,
     TENSORS,
@@ -111,11 +112,11 @@ def _read_files(path: Path, *, map_location: Any) -> Loaded:
     if STATE not in records:
         raise Damaged("the manifest lists no state.json")
     stems = {}
-    for stem in (RNG, MODEL, OPTIMIZER, BEST_MODEL):
+    for stem in (RNG, MODEL, OPTIMIZER, BEST_MODEL, RANKS):
         record = _file_of(manifest, stem)
         if record is not None:
             stems[stem] = record
-        elif stem != BEST_MODEL:
+        elif stem not in (BEST_MODEL, RANKS):
             raise Damaged(f"the manifest lists {sorted(records)}, not every required file")
     for record in manifest.files:  # tensor files are checked while they are read
         if not record.name.endswith(TENSORS):
@@ -126,12 +127,15 @@ def _read_files(path: Path, *, map_location: Any) -> Loaded:
             raise Damaged(f"state.json has format version {state['format_version']}")
         loop_state = loop_state_from_json(state["loop_state"])
         has_best = bool(state["has_best_model"])
+        has_ranks = bool(state.get("has_rank_states", False))  # absent before they existed
         rng_json = state["rng"]
         lr_state_json = state["lr_state"]
     except (ValueError, TypeError, KeyError, RecursionError) as exc:
         raise Damaged(f"malformed state.json ({exc!r})") from exc
     if has_best != (BEST_MODEL in stems):
         raise Damaged("state.json and the manifest disagree about the best model")
+    if has_ranks != (RANKS in stems):
+        raise Damaged("state.json and the manifest disagree about the ranks' states")
 
     def load(stem: str, location: Any) -> Any:
         record = stems[stem]
@@ -145,6 +149,7 @@ def _read_files(path: Path, *, map_location: Any) -> Loaded:
         model_state=load(MODEL, map_location),
         optimizer_state=load(OPTIMIZER, map_location),
         best_model_state=load(BEST_MODEL, map_location) if has_best else None,
+        rank_states=tuple(load(RANKS, "cpu")) if has_ranks else None,
     )
     try:
         rng = RngStates.from_stored(rng_tensors, rng_json)

@@ -33,6 +33,7 @@ from ._format import (
     MANIFEST,
     MODEL,
     OPTIMIZER,
+    RANKS,
     RNG,
     STATE,
     TEMP_PREFIX,
@@ -154,6 +155,9 @@ def _write_files(
     if training_state.best_model_state is not None:
         best = _plain_state_dict(training_state.best_model_state)
         parts.append((BEST_MODEL, "best_model_state", best))
+    if training_state.rank_states is not None:
+        ranks = [dict(state) for state in training_state.rank_states]
+        parts.append((RANKS, "rank_states", ranks))
     plans = [PlannedFile(name=STATE, size=len(state_json), parts=((0, state_json),))]
     fallbacks = []
     for stem, label, value in parts:
@@ -198,6 +202,7 @@ def _state_json(training_state: TrainingState, lr_state: Any, rng: RngStates) ->
             "loop_state": loop_state_to_json(training_state.loop_state),
             "lr_state": {"type": _type_name(type(lr_state)), "value": schedule_json},
             "has_best_model": training_state.best_model_state is not None,
+            "has_rank_states": training_state.rank_states is not None,
             "rng": rng.to_json(),
         }
     )

@@ -49,6 +49,9 @@ class LoadedBatch:
     inputs: Any
     target: Any
     examples: int
+    position: Any = None
+    """On a training stream, the rank's place in its data right after this batch, when the
+    batch ends a window (a :class:`~lampdist._epoch._stream.StreamPosition`)."""
 
 
 @attrs.define(eq=False)
@@ -69,6 +72,8 @@ class BatchFeed:
     ahead: int = AHEAD
     batches_read: int = 0
     """Batches the consumer has taken (peeked ones not counted)."""
+    position: Any = None
+    """The stream position of the last batch taken that carried one (see ``_stream``)."""
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
     _changed: threading.Condition = attrs.field(init=False, repr=False)
     _ready: collections.deque[LoadedBatch] = attrs.field(factory=collections.deque, init=False)
@@ -144,6 +149,8 @@ class BatchFeed:
             return None
         batch, self._peeked = self._peeked, None
         self.batches_read += 1
+        if batch is not None and batch.position is not None:
+            self.position = batch.position
         return batch
 
     def has_next(self) -> bool:

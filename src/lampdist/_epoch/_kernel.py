@@ -24,16 +24,15 @@ every rank's batches of the step.
 
 from __future__ import annotations
 
-import io
 import math
 import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
 
 import attrs
 import torch
 
+from .._checkpoint import capture_rng_states
 from .._errors import LampdistError, TrainingError
 from .._model import SupervisedModel
 from .._options import StepOptions
@@ -44,9 +43,11 @@ from ._buckets import GradientBuckets
 from ._device import host_to_device
 from ._feed import BatchFeed, LoadedBatch, PassStopped
 from ._flat import FlatParameters
+from ._objects import broadcast_object, gather_objects
 from ._progress import Progress
-from ._result import PassResult
+from ._result import CheckpointParts, PassResult
 from ._stepper import Combine, LossScale, Stepper
+from ._stream import StreamPosition
 from ._tally import ReadBack, Tally
 from ._values import (
     EXAMPLES,
@@ -80,9 +81,9 @@ class StepKernel:
     _buckets: GradientBuckets | None = attrs.field(default=None, init=False)
     _sent: list[PendingCollective] = attrs.field(factory=list, init=False)
     _read_back: ReadBack | None = attrs.field(default=None, init=False)
-    gathered_state: dict[str, Any] | None = attrs.field(default=None, init=False)
-    """Sharded, on the root: the whole optimizer state gathered at the end of the last
-    training pass that was asked to (for the root's checkpoint)."""
+    position: StreamPosition | None = attrs.field(default=None, init=False)
+    """With ``steps_per_epoch``: the rank's place in its training stream after the last
+    window (what a checkpoint stores)."""
 
     @loss_scale.default
     def _default_loss_scale(self) -> LossScale:
@@ -137,52 +138,44 @@ class StepKernel:
     def sync_optimizer_state(self) -> None:
         """Give every rank the root's optimizer state (for ``step_on="every_rank"``), or
         sharded, each rank its slice of the state the root resumed from (none for a new
-        run): the state's bytes, their length first."""
+        run)."""
         stepper = self.stepper
         assert stepper is not None
         self._check_thread()
         if self.alone:
             return
-        device = self.device
-        payload = torch.zeros(0, dtype=torch.uint8, device=device)
-        length = torch.zeros(1, dtype=torch.int64, device=device)
+        state = None
         if self.is_root:
             state = stepper.resumed_state if self.sharded else stepper.optimizer.state_dict()
-            if state is not None:
-                buffer = io.BytesIO()
-                torch.save(state, buffer)
-                payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-                payload = payload.to(device)
-                length = host_to_device([payload.numel()], torch.int64, device)
             stepper.resumed_state = None
-        self.clique.start_broadcast([length]).wait_blocking(None)
-        count = int(length.item())
-        if count == 0:
-            return
-        if not self.is_root:
-            payload = torch.zeros(count, dtype=torch.uint8, device=device)
-        self.clique.start_broadcast([payload]).wait_blocking(None)
-        if self.is_root:
-            return
         # Sharded, the whole state stays in host memory: each rank moves its slice only.
-        state = torch.load(
-            io.BytesIO(payload.cpu().numpy().tobytes()),
-            map_location="cpu" if self.sharded else device,
-            weights_only=True,
-        )
-        stepper.load_state_dict(state)
-        stepper.resumed_state = None
+        location = "cpu" if self.sharded else self.device
+        state = broadcast_object(self.clique, state, rank=self.rank, map_location=location)
+        if state is not None and not self.is_root:
+            stepper.load_state_dict(state)
+            stepper.resumed_state = None
 
-    def checkpoint_optimizer_state(self) -> dict[str, Any]:
-        """The root's whole optimizer state for a checkpoint: its optimizer's, or sharded,
-        what the last training pass gathered."""
-        assert self.stepper is not None and self.is_root
-        if self.stepper.shard is None:
-            return self.stepper.optimizer.state_dict()
-        if self.gathered_state is None:
-            raise AssertionError("the sharded optimizer state was not gathered for this checkpoint")
-        state, self.gathered_state = self.gathered_state, None
-        return state
+    def checkpoint_parts(self) -> CheckpointParts | None:
+        """What each rank holds of a checkpoint, gathered on the root (``None`` elsewhere):
+        sharded, the whole optimizer state; and every rank's place in its training stream
+        and RNG states. Every rank calls it, between passes."""
+        self._check_thread()
+        optimizer_state = None
+        if self.stepper is not None and self.stepper.shard is not None:
+            optimizer_state = self.stepper.shard.full_state_dict(self._all_gather)
+        rng = capture_rng_states()
+        mine = {
+            "position": None if self.position is None else self.position.to_plain(),
+            "rng_tensors": rng.tensors(),
+            "rng_json": rng.to_json(),
+        }
+        ranks = gather_objects(self.clique, mine, rank=self.rank)
+        if ranks is None:
+            return None
+        if optimizer_state is None and self.stepper is not None:
+            optimizer_state = self.stepper.optimizer.state_dict()
+        assert optimizer_state is not None
+        return CheckpointParts(optimizer_state=optimizer_state, rank_states=tuple(ranks))
 
     # -- the training pass -------------------------------------------------------------------
 
@@ -194,12 +187,11 @@ class StepKernel:
         pass_index: int,
         lr_factor: float,
         progress: Progress | None,
-        gather_state: bool = False,
     ) -> PassResult:
         """One training pass over ``feed``; the result covers the whole clique where this
         rank steps. ``progress`` (the root's) gets an event after every step. With
-        ``gather_state`` (sharded, when the root will checkpoint) every rank helps gather the
-        whole optimizer state at the end, which the root keeps. Raises
+        ``steps_per_epoch`` the pass is that many steps over the rank's training stream, and
+        ``learning_rate_per_step`` scales each step's learning rate. Raises
         :class:`PassStopped` between steps once the feed is stopped."""
         self._check_thread()
         if self.stepper is not None:
@@ -210,13 +202,18 @@ class StepKernel:
         if self._read_back is None and self.device.type == "cuda":
             self._read_back = ReadBack(self.device)
         tally = Tally(rank=self.rank, epoch=epoch, read_back=self._read_back)
+        per_step = self.options.learning_rate_per_step
+        window = self.options.steps_per_epoch
         with self._attach_buckets():
-            planned = self._planned_steps(feed)
+            planned = window if window is not None else self._planned_steps(feed)
             step = 0
             more = True
             while more:
                 if feed.stopped:
                     raise PassStopped
+                if per_step is not None and self.stepper is not None:
+                    assert window is not None  # StepOptions checks it
+                    self.stepper.set_lr_factor(lr_factor * per_step.factor(epoch * window + step))
                 if self.alone:
                     more = self._solo_step(feed, epoch, step, tally)
                 else:
@@ -244,9 +241,10 @@ class StepKernel:
                         )
                     )
         self._settle_sent()
-        if gather_state and self.stepper is not None and self.stepper.shard is not None:
-            state = self.stepper.shard.full_state_dict(self._all_gather)
-            self.gathered_state = state if self.is_root else None
+        if self.options.steps_per_epoch is not None:
+            self.position = feed.position
+            if self.position is None:
+                raise AssertionError("a window ended on a batch without its stream position")
         if self.stepper is None:
             return PassResult(loss=math.nan, examples=0, steps=step)
         if tally.examples == 0 and tally.skipped == 0:

@@ -9,30 +9,36 @@ between steps and aborts the clique, which frees a collective in flight.
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import attrs
 import torch
 
+from .._checkpoint import RngStates, restore_rng_states
 from .._effects import BatchSource, OnPassEvent, PassAwareBatchSource
 from .._openmp import release_team
 from .._source import PassContext, PassKind, pass_seed
 from .._state import PassEvent
 from ..clique import Clique
 from ._compute import ComputeThread
-from ._feed import BatchFeed, open_feed
+from ._feed import AHEAD, BatchFeed, _Loader, open_feed
 from ._kernel import StepKernel
+from ._objects import broadcast_object
 from ._progress import Progress
-from ._result import PassResult
+from ._result import CheckpointParts, PassResult
+from ._stream import StreamPosition, TrainStream, stream_context
 
 __all__ = ["PassRunner"]
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 
 @attrs.define(eq=False)
@@ -43,6 +49,9 @@ class PassRunner:
     compute: ComputeThread
     on_event: OnPassEvent | None = None
     """The root's progress callback (followers report none)."""
+    _stream: TrainStream | None = attrs.field(default=None, init=False)
+    _start: StreamPosition | None = attrs.field(default=None, init=False)
+    """Where the training stream starts (a resumed run's place in its data)."""
 
     @property
     def rank(self) -> int:
@@ -68,6 +77,51 @@ class PassRunner:
         slice of the resumed state (``"sharded"``)."""
         await self.compute.run(self.kernel.sync_optimizer_state, on_cancel=self._abort_clique)
 
+    async def checkpoint_parts(self) -> CheckpointParts | None:
+        """Gather what every rank holds of a checkpoint on the root (see
+        :meth:`StepKernel.checkpoint_parts`)."""
+        return await self.compute.run(self.kernel.checkpoint_parts, on_cancel=self._abort_clique)
+
+    async def resume_ranks(
+        self, rank_states: tuple[Mapping[str, Any], ...] | None, *, restore_rng: bool
+    ) -> None:
+        """Give every rank its part of the checkpoint the root resumes from: its place in its
+        training stream, and with ``restore_rng`` its RNG states (the root restores its own
+        from the checkpoint). ``rank_states`` is the root's (ignored elsewhere)."""
+
+        def take() -> None:
+            payload = None
+            if self.rank == 0 and rank_states is not None:
+                payload = {"ranks": [dict(s) for s in rank_states], "restore_rng": restore_rng}
+            shared = broadcast_object(self.clique, payload, rank=self.rank)
+            if shared is None:
+                return
+            ranks = shared["ranks"]
+            if len(ranks) != self.clique.nranks:
+                if self.rank == 0:
+                    logger.warning(
+                        "the checkpoint was written by %d ranks and this run has %d: every "
+                        "rank starts its training data afresh",
+                        len(ranks),
+                        self.clique.nranks,
+                        extra={"rank": 0},
+                    )
+                return
+            mine = ranks[self.rank]
+            if mine["position"] is not None:
+                self._start = StreamPosition.from_plain(mine["position"])
+                self.kernel.position = self._start
+            if shared["restore_rng"] and self.rank != 0:
+                restore_rng_states(RngStates.from_stored(mine["rng_tensors"], mine["rng_json"]))
+
+        await self.compute.run(take, on_cancel=self._abort_clique)
+
+    def close(self) -> None:
+        """Stop the training stream, if one is open (the run ends)."""
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
     async def run(self, function: Callable[..., T], *args: object) -> T:
         """``function(*args)`` on the compute thread, for work between passes that may wait
         for the peers (the clique is aborted when the caller is cancelled meanwhile)."""
@@ -80,30 +134,59 @@ class PassRunner:
         epoch: int,
         pass_index: int,
         lr_factor: float,
-        gather_state: bool = False,
     ) -> PassResult:
         """One training pass; the result covers the whole clique where this rank steps.
-        ``gather_state``: see :meth:`StepKernel.train_pass`."""
+        With ``steps_per_epoch``, a window of the rank's training stream."""
+        if self.kernel.options.steps_per_epoch is not None:
+            return await self._train_window(source, epoch, pass_index, lr_factor)
         async with self._feed(source, "train", epoch) as feed:
-            progress = None
-            if self.on_event is not None and self.kernel.is_root:
-                progress = Progress()
+            return await self._train_on(feed, epoch, pass_index, lr_factor)
 
-            async def run() -> PassResult:
-                work = partial(
-                    self.kernel.train_pass,
-                    feed,
-                    epoch=epoch,
-                    pass_index=pass_index,
-                    lr_factor=lr_factor,
-                    progress=progress,
-                    gather_state=gather_state,
-                )
-                return await self.compute.run(work, on_cancel=lambda: self._stop(feed))
+    async def _train_window(
+        self,
+        source: BatchSource | PassAwareBatchSource,
+        epoch: int,
+        pass_index: int,
+        lr_factor: float,
+    ) -> PassResult:
+        release_team()
+        if self._stream is None:
+            options = self.kernel.options
+            assert options.steps_per_epoch is not None
+            feed = BatchFeed(
+                total=None, intra_op_threads=self.compute.intra_op_threads, ahead=AHEAD
+            )
+            loader = _Loader(feed, self.kernel.model, self.device, self.rank, "train")
+            self._stream = TrainStream.open(
+                source,
+                loader=loader,
+                window=options.steps_per_epoch * options.accumulate_gradient_over_n_batches,
+                start=self._start,
+                context=stream_context(options.shuffle_seed, self.rank, self.clique.nranks),
+            )
+        return await self._train_on(self._stream.feed, epoch, pass_index, lr_factor)
 
-            if progress is None or self.on_event is None:
-                return await run()
-            return await _with_delivery(run, progress, self.on_event)
+    async def _train_on(
+        self, feed: BatchFeed, epoch: int, pass_index: int, lr_factor: float
+    ) -> PassResult:
+        progress = None
+        if self.on_event is not None and self.kernel.is_root:
+            progress = Progress()
+
+        async def run() -> PassResult:
+            work = partial(
+                self.kernel.train_pass,
+                feed,
+                epoch=epoch,
+                pass_index=pass_index,
+                lr_factor=lr_factor,
+                progress=progress,
+            )
+            return await self.compute.run(work, on_cancel=lambda: self._stop(feed))
+
+        if progress is None or self.on_event is None:
+            return await run()
+        return await _with_delivery(run, progress, self.on_event)
 
     async def validation_pass(
         self, source: BatchSource | PassAwareBatchSource, *, epoch: int, pass_index: int

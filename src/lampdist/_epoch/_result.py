@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import attrs
 
-__all__ = ["PassResult"]
+__all__ = ["CheckpointParts", "PassResult"]
 
 
 @attrs.frozen(kw_only=True)
@@ -16,3 +19,14 @@ class PassResult:
     examples: int
     steps: int
     skipped_steps: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class CheckpointParts:
+    """What the ranks hold of a checkpoint, gathered on the root: the whole optimizer state
+    (the root's, or sharded, every rank's slice of it) and, per rank in rank order, its place
+    in its training stream (``"position"``, ``None`` without ``steps_per_epoch``) and its RNG
+    states (``"rng_tensors"``, ``"rng_json"``)."""
+
+    optimizer_state: Mapping[str, Any]
+    rank_states: tuple[dict[str, Any], ...]

@@ -166,11 +166,13 @@ async def agree_and_sync(
     *,
     validates: bool,
     tracker: PhaseTracker,
+    resume: Resumed | None = None,
 ) -> None:
     """What every rank does, in the same order, once its clique is open: :func:`agree`
-    (phase ``'agreement'``), then take the root's parameters and buffers, and with
-    with ``step_on="every_rank"`` its optimizer state (sharded: each rank's slice of the
-    state the root resumed from).
+    (phase ``'agreement'``), then take the root's parameters and buffers, with
+    ``step_on="every_rank"`` its optimizer state (sharded: each rank's slice of the state the
+    root resumed from), and its part of the checkpoint the root resumes from (``resume``, the
+    root's): its place in its training data and, when the root restores RNG states, its own.
 
     Raises :class:`MismatchError` as :func:`agree` does, and the clique's errors.
     """
@@ -179,6 +181,9 @@ async def agree_and_sync(
     await runner.sync_parameters()
     if options.step_on != "root":
         await runner.sync_optimizer_state()
+    rank_states = resume.training_state.rank_states if resume is not None else None
+    restore_rng = resume is not None and resume.rng_states is not None
+    await runner.resume_ranks(rank_states, restore_rng=restore_rng)
 
 
 async def watch_peers(watch: Callable[[], Awaitable[NoReturn]], tracker: PhaseTracker) -> NoReturn:

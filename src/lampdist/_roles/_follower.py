@@ -270,6 +270,15 @@ class _Follower:
         validates = data.validation_batches is not None
         await agree_and_sync(runner, self.flat, self.step, validates=validates, tracker=tracker)
         tracker.current = "wait for command"
+        try:
+            await self._run_commands(runner, commands)
+        finally:
+            runner.close()
+
+    async def _run_commands(
+        self, runner: PassRunner, commands: MemoryObjectReceiveStream[Command]
+    ) -> None:
+        tracker, data = self.tracker, self.data
         async for command in commands:
             if command.kind is CommandKind.STOP:
                 if command.error is not None:
@@ -286,8 +295,10 @@ class _Follower:
                     epoch=command.epoch,
                     pass_index=command.pass_index,
                     lr_factor=command.lr_factor if command.lr_factor is not None else 1.0,
-                    gather_state=command.gather_state,
                 )
+            elif command.kind is CommandKind.CHECKPOINT:
+                tracker.current = "checkpoint"
+                await runner.checkpoint_parts()
             elif command.kind is CommandKind.VALID:
                 tracker.current = "valid"
                 assert data.validation_batches is not None  # the agreement check ensures it

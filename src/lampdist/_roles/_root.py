@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import anyio
@@ -281,6 +282,7 @@ class _Root:
     resume: Resumed | None
     lr_state: Any
     runner: PassRunner | None = None
+    last_checkpoint: float = 0.0
     best_model_state: dict[str, torch.Tensor] | None = None
     pass_index: int = 0
     epoch: int = -1
@@ -318,11 +320,20 @@ class _Root:
                 try:
                     validates = self.data.validation_batches is not None
                     await agree_and_sync(
-                        runner, self.flat, self.step, validates=validates, tracker=self.tracker
+                        runner,
+                        self.flat,
+                        self.step,
+                        validates=validates,
+                        tracker=self.tracker,
+                        resume=self.resume,
                     )
                     if self.resume is not None and self.resume.rng_states is not None:
                         await self.compute.run(restore_rng, self.resume.rng_states)
-                    final = await self._epochs(loop_state)
+                    self.last_checkpoint = time.monotonic()
+                    try:
+                        final = await self._epochs(loop_state)
+                    finally:
+                        runner.close()
                     self.tracker.current = "stop"
                     self.stopping.reached.set()
                     if self.best_model_state is not None:
@@ -382,23 +393,11 @@ class _Root:
             epoch,
             pass_index,
         )
-        # Sharded, every rank gathers the optimizer state for the checkpoint after the pass.
-        gather = self.stepper.shard is not None and self.loop.checkpoint_state is not None
         await self.control.broadcast(
-            Command(
-                kind=CommandKind.TRAIN,
-                epoch=epoch,
-                pass_index=pass_index,
-                lr_factor=lr_factor,
-                gather_state=gather,
-            )
+            Command(kind=CommandKind.TRAIN, epoch=epoch, pass_index=pass_index, lr_factor=lr_factor)
         )
         result = await self.runner.train_pass(
-            self.data.train_batches,
-            epoch=epoch,
-            pass_index=pass_index,
-            lr_factor=lr_factor,
-            gather_state=gather,
+            self.data.train_batches, epoch=epoch, pass_index=pass_index, lr_factor=lr_factor
         )
         self.pass_index += 1
         return result.loss
@@ -423,21 +422,27 @@ class _Root:
         )
 
     async def _checkpoint(self, state: LoopState, lr_state: Any) -> None:
-        checkpoint_state = self.loop.checkpoint_state
-        assert checkpoint_state is not None
+        checkpoint_state, runner = self.loop.checkpoint_state, self.runner
+        assert checkpoint_state is not None and runner is not None
+        if not self._checkpoint_due(state):
+            return
         self.tracker.current = "checkpoint"
         check_schedule_state(self.loop.learning_rate_schedule, lr_state, epoch=state.epoch - 1)
-        module, kernel = self.data.model.module, self.runner.kernel if self.runner else None
-        assert kernel is not None
-        model_state, optimizer_state = await self.compute.run(
-            lambda: (module.state_dict(), kernel.checkpoint_optimizer_state())
+        await self.control.broadcast(
+            Command(kind=CommandKind.CHECKPOINT, epoch=state.epoch - 1, pass_index=self.pass_index)
         )
+        parts = await runner.checkpoint_parts()
+        assert parts is not None  # on the root
+        module = self.data.model.module
+        model_state = await self.compute.run(module.state_dict)
         training_state = TrainingState(
             loop_state=state,
             model_state=model_state,
-            optimizer_state=optimizer_state,
+            optimizer_state=parts.optimizer_state,
             best_model_state=self.best_model_state,
+            rank_states=parts.rank_states,
         )
+        self.last_checkpoint = time.monotonic()
         try:
             await checkpoint_state(training_state, lr_state)
         except LampdistError:
@@ -448,6 +453,15 @@ class _Root:
                 rank=0,
                 phase="checkpoint",
             ) from exc
+
+    def _checkpoint_due(self, state: LoopState) -> bool:
+        """Whether this epoch's end is checkpointed: every epoch, or with
+        ``loop.checkpoint_interval`` once that many seconds have passed since the last
+        checkpoint, and always after the last epoch and when a stop was requested."""
+        interval = self.loop.checkpoint_interval
+        if interval is None or state.epoch >= self.loop.max_epochs or self.stopping.requested():
+            return True
+        return time.monotonic() - self.last_checkpoint >= interval
 
 
 def _snapshot(state: Any, device: torch.device) -> dict[str, torch.Tensor]:

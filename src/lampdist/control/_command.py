@@ -17,10 +17,12 @@ MAX_TEXT_CHARS = 4096
 
 
 class CommandKind(enum.Enum):
-    """What a follower does next: run a training pass, run a validation pass, or stop."""
+    """What a follower does next: run a training pass, run a validation pass, hand the root
+    its part of a checkpoint, or stop."""
 
     TRAIN = "train"
     VALID = "valid"
+    CHECKPOINT = "checkpoint"
     STOP = "stop"
 
 
@@ -36,13 +38,13 @@ class Command:
     ``epoch`` is the epoch the pass belongs to, ``pass_index`` counts passes from 0 and
     increases over the run. ``lr_factor`` is the learning-rate factor of a training pass (the
     followers stepping on the root do not step an optimizer, the others scale their learning
-    rates by it). ``gather_state`` asks every rank, at the end of a sharded training pass, to
-    help gather the whole optimizer state for the root's checkpoint. ``error`` is set only on a
-    STOP that aborts the run: followers then raise :class:`lampdist.RankFailed` (``rank=0``)
-    with it.
+    rates by it). CHECKPOINT comes before the root checkpoints an epoch: every rank hands the
+    root what it holds of the checkpoint (its slice of a sharded optimizer state, its place in
+    its training data, its RNG states). ``error`` is set only on a STOP that aborts the run:
+    followers then raise :class:`lampdist.RankFailed` (``rank=0``) with it.
 
-    Raises :class:`lampdist.ConfigError` for a negative count, a non-finite ``lr_factor``, an
-    ``error`` on anything but STOP or ``gather_state`` on anything but TRAIN.
+    Raises :class:`lampdist.ConfigError` for a negative count, a non-finite ``lr_factor`` or an
+    ``error`` on anything but STOP.
     """
 
     kind: CommandKind
@@ -50,7 +52,6 @@ class Command:
     pass_index: int
     lr_factor: float | None = None
     error: str | None = None
-    gather_state: bool = False
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.kind, CommandKind):
@@ -68,10 +69,6 @@ class Command:
                 raise ConfigError(f"Command.error must be a string, got {self.error!r}")
             if self.kind is not CommandKind.STOP:
                 raise ConfigError("only a STOP command carries an error")
-        if not isinstance(self.gather_state, bool):
-            raise ConfigError(f"Command.gather_state must be a bool, got {self.gather_state!r}")
-        if self.gather_state and self.kind is not CommandKind.TRAIN:
-            raise ConfigError("only a TRAIN command asks to gather the optimizer state")
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (the wire form); an overlong ``error`` is cut to MAX_TEXT_CHARS."""
@@ -84,8 +81,6 @@ class Command:
             data["lr_factor"] = float(self.lr_factor)
         if self.error is not None:
             data["error"] = clip_text(self.error)
-        if self.gather_state:
-            data["gather_state"] = True
         return data
 
     @classmethod
@@ -106,9 +101,6 @@ class Command:
             raise ProtocolError(f"a command's 'lr_factor' must be a number, got {lr_factor!r}")
         if error is not None and (not isinstance(error, str) or len(error) > MAX_TEXT_CHARS):
             raise ProtocolError("a command's 'error' must be a string of bounded length")
-        gather_state = data.get("gather_state", False)
-        if not isinstance(gather_state, bool):
-            raise ProtocolError(f"a command's 'gather_state' must be a bool, got {gather_state!r}")
         try:
             return cls(
                 kind=kind,
@@ -116,7 +108,6 @@ class Command:
                 pass_index=pass_index,
                 lr_factor=lr_factor,
                 error=error,
-                gather_state=gather_state,
             )
         except ConfigError as exc:
             raise ProtocolError(f"invalid command: {exc.message}") from None

@@ -1,0 +1,207 @@
+"""A rank's training data as one stream across epochs (``StepOptions.steps_per_epoch``).
+
+With windows of N steps an epoch ends in the middle of the data, so the training source is not
+called once per pass: a :class:`TrainStream` keeps one loading thread and one
+:class:`BatchFeed` for the whole run. The thread calls the source for the rank's first pass
+over its data, then again for the next pass whenever one runs out (the
+:class:`~lampdist.PassContext` counts these passes in ``epoch``), so the stream never ends, and
+every epoch takes exactly ``N * accumulate`` batches from it.
+
+Where a window ends, the thread notes the rank's place in its data (:class:`StreamPosition`)
+on the window's last batch, right after drawing it (batches loaded ahead do not count): the
+pass over the data, the batches drawn from it, and the source's ``state_dict()`` when its
+iterable has one (torchdata's ``StatefulDataLoader``). A resumed stream starts from such a
+position: it calls the source for that pass and loads the state, or, for a source without
+state, draws and drops that many batches (exact when the source yields the same batches for
+the same context, as one that shuffles with ``context.generator()`` does).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import attrs
+
+from .._effects import BatchSource, PassAwareBatchSource
+from .._errors import BadBatch, TrainingError
+from .._source import PassContext, call_source, pass_seed
+from ._feed import BatchFeed, _Loader
+
+__all__ = ["StreamPosition", "TrainStream"]
+
+
+@attrs.frozen(kw_only=True)
+class StreamPosition:
+    """A rank's place in its training data at the end of a window."""
+
+    data_pass: int
+    """Which pass over the data (0 for the first)."""
+    batches: int
+    """Batches drawn from that pass."""
+    state: Any = None
+    """The source iterable's ``state_dict()`` after them, when it has one."""
+
+    def to_plain(self) -> dict[str, Any]:
+        return {"data_pass": self.data_pass, "batches": self.batches, "state": self.state}
+
+    @classmethod
+    def from_plain(cls, data: dict[str, Any]) -> StreamPosition:
+        return cls(data_pass=data["data_pass"], batches=data["batches"], state=data["state"])
+
+
+@attrs.define(eq=False)
+class TrainStream:
+    """The endless training stream of one rank; :attr:`feed` is what its passes read."""
+
+    feed: BatchFeed
+    _thread: threading.Thread
+
+    @classmethod
+    def open(
+        cls,
+        source: BatchSource | PassAwareBatchSource,
+        *,
+        loader: _Loader,
+        window: int,
+        start: StreamPosition | None,
+        context: Callable[[int], PassContext],
+    ) -> TrainStream:
+        """Start the loading thread; ``window`` is the batches of one epoch, ``context(k)``
+        the context of pass ``k`` over the data."""
+        feed = loader.feed
+        thread = threading.Thread(
+            target=_run,
+            args=(source, loader, window, start or StreamPosition(data_pass=0, batches=0), context),
+            name=f"lampdist-load-{loader.rank}",
+            daemon=True,
+        )
+        thread.start()
+        return cls(feed, thread)
+
+    def close(self) -> None:
+        """Stop the stream (the loading thread ends at its next batch)."""
+        self.feed.stop()
+
+
+def stream_context(shuffle_seed: int, rank: int, nranks: int) -> Callable[[int], PassContext]:
+    """The context of a rank's ``k``-th pass over its training data."""
+
+    def context(data_pass: int) -> PassContext:
+        seed = pass_seed(shuffle_seed, rank, data_pass, "train")
+        return PassContext(epoch=data_pass, kind="train", rank=rank, nranks=nranks, seed=seed)
+
+    return context
+
+
+def _run(
+    source: BatchSource | PassAwareBatchSource,
+    loader: _Loader,
+    window: int,
+    start: StreamPosition,
+    context: Callable[[int], PassContext],
+) -> None:
+    """The loading thread: the stream into the feed, then its end or its error."""
+    feed = loader.feed
+    if not feed.claim_loading_thread():
+        return
+    try:
+        _load(source, loader, window, start, context)
+    except BaseException as exc:
+        feed.finish(loader.translate(exc))
+    else:
+        feed.finish()
+
+
+def _load(
+    source: BatchSource | PassAwareBatchSource,
+    loader: _Loader,
+    window: int,
+    start: StreamPosition,
+    context: Callable[[int], PassContext],
+) -> None:
+    """Pass after pass over the data into the feed, a position on each window's end, until
+    the feed is stopped."""
+    feed = loader.feed
+    data_pass, skip, state = start.data_pass, start.batches, start.state
+    drawn = 0  # batches drawn since the stream (re)started: windows are counted from here
+    while not feed.stopped:
+        iterable = _call(source, context(data_pass), loader)
+        stateful = _has_state(iterable)
+        if state is not None:
+            if not stateful:
+                raise TrainingError(
+                    "the checkpoint holds the training source's state_dict(), but the source "
+                    f"now returns a {type(iterable).__name__} without load_state_dict()",
+                    rank=loader.rank,
+                    phase="resume",
+                )
+            iterable.load_state_dict(state)  # type: ignore[attr-defined]  # checked above
+        iterator: Iterator[object] = iter(iterable)
+        taken = skip
+        if state is None:
+            for _ in range(skip):
+                if next(iterator, _END) is _END:
+                    raise TrainingError(
+                        f"the training source ran out before the {skip} batches of pass "
+                        f"{data_pass} over the data that the checkpoint had drawn",
+                        rank=loader.rank,
+                        phase="resume",
+                    )
+        state, skip = None, 0
+        yielded = False
+        while not feed.stopped:
+            batch = next(iterator, _END)
+            if batch is _END:
+                break
+            yielded = True
+            taken += 1
+            drawn += 1
+            position = None
+            if drawn % window == 0:
+                position = StreamPosition(
+                    data_pass=data_pass,
+                    batches=taken,
+                    state=iterable.state_dict() if stateful else None,  # type: ignore[attr-defined]
+                )
+            if not feed.put(attrs.evolve(loader.load_one(batch), position=position)):
+                return
+        if not yielded and taken == 0:
+            raise BadBatch(
+                f"the training source yielded no batch in pass {data_pass} over the data; "
+                "with steps_per_epoch every rank needs batches",
+                rank=loader.rank,
+                phase="train",
+            )
+        data_pass += 1
+
+
+def _call(
+    source: BatchSource | PassAwareBatchSource, context: PassContext, loader: _Loader
+) -> Iterable[object]:
+    try:
+        iterable = call_source(source, context)
+    except Exception as exc:
+        raise TrainingError(
+            f"the train batch source factory raised {type(exc).__name__}: {exc}",
+            rank=loader.rank,
+            phase="train",
+        ) from exc
+    if not isinstance(iterable, Iterable):
+        raise BadBatch(
+            "with steps_per_epoch the training source must return an iterable of (inputs, "
+            f"target) batches (not an async one), got {type(iterable).__name__}",
+            rank=loader.rank,
+            phase="train",
+        )
+    return iterable
+
+
+def _has_state(iterable: object) -> bool:
+    return callable(getattr(iterable, "state_dict", None)) and callable(
+        getattr(iterable, "load_state_dict", None)
+    )
+
+
+_END = object()
