@@ -130,6 +130,10 @@ async def test_a_silent_peer_times_the_collective_out_and_hears_of_it() -> None:
             assert (caught.value.rank, caught.value.phase) == (0, "all_reduce")
             # the clique's timer or Gloo's own deadline, whichever fired first: same limit
             assert "collective_timeout=0.5 s" in str(caught.value)
+            # When the clique's timer fired first, Gloo's own operation is still pending for
+            # the rest of its 0.5 s: a peer that joined it now would complete it. Let it expire
+            # (on a loaded machine the peer's all_reduce otherwise succeeded).
+            await anyio.sleep(1.0)
             timed_out.set()
             return "timed out"
         await timed_out.wait()  # silent until rank 0 gave up and closed its clique

@@ -41,7 +41,7 @@ def sgd(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
 
 
 def source(rank: int, crash_after: int | None) -> Any:
-    from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchdata.stateful_dataloader import StatefulDataLoader  # type: ignore[import-untyped]
 
     shard = make_shards(SIZES, seed=4)[rank]
     dataset = torch.utils.data.TensorDataset(
