@@ -300,3 +300,16 @@ async def test_checkpoints_on_wall_time_come_after_the_interval_and_at_the_end()
         loop={"checkpoint_state": record, "checkpoint_interval": 1e-9},
     )
     assert saved == [1, 2, 3, 4]
+
+
+async def test_progress_counts_each_window_on_its_own() -> None:
+    shards = make_shards([[5, 7, 3], [6, 6]], seed=6)
+    last: list[lampdist.PassEvent] = []
+
+    async def record(event: lampdist.PassEvent) -> None:
+        if event.done:
+            last.append(event)
+
+    step = lampdist.StepOptions(steps_per_epoch=2, accumulate_gradient_over_n_batches=2)
+    await _train(shards, make_model(), step, epochs=3, loop={"on_event": record})
+    assert [(e.batches, e.total_batches, e.step) for e in last] == [(4, 4, 2)] * 3

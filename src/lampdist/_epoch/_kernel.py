@@ -199,11 +199,16 @@ class StepKernel:
         self.model.module.train()
         self.flat.zero_gradients()
         started = time.perf_counter()
+        # A training stream's feed lives across passes: count this pass's batches only.
+        first_batch = feed.batches_read
+        window = self.options.steps_per_epoch
+        total = feed.total
+        if window is not None:
+            total = window * self.options.accumulate_gradient_over_n_batches
         if self._read_back is None and self.device.type == "cuda":
             self._read_back = ReadBack(self.device)
         tally = Tally(rank=self.rank, epoch=epoch, read_back=self._read_back)
         per_step = self.options.learning_rate_per_step
-        window = self.options.steps_per_epoch
         with self._attach_buckets():
             planned = window if window is not None else self._planned_steps(feed)
             step = 0
@@ -232,8 +237,8 @@ class StepKernel:
                             kind="train",
                             pass_index=pass_index,
                             step=tally.steps_read,
-                            batches=feed.batches_read,
-                            total_batches=feed.total,
+                            batches=feed.batches_read - first_batch,
+                            total_batches=total,
                             examples=tally.examples,
                             loss=tally.loss,
                             seconds=time.perf_counter() - started,
