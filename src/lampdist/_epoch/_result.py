@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import attrs
 
 __all__ = ["PassResult"]
@@ -16,3 +18,5 @@ class PassResult:
     examples: int
     steps: int
     skipped_steps: int = 0
+    metrics: Mapping[str, float | tuple[float, ...]] = attrs.field(factory=dict)
+    """The pass's metrics over the clique, on the root (empty elsewhere)."""
