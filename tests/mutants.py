@@ -42,6 +42,9 @@ class Mutant:
 EXACTNESS = "tests/roles/test_local_exactness.py"
 RESUME = "tests/roles/test_local_resume.py"
 DRIVER = "tests/loop/test_driver.py"
+METRICS = "tests/roles/test_local_metrics.py"
+MONITORS = "tests/loop/test_monitors.py"
+LOCAL_MONITORS = "tests/roles/test_local_monitors.py"
 
 MUTANTS = [
     Mutant(
@@ -176,6 +179,142 @@ MUTANTS = [
         old="    if not model_ranks and not settings_ranks:\n        return\n",
         new="    return\n",
         tests=("tests/roles/test_local_failures.py",),
+    ),
+    Mutant(
+        name="metrics-not-reduced",
+        guarantee="a training pass's metrics are summed over every rank",
+        path="_epoch/_kernel.py",
+        old="            self.clique.start_reduce([summed], root=0).wait_blocking(None)\n",
+        new="            pass\n",
+        tests=(METRICS,),
+    ),
+    Mutant(
+        name="metric-sums-overwritten",
+        guarantee="a metric's sum adds up every batch",
+        path="_epoch/_metrics.py",
+        old="self.sum = value if self.sum is None else self.sum + value",
+        new="self.sum = value",
+        tests=(METRICS,),
+    ),
+    Mutant(
+        name="metric-host-counts-overwritten",
+        guarantee="a metric's count adds up every batch",
+        path="_epoch/_metrics.py",
+        old="self.host_count += float(count)",
+        new="self.host_count = float(count)",
+        tests=(METRICS,),
+    ),
+    Mutant(
+        name="validation-metrics-of-the-root-only",
+        guarantee="the validation metrics are summed over every rank in the pass's reduce",
+        path="_epoch/_kernel.py",
+        old="values = {} if metrics is None else metrics.values(meta[2:])",
+        new="values = {} if metrics is None else metrics.values(metrics.local())",
+        tests=(METRICS,),
+    ),
+    Mutant(
+        name="torchmetrics-states-not-summed",
+        guarantee="a torchmetrics metric computes on every rank's summed states",
+        path="_epoch/_metrics.py",
+        old="                setattr(metric, state, total)\n",
+        new="                pass\n",
+        tests=(METRICS,),
+    ),
+    Mutant(
+        name="cat-states-accepted",
+        guarantee="torchmetrics states that do not reduce by sum are refused",
+        path="_metric.py",
+        old="reduce is not dim_zero_sum:",
+        new="reduce is None:",
+        tests=(METRICS,),
+    ),
+    Mutant(
+        name="pass-event-without-metrics",
+        guarantee="a training pass's last event carries its metrics",
+        path="_epoch/_kernel.py",
+        old="progress.publish(attrs.evolve(last, metrics=values))",
+        new="progress.publish(last)",
+        tests=(METRICS,),
+    ),
+    Mutant(
+        name="monitor-mode-ignored",
+        guarantee="a monitor in mode max prefers higher values",
+        path="_monitor.py",
+        old='        if self.mode == "min":\n',
+        new="        if True:\n",
+        tests=(MONITORS,),
+    ),
+    Mutant(
+        name="min-delta-ignored",
+        guarantee="early stopping counts an improvement only above min_delta",
+        path="_monitor.py",
+        old="return value - min_delta > (best",
+        new="return value > (best",
+        tests=(MONITORS,),
+    ),
+    Mutant(
+        name="unreported-epochs-count",
+        guarantee="early stopping counts only the epochs that report its value",
+        path="_loop/_driver.py",
+        old="    if value is None:\n        return state\n",
+        new="    if value is None:\n        return attrs.evolve(state, wait=state.wait + 1)\n",
+        tests=(MONITORS,),
+    ),
+    Mutant(
+        name="no-early-stop",
+        guarantee="the loop stops once early stopping runs out of patience",
+        path="_loop/_driver.py",
+        old="return rule is not None and stopping is not None and stopping.wait >= rule.patience",
+        new="return False",
+        tests=(MONITORS,),
+    ),
+    Mutant(
+        name="early-stopping-state-not-loaded",
+        guarantee="a checkpoint's early-stopping state comes back on resume",
+        path="_checkpoint/_format.py",
+        old='else EarlyStoppingState(best=stopping["best"], wait=stopping["wait"]),',
+        new="else None,",
+        tests=(LOCAL_MONITORS,),
+    ),
+    Mutant(
+        name="curve-metrics-not-checkpointed",
+        guarantee="the learning curve's metrics are checkpointed",
+        path="_checkpoint/_format.py",
+        old="    if point.metrics:\n",
+        new="    if False:\n",
+        tests=(LOCAL_MONITORS,),
+    ),
+    Mutant(
+        name="schedule-sees-the-loss",
+        guarantee="a schedule with a monitor gets the newest value it watches",
+        path="_loop/_driver.py",
+        old="            else _latest(state.learning_curve, schedule_monitor)\n",
+        new="            else state.last_validation_loss\n",
+        tests=(MONITORS,),
+    ),
+    Mutant(
+        name="plateau-mode-ignored",
+        guarantee="reduce_on_plateau in mode max prefers higher values",
+        path="schedules.py",
+        old='sign = 1.0 if self.monitor.mode == "min" else -1.0',
+        new="sign = 1.0",
+        tests=(MONITORS,),
+    ),
+    Mutant(
+        name="warmup-hides-the-monitor",
+        guarantee="a wrapping schedule forwards its inner schedule's monitor",
+        path="schedules.py",
+        old="        return monitor if isinstance(monitor, Monitor) else None\n",
+        new="        return None\n",
+        tests=(MONITORS,),
+    ),
+    Mutant(
+        name="best-model-by-the-loss",
+        guarantee="the best model is chosen by best_model_monitor",
+        path="_roles/_root.py",
+        old="            best_model_monitor=loop.best_model_monitor,\n",
+        new="",
+        tests=(LOCAL_MONITORS,),
     ),
 ]
 
