@@ -316,6 +316,30 @@ MUTANTS = [
         new="",
         tests=(LOCAL_MONITORS,),
     ),
+    Mutant(
+        name="metrics-not-agreed",
+        guarantee="ranks with other metrics are refused before training",
+        path="_roles/_agreement.py",
+        old="    settings = [*_settings(options, validates), *metrics]\n",
+        new="    settings = _settings(options, validates)\n",
+        tests=(METRICS,),
+    ),
+    Mutant(
+        name="shared-torchmetric-accepted",
+        guarantee="in-process ranks may not share a torchmetrics object",
+        path="_roles/_local.py",
+        old="    _check_own_metrics(models_with_data_streams)\n",
+        new="",
+        tests=(METRICS,),
+    ),
+    Mutant(
+        name="monitors-checked-late",
+        guarantee="a monitor of a metric the model lacks is refused before training",
+        path="_roles/_root.py",
+        old="    check_monitors(loop, data)\n",
+        new="",
+        tests=(LOCAL_MONITORS,),
+    ),
 ]
 
 

@@ -141,8 +141,9 @@ async def test_reduce_on_plateau_relative_threshold_by_a_maximum() -> None:
 
 async def test_a_wrapped_schedule_watches_its_inner_monitor() -> None:
     inner = schedules.reduce_on_plateau(patience=1, monitor=ACCURACY)
-    # the loss improves every epoch, the accuracy never after the first
-    effects = Effects((1.0, 0.9, 0.8, 0.7), (0.5, 0.5, 0.5, 0.5))
+    # the accuracy never improves after the first; the loss rises, which the inner schedule
+    # (mode max) would take for improvements if it were given the loss
+    effects = Effects((1.0, 1.1, 1.2, 1.3), (0.5, 0.5, 0.5, 0.5))
     await epochs(
         max_epochs=4,
         train_epoch=effects.train,

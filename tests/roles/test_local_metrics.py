@@ -273,6 +273,7 @@ async def _two_ranks(metrics: Sequence[dict[str, Any]]) -> lampdist.LoopState:
         ],
         optimizer_factory=sgd,
         loop=lampdist.LoopOptions(max_epochs=1),
+        timeouts=lampdist.Timeouts(collective=20),  # metrics of other sizes would wait
     )
 
 
