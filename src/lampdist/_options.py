@@ -175,7 +175,7 @@ class LoopOptions:
                 phase="configure",
             )
 
-    def monitors(self) -> list[tuple[str, Monitor]]:
+    def _monitors(self) -> list[tuple[str, Monitor]]:
         """What the loop's rules watch, as (the rule, its monitor): the best model when
         ``return_min_validation_loss_model`` names epochs, early stopping, and the schedule
         when it has a ``monitor``."""
@@ -232,7 +232,7 @@ def check_monitors(loop: LoopOptions, data: ModelWithData, *, rank: int = 0) -> 
     that ``data.model`` does not report, or a validation value of a run that does not
     validate."""
     names = set(data.model.metrics)
-    for rule, monitor in loop.monitors():
+    for rule, monitor in loop._monitors():
         metric = monitor.metric
         kind, _, name = metric.partition("_")
         if monitor.validation and data.validation_batches is None:

@@ -73,7 +73,7 @@ def metric_of(metric: lampdist.Metric, outputs: Sequence[Output]) -> Any:
     counts = torch.zeros(metric.shape, dtype=torch.float64)
     for out, y in outputs:
         s, c = metric.function(out, y)
-        sums += torch.as_tensor(s, dtype=torch.float64)
-        counts += torch.as_tensor(c, dtype=torch.float64)
+        sums += torch.as_tensor(s, dtype=torch.float64).cpu()
+        counts += torch.as_tensor(c, dtype=torch.float64).cpu()
     ratio = sums / counts
     return float(ratio) if metric.shape == () else tuple(ratio.tolist())
