@@ -13,7 +13,17 @@ ROOT = Path(lampdist.__file__).parent
 
 LAYERS = [
     {"_errors", "_version", "_defaults"},
-    {"_clique_id", "_signal", "_openmp", "_store", "_state", "_device", "_source"},
+    {
+        "_clique_id",
+        "_signal",
+        "_openmp",
+        "_store",
+        "_state",
+        "_device",
+        "_source",
+        "_metric",
+        "_monitor",
+    },
     {"_effects", "schedules", "_model"},
     {"control", "clique", "_checkpoint", "_loop"},
     {"launch", "checkpoint", "_options", "trackers"},

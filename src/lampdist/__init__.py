@@ -39,7 +39,10 @@ from ._errors import ProtocolError as ProtocolError
 from ._errors import RankFailed as RankFailed
 from ._errors import TrainingError as TrainingError
 from ._loop import epochs as epochs
+from ._metric import Metric as Metric
 from ._model import SupervisedModel as SupervisedModel
+from ._monitor import EarlyStopping as EarlyStopping
+from ._monitor import Monitor as Monitor
 from ._options import LoopOptions as LoopOptions
 from ._options import ModelWithData as ModelWithData
 from ._options import StepOptions as StepOptions
@@ -51,6 +54,7 @@ from ._roles import run_until_signal as run_until_signal
 from ._roles import train as train
 from ._source import PassContext as PassContext
 from ._state import CurvePoint as CurvePoint
+from ._state import EarlyStoppingState as EarlyStoppingState
 from ._state import LoopState as LoopState
 from ._state import PassEvent as PassEvent
 from ._state import TrainingState as TrainingState
@@ -74,6 +78,8 @@ __all__ = [
     "ConfigError",
     "ControlError",
     "CurvePoint",
+    "EarlyStopping",
+    "EarlyStoppingState",
     "Interrupted",
     "JoinRejected",
     "JoinTimeout",
@@ -81,8 +87,10 @@ __all__ = [
     "LampdistTimeout",
     "LoopOptions",
     "LoopState",
+    "Metric",
     "MismatchError",
     "ModelWithData",
+    "Monitor",
     "NonFiniteLoss",
     "OnPassEvent",
     "OptimizerFactory",

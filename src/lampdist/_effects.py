@@ -6,7 +6,7 @@ awaited, and it can be called again for the next epoch (a coroutine object could
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, Awaitable, Iterable
+from collections.abc import AsyncIterable, Awaitable, Iterable, Mapping
 from typing import Any, Protocol, TypeAlias
 
 import torch
@@ -19,6 +19,7 @@ __all__ = [
     "BatchSource",
     "CheckpointLoopState",
     "CheckpointState",
+    "EpochOutcome",
     "OnPassEvent",
     "OptimizerFactory",
     "PassAwareBatchSource",
@@ -28,17 +29,24 @@ __all__ = [
 ]
 
 
+EpochOutcome: TypeAlias = float | tuple[float, Mapping[str, float | tuple[float, ...]]]
+"""What a pass effect returns: its mean loss, or ``(mean loss, metrics)`` with the pass's
+metrics by name (floats, or tuples of floats for vector-valued ones)."""
+
+
 class TrainEpoch(Protocol):
     """``async (lr_factor) -> mean training loss``: run one training pass at ``lr_factor``
-    times the optimizer's base learning rate."""
+    times the optimizer's base learning rate (or return ``(mean loss, metrics)``: the
+    pass's metrics by name)."""
 
-    def __call__(self, lr_factor: float, /) -> Awaitable[float]: ...
+    def __call__(self, lr_factor: float, /) -> Awaitable[EpochOutcome]: ...
 
 
 class ValidationEpoch(Protocol):
-    """``async () -> mean validation loss``: run one validation pass."""
+    """``async () -> mean validation loss``: run one validation pass (or return ``(mean
+    loss, metrics)``: the pass's metrics by name)."""
 
-    def __call__(self) -> Awaitable[float]: ...
+    def __call__(self) -> Awaitable[EpochOutcome]: ...
 
 
 class SaveBestModel(Protocol):

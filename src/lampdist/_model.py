@@ -1,4 +1,5 @@
-"""The model a training loop runs: a module, its loss, and how to count a batch's examples."""
+"""The model a training loop runs: a module, its loss, how to count a batch's examples, and
+the metrics its passes report."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import attrs
 import torch
 
 from ._errors import BadBatch
+from ._metric import Metric, check_metrics
 
 __all__ = ["SupervisedModel", "count_examples", "move_to_device"]
 
@@ -29,14 +31,31 @@ class SupervisedModel:
     ``loss_fn`` takes. Its example count is ``len(target)`` unless ``example_count`` says
     otherwise. The loss must be the *mean* over the batch's examples: lampdist weights it by
     the example count so that n ranks train exactly like one process on all their examples.
+
+    ``metrics`` maps names to what every training and validation pass reports beside the
+    loss, from the same forward: :class:`~lampdist.Metric` values (a function of ``(output,
+    target)`` returning a sum and a count) or torchmetrics metrics whose states reduce by
+    sum. They are exact over uneven shards: see :class:`~lampdist.Metric`. Every rank gives
+    the same names and shapes (checked when the ranks agree), and a torchmetrics object of its
+    own. Raises :class:`~lampdist.ConfigError` for a metric named ``"loss"``, of another kind,
+    or with a state that does not reduce by sum (``dist_reduce_fx="cat"``, ``"mean"``, ...).
     """
 
     module: torch.nn.Module
     loss_fn: Callable[[Any, Any], torch.Tensor]
     example_count: Callable[[Any], int] = count_examples
+    metrics: Mapping[str, Metric | torch.nn.Module] = attrs.field(
+        factory=dict, converter=check_metrics, kw_only=True
+    )
 
     def forward_loss(self, inputs: Any, target: Any) -> torch.Tensor:
         """The mean loss of one batch (the module's mode and grad mode are the caller's)."""
+        loss, _ = self.forward_loss_and_output(inputs, target)
+        return loss
+
+    def forward_loss_and_output(self, inputs: Any, target: Any) -> tuple[torch.Tensor, Any]:
+        """The mean loss of one batch and the module's output it came from: one forward for
+        the loss and the metrics (the module's mode and grad mode are the caller's)."""
         if isinstance(inputs, Mapping):
             output = self.module(**inputs)
         elif isinstance(inputs, tuple | list):
@@ -50,7 +69,7 @@ class SupervisedModel:
                 f"got {type(loss).__name__}"
                 + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
             )
-        return loss.reshape(())
+        return loss.reshape(()), output
 
 
 def move_to_device(value: Any, device: torch.device) -> Any:

@@ -5,7 +5,7 @@ Every entry point takes the same objects, so a setting declared once reaches eve
 - :class:`StepOptions`: how every rank steps (what all ranks must agree on; checked at join);
 - :class:`LoopOptions`: the root's epoch loop (lamp's names: ``max_epochs``,
   ``validation_frequency``, the schedule, smoothing, the best-model epochs, the checkpoint
-  effect) and its progress effect;
+  effect), what the best model and early stopping watch, and its progress effect;
 - :class:`Timeouts`: the deadlines of joining, clique setup, each collective and a stop;
 - :class:`ModelWithData`: one rank's model and batch sources.
 """
@@ -23,6 +23,7 @@ from ._effects import BatchSource, CheckpointState, OnPassEvent, PassAwareBatchS
 from ._errors import ConfigError
 from ._loop import check_epochs_arguments
 from ._model import SupervisedModel
+from ._monitor import LOSSES, EarlyStopping, Monitor
 from ._source import check_source
 from ._state import LoopState
 from .schedules import LearningRateSchedule, StepSchedule, noop
@@ -33,6 +34,7 @@ __all__ = [
     "StepOn",
     "StepOptions",
     "Timeouts",
+    "check_monitors",
 ]
 
 StepOn = Literal["root", "every_rank", "sharded"]
@@ -168,7 +170,10 @@ class LoopOptions:
     ``learning_rate_schedule`` sets each epoch's learning-rate factor (see
     :mod:`lampdist.schedules`). With ``return_min_validation_loss_model`` (a set of epochs),
     the model of the epoch with the lowest smoothed validation loss among them is kept, and
-    every rank ends holding it. ``checkpoint_state`` is awaited after every epoch
+    every rank ends holding it; ``best_model_monitor`` chooses it by another value instead
+    (``lampdist.Monitor("validation_accuracy", mode="max")``). ``early_stopping`` ends the
+    loop once a watched value stops improving (:class:`~lampdist.EarlyStopping`).
+    ``checkpoint_state`` is awaited after every epoch
     (:func:`lampdist.checkpoint.to_directory` builds one), or with ``checkpoint_interval``
     (seconds of wall time: for preemptible jobs with short epochs) after the first epoch that
     ends that long after the last checkpoint, and always after the last epoch and on a
@@ -188,6 +193,8 @@ class LoopOptions:
     checkpoint_state: CheckpointState | None = None
     checkpoint_interval: float | None = None
     on_event: OnPassEvent | None = None
+    best_model_monitor: Monitor = attrs.field(factory=Monitor)
+    early_stopping: EarlyStopping | None = None
 
     def __attrs_post_init__(self) -> None:
         interval = self.checkpoint_interval
@@ -204,6 +211,31 @@ class LoopOptions:
             self.validation_loss_exponential_smoothing_factor,
             LoopState(),
         )
+        if not isinstance(self.best_model_monitor, Monitor):
+            raise ConfigError(
+                f"best_model_monitor must be a lampdist.Monitor, got {self.best_model_monitor!r}",
+                phase="configure",
+            )
+        if self.early_stopping is not None and not isinstance(self.early_stopping, EarlyStopping):
+            raise ConfigError(
+                f"early_stopping must be a lampdist.EarlyStopping or None, "
+                f"got {self.early_stopping!r}",
+                phase="configure",
+            )
+
+    def _monitors(self) -> list[tuple[str, Monitor]]:
+        """What the loop's rules watch, as (the rule, its monitor): the best model when
+        ``return_min_validation_loss_model`` names epochs, early stopping, and the schedule
+        when it has a ``monitor``."""
+        found = []
+        if self.return_min_validation_loss_model:
+            found.append(("best_model_monitor", self.best_model_monitor))
+        if self.early_stopping is not None:
+            found.append(("early_stopping", self.early_stopping.monitor))
+        schedule_monitor = getattr(self.learning_rate_schedule, "monitor", None)
+        if isinstance(schedule_monitor, Monitor):
+            found.append(("learning_rate_schedule", schedule_monitor))
+        return found
 
 
 def _seconds(name: str, *, zero: bool = False) -> Callable[[object, object, object], None]:
@@ -241,6 +273,33 @@ class Timeouts:
         default=COLLECTIVE_TIMEOUT, validator=_seconds("collective")
     )
     stop: float | None = attrs.field(default=STOP_TIMEOUT, validator=_seconds("stop", zero=True))
+
+
+def check_monitors(loop: LoopOptions, data: ModelWithData, *, rank: int = 0) -> None:
+    """Raise :class:`ConfigError` before training when a rule of ``loop`` watches a metric
+    that ``data.model`` does not report, or a validation value of a run that does not
+    validate."""
+    names = set(data.model.metrics)
+    for rule, monitor in loop._monitors():
+        metric = monitor.metric
+        kind, _, name = metric.partition("_")
+        if monitor.validation and data.validation_batches is None:
+            raise ConfigError(
+                f"LoopOptions.{rule} watches {metric!r}, but there are no validation_batches: "
+                "give validation batches or watch a training value",
+                rank=rank,
+                phase="configure",
+            )
+        if metric in LOSSES:
+            continue
+        if name not in names:
+            known = ", ".join(f"{kind}_{n}" for n in sorted(names)) or "none"
+            raise ConfigError(
+                f"LoopOptions.{rule} watches {metric!r}, which is no metric of the model "
+                f"(its metrics as {kind} values: {known}); add it to SupervisedModel.metrics",
+                rank=rank,
+                phase="configure",
+            )
 
 
 @attrs.frozen(kw_only=True)

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import attrs
 
-__all__ = ["CurvePoint", "LoopState", "PassEvent", "TrainingState"]
+__all__ = ["CurvePoint", "EarlyStoppingState", "LoopState", "PassEvent", "TrainingState"]
 
 
 @attrs.frozen(kw_only=True)
@@ -16,13 +16,25 @@ class CurvePoint:
 
     ``validation_loss`` is the raw mean validation loss of the epoch and
     ``smoothed_validation_loss`` its exponentially smoothed value; both are ``None`` for an
-    epoch that was not validated.
+    epoch that was not validated. ``metrics`` holds the epoch's metrics (see
+    :attr:`lampdist.SupervisedModel.metrics`) as ``training_NAME`` and, when validated,
+    ``validation_NAME``: floats, or tuples of floats for vector-valued metrics.
     """
 
     epoch: int
     training_loss: float
     validation_loss: float | None = None
     smoothed_validation_loss: float | None = None
+    metrics: Mapping[str, float | tuple[float, ...]] = attrs.field(factory=dict, hash=False)
+
+
+@attrs.frozen(kw_only=True)
+class EarlyStoppingState:
+    """Where :class:`lampdist.EarlyStopping` stands: the best watched value so far (``None``
+    before the first) and ``wait``, the epochs that reported it since it last improved."""
+
+    best: float | None = None
+    wait: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -32,8 +44,11 @@ class LoopState:
     ``epoch`` is the next epoch to run (the first epoch not run yet).
     ``last_validation_loss`` is the latest *smoothed* validation loss: it carries over epochs
     that are not validated, feeds the learning-rate schedule and seeds the next smoothing.
-    ``min_validation_loss`` and ``min_validation_epoch`` track the best model saved so far.
+    ``min_validation_loss`` and ``min_validation_epoch`` track the best model saved so far:
+    its watched value and its epoch (lamp's names: the lowest smoothed validation loss unless
+    ``best_model_monitor`` watches another value, in either direction).
     ``learning_curve`` holds one :class:`CurvePoint` per epoch run, oldest first.
+    ``early_stopping`` is the state of the early-stopping rule, when there is one.
     """
 
     epoch: int = 0
@@ -41,6 +56,7 @@ class LoopState:
     min_validation_loss: float | None = None
     min_validation_epoch: int | None = None
     learning_curve: tuple[CurvePoint, ...] = ()
+    early_stopping: EarlyStoppingState | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -72,7 +88,9 @@ class PassEvent:
     ``batches`` counts the root's own batches so far and ``total_batches`` is the root's batch
     count when its source has a length, else ``None``; ``examples`` counts the whole clique's
     examples so far and ``loss`` is their example-weighted mean loss; ``done`` marks the last
-    event of the pass.
+    event of the pass. ``metrics`` holds the pass's metrics over the whole clique on the last
+    event (keyed by the names of :attr:`lampdist.SupervisedModel.metrics`), and is empty on
+    the others.
     """
 
     epoch: int
@@ -85,6 +103,7 @@ class PassEvent:
     loss: float
     seconds: float
     done: bool
+    metrics: Mapping[str, float | tuple[float, ...]] = attrs.field(factory=dict, hash=False)
 
     @property
     def examples_per_second(self) -> float:

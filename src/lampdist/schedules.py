@@ -31,6 +31,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import attrs
 
 from ._errors import ConfigError
+from ._monitor import Monitor
 
 __all__ = [
     "LearningRateSchedule",
@@ -62,9 +63,13 @@ class LearningRateSchedule(Protocol[S]):
     ``learning_rate_factor(state, epoch, last_validation_loss)`` once before each epoch with
     the latest smoothed validation loss (``None`` before the first validation) and gets back
     the next state and the factor for that epoch; a factor of 0 or less stops training.
-    Implementations must be pure: the same arguments give the same result, so that resuming
-    from a checkpointed state continues exactly. Implement it to plug in your own schedule;
-    the factories of this module build the common ones.
+    A schedule with a ``monitor`` attribute (a :class:`lampdist.Monitor`, as
+    :func:`reduce_on_plateau` has) gets the newest value of what it watches as the third
+    argument instead (``None`` before the first); a schedule that wraps another forwards the
+    inner one's ``monitor`` (as :func:`warmup` does). Implementations must be pure: the same
+    arguments give the same result, so that resuming from a checkpointed state continues
+    exactly. Implement it to plug in your own schedule; the factories of this module build
+    the common ones.
     """
 
     @property
@@ -217,6 +222,12 @@ class _Warmup(Generic[S]):
     def init(self) -> WarmupState[S]:
         return WarmupState(inner=self.schedule.init)
 
+    @property
+    def monitor(self) -> Monitor | None:
+        """The wrapped schedule's monitor, if it has one."""
+        monitor = getattr(self.schedule, "monitor", None)
+        return monitor if isinstance(monitor, Monitor) else None
+
     def learning_rate_factor(
         self, state: WarmupState[S], epoch: int, last_validation_loss: float | None
     ) -> tuple[WarmupState[S], float]:
@@ -238,9 +249,10 @@ class _Warmup(Generic[S]):
 class ReduceOnPlateauState:
     """The state of :func:`reduce_on_plateau`.
 
-    ``factor`` is the current learning-rate factor, ``best_loss`` the lowest validation loss
-    seen (``None`` before the first), ``last_improvement_epoch`` the epoch of the last
-    improvement or reduction (``-1`` before the first).
+    ``factor`` is the current learning-rate factor, ``best_loss`` the best watched value seen
+    (the lowest validation loss by default; ``None`` before the first),
+    ``last_improvement_epoch`` the epoch of the last improvement or reduction (``-1`` before
+    the first).
     """
 
     factor: float
@@ -256,6 +268,7 @@ class _ReduceOnPlateau:
     threshold: float
     relative_threshold_mode: bool
     stop_factor: float
+    monitor: Monitor = attrs.field(factory=Monitor)
 
     @property
     def init(self) -> ReduceOnPlateauState:
@@ -264,19 +277,21 @@ class _ReduceOnPlateau:
     def learning_rate_factor(
         self, state: ReduceOnPlateauState, epoch: int, last_validation_loss: float | None
     ) -> tuple[ReduceOnPlateauState, float]:
-        loss = last_validation_loss
+        loss = last_validation_loss  # the watched value: the smoothed validation loss by default
         if loss is None:
             return state, state.factor
-        best = state.best_loss
+        # mode "max" is mode "min" on the negated values (the state keeps them as they are)
+        sign = 1.0 if self.monitor.mode == "min" else -1.0
+        value, best = sign * loss, None if state.best_loss is None else sign * state.best_loss
         if best is None:
             # lamp starts from Double.MaxValue: NaN and infinite losses never improve.
-            improved = loss < sys.float_info.max
+            improved = value < sys.float_info.max
         elif self.relative_threshold_mode:
             # lamp's best * (1 - threshold), made relative to |best| for negative losses.
             scale = 1.0 - self.threshold if best >= 0 else 1.0 + self.threshold
-            improved = loss < best * scale
+            improved = value < best * scale
         else:
-            improved = loss < best - self.threshold
+            improved = value < best - self.threshold
         if improved:
             return attrs.evolve(state, best_loss=float(loss), last_improvement_epoch=epoch), (
                 state.factor
@@ -458,17 +473,28 @@ def reduce_on_plateau(
     threshold: float = 1e-4,
     relative_threshold_mode: bool = True,
     stop_factor: float = 1e-4,
+    monitor: Monitor = Monitor(),
 ) -> LearningRateSchedule[ReduceOnPlateauState]:
     """Reduce the factor when the smoothed validation loss stops improving (lamp's
-    ``ReduceLROnPlateau``).
+    ``ReduceLROnPlateau``), or the value ``monitor`` watches.
 
     A loss improves if it is below the best so far by more than ``threshold`` (relative:
     ``loss < best - threshold * abs(best)``; absolute: ``loss < best - threshold``). When
     ``patience`` epochs pass since the last improvement or reduction, the factor is
     multiplied by ``reduce_factor``; once it falls to ``stop_factor`` or below it becomes 0,
-    which stops training. Without a validation loss yet the factor stays as it is. Raises
-    :class:`~lampdist.ConfigError` unless ``start_factor > 0``, ``0 < reduce_factor < 1``,
-    ``patience >= 1``, ``threshold >= 0`` and ``stop_factor >= 0``, all finite.
+    which stops training. Without a validation loss yet the factor stays as it is.
+
+    ``monitor`` watches another value of the learning curve (see :class:`lampdist.Monitor`);
+    with ``mode="max"`` a value improves if it is above the best by more than the threshold
+    (relative: ``value > best + threshold * abs(best)``)::
+
+        schedules.reduce_on_plateau(
+            patience=3, monitor=lampdist.Monitor("validation_accuracy", mode="max")
+        )
+
+    Raises :class:`~lampdist.ConfigError` unless ``start_factor > 0``, ``0 < reduce_factor <
+    1``, ``patience >= 1``, ``threshold >= 0`` and ``stop_factor >= 0``, all finite, and
+    ``monitor`` is a :class:`lampdist.Monitor`.
     """
     _check_float("start_factor", start_factor, low=0.0, open_low=True)
     _check_float("reduce_factor", reduce_factor, low=0.0, high=1.0, open_low=True)
@@ -477,6 +503,8 @@ def reduce_on_plateau(
     _check_int("patience", patience, 1)
     _check_float("threshold", threshold, low=0.0)
     _check_float("stop_factor", stop_factor, low=0.0)
+    if not isinstance(monitor, Monitor):
+        raise _fail(f"monitor must be a lampdist.Monitor, got {monitor!r}")
     return _ReduceOnPlateau(
         start_factor=float(start_factor),
         reduce_factor=float(reduce_factor),
@@ -484,6 +512,7 @@ def reduce_on_plateau(
         threshold=float(threshold),
         relative_threshold_mode=bool(relative_threshold_mode),
         stop_factor=float(stop_factor),
+        monitor=monitor,
     )
 
 

@@ -21,6 +21,7 @@ import torch
 from rich.console import Console
 
 from lampdist import ConfigError, PassEvent
+from lampdist.cli._data import create_model, load_digits
 from lampdist.cli._demo import DemoOptions, choose_launch, run_demo
 from lampdist.cli._demo import _prepare as prepare
 from lampdist.cli._progress import PassCounter, read_metrics
@@ -73,7 +74,7 @@ async def test_demo_trains_writes_its_files_and_resumes(tmp_path: Path) -> None:
         (1, "train"),
         (1, "valid"),
     ]
-    assert all(0 <= m["accuracy"] <= 1 for m in metrics if m["kind"] == "valid")
+    assert all(0 <= m["metrics"]["accuracy"] <= 1 for m in metrics)  # training passes too
     assert metrics[1]["examples"] == 359  # the whole validation split, over both ranks
     assert (out / "learning_curve.png").read_bytes().startswith(b"\x89PNG")
     assert (out / "checkpoints" / "epoch-000002").is_dir()
@@ -92,6 +93,20 @@ async def test_demo_trains_writes_its_files_and_resumes(tmp_path: Path) -> None:
     assert "1 epoch (3-3) on 2 ranks (cpu)" in summary_lines(resumed)[0]
     epochs = [m["epoch"] for m in read_metrics(out / "metrics.jsonl")]
     assert epochs == [0, 0, 1, 1, 2, 2]
+    # the reported accuracy is the best epoch's validation metric, and that is the accuracy
+    # of the model the run ends with on the whole validation split, computed in one piece
+    state = resumed.state
+    best = state.min_validation_epoch
+    assert best is not None
+    accuracies = [p.metrics["validation_accuracy"] for p in state.learning_curve]
+    assert accuracies[best] == max(accuracies) == resumed.accuracy
+    assert f"best epoch {best + 1} (validation accuracy" in "\n".join(summary_lines(resumed))
+    data = load_digits(0)
+    module = create_model(0)
+    module.load_state_dict(torch.load(out / "model.pt", weights_only=True))
+    with torch.no_grad():
+        right = (module(data.valid_inputs).argmax(dim=1) == data.valid_labels).double().mean()
+    assert resumed.accuracy == pytest.approx(float(right), abs=1e-12)
     # the TensorBoard scalars of both runs: the steps go on across the resume
     check_tensorboard(tensorboard, read_metrics(out / "metrics.jsonl"))
 

@@ -21,6 +21,7 @@ PAGES = [
     "docs/howto-tls-secrets.md",
     "docs/howto-checkpoint-resume.md",
     "docs/howto-uneven-data.md",
+    "docs/howto-metrics.md",
     "docs/howto-service.md",
     "docs/howto-trackers.md",
     "docs/comparison.md",

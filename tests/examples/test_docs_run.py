@@ -298,6 +298,7 @@ PAGES: dict[str, Page] = {
     ),
     "docs/control.md": Page(),
     "docs/howto-checkpoint-resume.md": Page(given=_shared),
+    "docs/howto-metrics.md": Page(),
     "docs/howto-multinode.md": Page(given=_shared),
     "docs/howto-service.md": Page(given=_service, then=_open_the_service),
     "docs/howto-tls-secrets.md": Page(given=_given(_shared, _tls_files)),

@@ -1,13 +1,15 @@
 """One rank of a multi-process training run over TCP, for the tests.
 
     python -m tests.roles.tcp_rank --rank 0 --nranks 2 --out DIR [--port 0] [--shuffle] [--cuda]
-        [--step-on root|every_rank|sharded]
+        [--step-on root|every_rank|sharded] [--metrics]
 
 The root prints ``PORT <n>`` once it listens; followers take ``--port``. Each rank writes its
 final weights to ``DIR/rank<r>.pt`` and the root writes its learning curve to
 ``DIR/curve.json``. The secret comes from ``LAMPDIST_SECRET``. With ``--shuffle`` the training
 batches come from the shuffled loader of :func:`.reference.shuffled`; with ``--cuda`` rank r
-trains on ``cuda:r`` and the clique is NCCL.
+trains on ``cuda:r`` and the clique is NCCL. With ``--metrics`` the model reports
+:data:`METRIC` and a torchmetrics mean squared error, and the root writes its learning curve's
+metrics to ``DIR/metrics.json``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import anyio
 import torch
@@ -37,6 +40,16 @@ def sgd(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
+METRIC = lampdist.Metric(lambda out, y: ((out - y).abs().sum(), y.numel()))
+"""The mean absolute error."""
+
+
+def metrics() -> dict[str, Any]:
+    import torchmetrics
+
+    return {"mae": METRIC, "mse": torchmetrics.MeanSquaredError().set_dtype(torch.float64)}
+
+
 async def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)
@@ -46,6 +59,7 @@ async def main(argv: list[str]) -> None:
     parser.add_argument("--shuffle", action="store_true")
     parser.add_argument("--cuda", action="store_true", help="rank r on cuda:r, over NCCL")
     parser.add_argument("--step-on", default="root", choices=["root", "every_rank", "sharded"])
+    parser.add_argument("--metrics", action="store_true")
     args = parser.parse_args(argv)
     step = lampdist.StepOptions(accumulate_gradient_over_n_batches=ACCUMULATE, step_on=args.step_on)
     device = f"cuda:{args.rank}" if args.cuda else "cpu"
@@ -53,7 +67,7 @@ async def main(argv: list[str]) -> None:
     train = make_shards(SIZES, seed=1)[args.rank]
     valid = make_shards(VALID_SIZES, seed=2)[args.rank]
     module = make_model(seed=0 if args.rank == 0 else 10 + args.rank).to(device)
-    model = lampdist.SupervisedModel(module, mse)
+    model = lampdist.SupervisedModel(module, mse, metrics=metrics() if args.metrics else {})
     data = lampdist.ModelWithData(
         model=model,
         train_batches=shuffled(train) if args.shuffle else lambda: train,
@@ -76,6 +90,9 @@ async def main(argv: list[str]) -> None:
             )
         curve = [[p.training_loss, p.validation_loss] for p in state.learning_curve]
         (args.out / "curve.json").write_text(json.dumps(curve))
+        if args.metrics:
+            points = [dict(p.metrics) for p in state.learning_curve]
+            (args.out / "metrics.json").write_text(json.dumps(points))
     else:
         async with control.tcp_follower(
             "127.0.0.1", args.port, rank=args.rank, secret=secret

@@ -16,6 +16,7 @@ import torch
 import lampdist
 
 from . import tcp_rank
+from .metrics_reference import metric_of, plain_outputs
 from .reference import make_model, make_shards, mse, reference_training, shuffled
 
 ROOT_DIR = Path(__file__).resolve().parents[2]
@@ -78,6 +79,31 @@ def assert_matches_the_reference(out: Path) -> None:
 def test_two_processes_match_the_reference(tmp_path: Path, step_on: str) -> None:
     run_two_processes(tmp_path, "--step-on", step_on)
     assert_matches_the_reference(tmp_path)
+
+
+def test_two_processes_report_the_metrics_of_one_process(tmp_path: Path) -> None:
+    """Over Gloo between processes, uneven shards with an empty batch: lampdist's metric
+    and a torchmetrics one equal one process's on the concatenated batches."""
+    pytest.importorskip("torchmetrics")
+    run_two_processes(tmp_path, "--metrics", "--step-on", "every_rank")
+    assert_matches_the_reference(tmp_path)
+    _, training, validation = plain_outputs(
+        make_model(seed=0),
+        tcp_rank.sgd,
+        make_shards(tcp_rank.SIZES, seed=1),
+        make_shards(tcp_rank.VALID_SIZES, seed=2),
+        epochs=tcp_rank.EPOCHS,
+        accumulate=tcp_rank.ACCUMULATE,
+    )
+    squared = lampdist.Metric(lambda out, y: (((out - y) ** 2).sum(), y.numel()))
+    points = json.loads((tmp_path / "metrics.json").read_text())
+    assert len(points) == tcp_rank.EPOCHS
+    for epoch, got in enumerate(points):
+        for kind, outputs in (("training", training[epoch]), ("validation", [validation[epoch]])):
+            want_mae = metric_of(tcp_rank.METRIC, outputs)
+            want_mse = metric_of(squared, outputs)
+            assert got[f"{kind}_mae"] == pytest.approx(want_mae, rel=1e-9), (epoch, kind)
+            assert got[f"{kind}_mse"] == pytest.approx(want_mse, rel=1e-9), (epoch, kind)
 
 
 def test_two_processes_shuffle_exactly_like_one_process(tmp_path: Path) -> None:

@@ -20,6 +20,11 @@ slice (see ``_shard``) and all-gathers the parameters, which the next step's fir
 waits for (on CUDA: its stream; the host goes on). The pass ends when no rank has batches
 left. Whatever the design, the update equals one process stepping on the concatenation of
 every rank's batches of the step.
+
+The model's metrics (see ``_metrics``) are updated from each batch's output on the device and
+summed over the clique once a pass: behind the validation pass's examples and loss in its one
+reduce, and at the end of a training pass in one reduce of their own (not behind each step's
+gradients, whose tail is summed in the gradients' dtype).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import math
 import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import attrs
 import torch
@@ -43,6 +49,7 @@ from ._buckets import GradientBuckets
 from ._device import host_to_device
 from ._feed import BatchFeed, LoadedBatch, PassStopped
 from ._flat import FlatParameters
+from ._metrics import MetricTally
 from ._objects import broadcast_object, gather_objects
 from ._progress import Progress
 from ._result import CheckpointParts, PassResult
@@ -84,6 +91,8 @@ class StepKernel:
     position: StreamPosition | None = attrs.field(default=None, init=False)
     """With ``steps_per_epoch``: the rank's place in its training stream after the last
     window (what a checkpoint stores)."""
+    _metrics: MetricTally | None = attrs.field(default=None, init=False)
+    """The pass's metrics, when the model has some."""
 
     @loss_scale.default
     def _default_loss_scale(self) -> LossScale:
@@ -209,6 +218,10 @@ class StepKernel:
             self._read_back = ReadBack(self.device)
         tally = Tally(rank=self.rank, epoch=epoch, read_back=self._read_back)
         per_step = self.options.learning_rate_per_step
+        metrics = self._metrics = MetricTally.start(
+            self.model, self.device, rank=self.rank, phase="train", epoch=epoch
+        )
+        last: PassEvent | None = None
         with self._attach_buckets():
             planned = window if window is not None else self._planned_steps(feed)
             step = 0
@@ -231,21 +244,26 @@ class StepKernel:
                     if not more:
                         tally.drain()
                 if progress is not None:
-                    progress.publish(
-                        PassEvent(
-                            epoch=epoch,
-                            kind="train",
-                            pass_index=pass_index,
-                            step=tally.steps_read,
-                            batches=feed.batches_read - first_batch,
-                            total_batches=total,
-                            examples=tally.examples,
-                            loss=tally.loss,
-                            seconds=time.perf_counter() - started,
-                            done=not more,
-                        )
+                    event = PassEvent(
+                        epoch=epoch,
+                        kind="train",
+                        pass_index=pass_index,
+                        step=tally.steps_read,
+                        batches=feed.batches_read - first_batch,
+                        total_batches=total,
+                        examples=tally.examples,
+                        loss=tally.loss,
+                        seconds=time.perf_counter() - started,
+                        done=not more,
                     )
+                    if more:
+                        progress.publish(event)
+                    else:
+                        last = event  # with the pass's metrics, once they are summed
         self._settle_sent()
+        values = self._sum_metrics(metrics)
+        if progress is not None and last is not None:
+            progress.publish(attrs.evolve(last, metrics=values))
         if self.options.steps_per_epoch is not None:
             self.position = feed.position
             if self.position is None:
@@ -260,7 +278,11 @@ class StepKernel:
                 phase="train",
             )
         return PassResult(
-            loss=tally.loss, examples=tally.examples, steps=step, skipped_steps=tally.skipped
+            loss=tally.loss,
+            examples=tally.examples,
+            steps=step,
+            skipped_steps=tally.skipped,
+            metrics=values,
         )
 
     def _train_step(
@@ -369,6 +391,16 @@ class StepKernel:
         sent, self._sent = self._sent, []
         for pending in sent:
             pending.wait_blocking(None)
+
+    def _sum_metrics(self, metrics: MetricTally | None) -> dict[str, float | tuple[float, ...]]:
+        """A training pass's metrics over the clique, on the root (one reduce of their own;
+        empty elsewhere and without metrics)."""
+        if metrics is None:
+            return {}
+        summed = metrics.local()
+        if not self.alone:
+            self.clique.start_reduce([summed], root=0).wait_blocking(None)
+        return metrics.values(summed) if self.is_root else {}
 
     def _sum_over_clique(self, tensor: torch.Tensor) -> None:
         """Sum a small tensor over the clique in place, and wait (a sharded step's scalars)."""
@@ -507,6 +539,9 @@ class StepKernel:
         root's result covers the whole clique; a follower's its own examples."""
         self._check_thread()
         self.model.module.eval()
+        metrics = self._metrics = MetricTally.start(
+            self.model, self.device, rank=self.rank, phase="valid", epoch=epoch
+        )
         loss_sum: torch.Tensor | None = None
         examples = 0
         while (batch := feed.next()) is not None:
@@ -518,13 +553,15 @@ class StepKernel:
             loss_sum = loss if loss_sum is None else loss_sum + loss
             examples += batch.examples
         meta = host_to_device([examples, 0.0], torch.float64, self.device)
+        if metrics is not None:  # behind the examples and the loss, in the same reduce
+            meta = torch.cat([meta, metrics.local()])
         if loss_sum is not None:
             meta[1] = loss_sum
         if not self.alone:
             self.clique.start_reduce([meta], root=0).wait_blocking(None)
         if not self.is_root:
             return PassResult(loss=math.nan, examples=examples, steps=0)
-        total_examples, total_loss = meta.tolist()
+        total_examples, total_loss = meta[:2].tolist()
         if total_examples == 0:
             raise TrainingError(
                 f"epoch {epoch}: the validation pass saw no examples on any rank; "
@@ -532,7 +569,13 @@ class StepKernel:
                 rank=self.rank,
                 phase="valid",
             )
-        return PassResult(loss=total_loss / total_examples, examples=int(total_examples), steps=0)
+        values = {} if metrics is None else metrics.values(meta[2:])
+        return PassResult(
+            loss=total_loss / total_examples,
+            examples=int(total_examples),
+            steps=0,
+            metrics=values,
+        )
 
     # -- model code ---------------------------------------------------------------------------
 
@@ -541,19 +584,24 @@ class StepKernel:
     ) -> torch.Tensor:
         """The batch's mean loss, detached. With ``weight``, first the backward of the mean
         loss times ``weight`` (times the fp16 loss scale); without, evaluated without
-        gradients. User errors come back naming the rank."""
+        gradients. The pass's metrics take the same forward's output. User errors come back
+        naming the rank."""
+        metrics = self._metrics
         try:
             if weight is None:
                 with torch.no_grad(), self._autocast():
-                    loss = self.model.forward_loss(batch.inputs, batch.target)
+                    loss, output = self._forward(batch)
             else:
                 with self._autocast():
-                    loss = self.model.forward_loss(batch.inputs, batch.target)
+                    loss, output = self._forward(batch)
                 factor = weight * self.loss_scale.factor
                 weighted = loss if factor == 1.0 else loss * factor
                 weighted.backward()  # type: ignore[no-untyped-call]  # torch's backward is untyped
                 if self.flat.flat_gradients:
                     self.flat.ensure_gradient_views()
+            if metrics is not None:
+                with torch.no_grad():
+                    metrics.update(output, batch.target)
         except LampdistError:
             raise
         except Exception as exc:
@@ -563,6 +611,12 @@ class StepKernel:
                 phase=phase,
             ) from exc
         return loss.detach()
+
+    def _forward(self, batch: LoadedBatch) -> tuple[torch.Tensor, Any]:
+        """The batch's mean loss, and its output when the pass has metrics (else ``None``)."""
+        if self._metrics is None:
+            return self.model.forward_loss(batch.inputs, batch.target), None
+        return self.model.forward_loss_and_output(batch.inputs, batch.target)
 
     def _weighted_loss(
         self, batch: LoadedBatch, phase: str, epoch: int, *, weight: float | None

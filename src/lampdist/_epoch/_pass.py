@@ -210,6 +210,7 @@ class PassRunner:
                     loss=result.loss,
                     seconds=time.perf_counter() - started,
                     done=True,
+                    metrics=result.metrics,
                 )
             )
         return result

@@ -19,6 +19,8 @@ class PassResult:
     examples: int
     steps: int
     skipped_steps: int = 0
+    metrics: Mapping[str, float | tuple[float, ...]] = attrs.field(factory=dict)
+    """The pass's metrics over the clique, on the root (empty elsewhere)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import zlib
+from collections.abc import Sequence
 
 import torch
 
@@ -27,15 +28,22 @@ _SHOWN = 3
 """Differences named per rank and kind; the rest are counted."""
 
 
-def agree(clique: Clique, flat: FlatParameters, options: StepOptions, validates: bool) -> None:
+def agree(
+    clique: Clique,
+    flat: FlatParameters,
+    options: StepOptions,
+    validates: bool,
+    metrics: Sequence[tuple[str, str]] = (),
+) -> None:
     """Check on every rank that all ranks have the root's model layout and step options, and
-    validate alike (on the rank's compute thread: it waits for the peers and reads the
-    result from the device).
+    validate alike, with the same ``metrics`` (each as (name, what it sums): see
+    ``lampdist._metric.metric_layout``) (on the rank's compute thread: it waits for the
+    peers and reads the result from the device).
 
     Raises :class:`MismatchError` on every rank, naming the ranks that differ and in what
     (``rank 2: parameter 'fc.weight': shape (7, 4), ... (the root: shape (6, 4), ...)``).
     """
-    settings = _settings(options, validates)
+    settings = [*_settings(options, validates), *metrics]
     mine = host_to_device(
         [_digest64(flat.fingerprint()), _digest64(repr(settings).encode())],
         torch.int64,

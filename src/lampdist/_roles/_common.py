@@ -30,6 +30,7 @@ from .._errors import (
     PeerDisconnected,
     RankFailed,
 )
+from .._metric import metric_layout
 from .._options import StepOptions, Timeouts
 from ..checkpoint import Resumed
 from ..clique import Cliques
@@ -177,7 +178,8 @@ async def agree_and_sync(
     Raises :class:`MismatchError` as :func:`agree` does, and the clique's errors.
     """
     tracker.current = "agreement"
-    await runner.run(partial(agree, runner.clique, flat, options, validates))
+    metrics = metric_layout(runner.kernel.model.metrics)
+    await runner.run(partial(agree, runner.clique, flat, options, validates, metrics))
     await runner.sync_parameters()
     if options.step_on != "root":
         await runner.sync_optimizer_state()

@@ -11,6 +11,7 @@ import attrs
 import torch
 
 from .._errors import ConfigError
+from .._metric import Metric
 from .._model import SupervisedModel
 from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts
 from .._state import LoopState
@@ -52,7 +53,8 @@ async def local_data_parallel_training_loop(
     matters, run one process per GPU (:func:`lampdist.train` under torchrun).
 
     Raises :class:`~lampdist.ConfigError` for CPU and GPU ranks mixed or two ranks on one GPU,
-    and the errors of :func:`drive_distributed_training`.
+    for a torchmetrics metric object given to two ranks (each rank updates its own), and the
+    errors of :func:`drive_distributed_training`.
     """
     if not models_with_data_streams:
         raise ConfigError(
@@ -60,6 +62,7 @@ async def local_data_parallel_training_loop(
             "validation_batches) per rank"
         )
     nranks = len(models_with_data_streams)
+    _check_own_metrics(models_with_data_streams)
     devices = [_device_of(entry.model) for entry in models_with_data_streams]
     cliques = in_process(devices, collective_timeout=timeouts.collective)
     run = RunOptions(optimizer_factory, step, timeouts, stop, cliques)
@@ -94,6 +97,23 @@ def warn_several_gpus_in_one_process(devices: Sequence[torch.device]) -> None:
         RuntimeWarning,
         stacklevel=2,
     )
+
+
+def _check_own_metrics(entries: Sequence[ModelWithData]) -> None:
+    """Raise :class:`ConfigError` when two ranks share a stateful (torchmetrics) metric."""
+    owner: dict[int, int] = {}
+    for rank, entry in enumerate(entries):
+        for name, metric in entry.model.metrics.items():
+            if isinstance(metric, Metric):
+                continue  # a function: nothing to share
+            first = owner.setdefault(id(metric), rank)
+            if first != rank:
+                raise ConfigError(
+                    f"ranks {first} and {rank} share the metric object {name!r}: each rank "
+                    "updates its own, give each SupervisedModel a new one",
+                    rank=rank,
+                    phase="configure",
+                )
 
 
 def _device_of(model: SupervisedModel) -> torch.device:

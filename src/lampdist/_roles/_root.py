@@ -11,6 +11,7 @@ import attrs
 import torch
 
 from .._device import resolve_device
+from .._effects import EpochOutcome
 from .._epoch import (
     ComputeThread,
     FlatParameters,
@@ -21,7 +22,7 @@ from .._epoch import (
 )
 from .._errors import CheckpointError, CliqueError, CliqueTimeout, ConfigError, LampdistError
 from .._loop import epochs
-from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts
+from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts, check_monitors
 from .._state import LoopState, TrainingState
 from ..checkpoint import Resumed, check_before_training
 from ..clique import Cliques, ProcessGroups, in_process
@@ -130,6 +131,7 @@ async def drive(
     if optimizer_factory is None:
         raise ConfigError("the root needs an optimizer_factory", rank=0, phase="configure")
     lr_state = resumed_schedule_state(loop.learning_rate_schedule, resume)
+    check_monitors(loop, data)
     if resume is not None and loop.max_epochs <= resume.epoch:
         logger.warning(
             "rank 0: the run resumes at epoch %d and max_epochs=%d: no epoch is left to train; "
@@ -231,6 +233,10 @@ class _UntilStopped:
     @property
     def init(self) -> Any:
         return self.schedule.init
+
+    @property
+    def monitor(self) -> Any:
+        return getattr(self.schedule, "monitor", None)
 
     def learning_rate_factor(
         self, state: Any, epoch: int, last_validation_loss: float | None
@@ -373,6 +379,8 @@ class _Root:
             validation_loss_exponential_smoothing_factor=(
                 loop.validation_loss_exponential_smoothing_factor
             ),
+            best_model_monitor=loop.best_model_monitor,
+            early_stopping=loop.early_stopping,
         )
 
     def _restore(self, resume: Resumed) -> dict[str, torch.Tensor] | None:
@@ -384,7 +392,7 @@ class _Root:
             return None
         return _snapshot(state.best_model_state, self.device)
 
-    async def _train_epoch(self, lr_factor: float) -> float:
+    async def _train_epoch(self, lr_factor: float) -> EpochOutcome:
         assert self.runner is not None
         self.epoch += 1
         epoch, pass_index = self.epoch, self.pass_index
@@ -400,9 +408,9 @@ class _Root:
             self.data.train_batches, epoch=epoch, pass_index=pass_index, lr_factor=lr_factor
         )
         self.pass_index += 1
-        return result.loss
+        return (result.loss, result.metrics) if result.metrics else result.loss
 
-    async def _validation_epoch(self) -> float:
+    async def _validation_epoch(self) -> EpochOutcome:
         assert self.runner is not None and self.data.validation_batches is not None
         epoch, pass_index = self.epoch, self.pass_index
         self.tracker.current, self.tracker.pass_index = "valid", pass_index
@@ -413,7 +421,7 @@ class _Root:
             self.data.validation_batches, epoch=epoch, pass_index=pass_index
         )
         self.pass_index += 1
-        return result.loss
+        return (result.loss, result.metrics) if result.metrics else result.loss
 
     async def _save_best(self) -> None:
         module = self.data.model.module

@@ -10,9 +10,10 @@ import torch
 
 from .._effects import Batch, PassAwareBatchSource
 from .._errors import ConfigError
+from .._metric import Metric
 from .._source import PassContext
 
-__all__ = ["Digits", "accuracy", "batch_source", "create_model", "cross_entropy", "load_digits"]
+__all__ = ["ACCURACY", "Digits", "batch_source", "create_model", "cross_entropy", "load_digits"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,15 +100,10 @@ def _chunks(inputs: torch.Tensor, labels: torch.Tensor, size: int) -> Iterator[B
         yield inputs[start : start + size], labels[start : start + size]
 
 
-def accuracy(module: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> float:
-    """The fraction of ``inputs`` that ``module`` classifies right (eval mode, no gradients;
-    the module's mode is restored)."""
-    was_training = module.training
-    module.eval()
-    try:
-        with torch.no_grad():
-            device = next(module.parameters()).device
-            predicted = module(inputs.to(device)).argmax(dim=1).cpu()
-    finally:
-        module.train(was_training)
-    return float((predicted == labels).float().mean())
+def _correct(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:
+    return (output.argmax(dim=1) == target).sum(), target.numel()
+
+
+ACCURACY = Metric(_correct)
+"""The fraction of examples classified right: correct answers over examples, summed over
+every batch of every rank by lampdist."""

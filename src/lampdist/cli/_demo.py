@@ -21,20 +21,23 @@ from rich.console import Console
 from .. import checkpoint
 from .._errors import ConfigError
 from .._model import SupervisedModel
+from .._monitor import Monitor
 from .._options import LoopOptions, ModelWithData, StepOptions
 from .._roles import local_data_parallel_training_loop, run_until_signal, train
 from .._state import LoopState
 from ..checkpoint import Resumed
 from ..launch import LaunchEnv, from_env
 from ..trackers import TensorBoardTracker, Tracker
-from ._data import Digits, accuracy, batch_source, create_model, cross_entropy, load_digits
+from ._data import ACCURACY, Digits, batch_source, create_model, cross_entropy, load_digits
 from ._plot import plot_learning_curve
-from ._progress import MetricsFile, PassCounter, on_pass_event, open_reporter, read_metrics
+from ._progress import MetricsFile, PassCounter, on_pass_event, open_reporter
 
 __all__ = ["DemoOptions", "DemoResult", "choose_launch", "run_demo"]
 
 logger = logging.getLogger(__name__)
 
+BEST_BY = Monitor("validation_accuracy", mode="max")
+"""The demo keeps the model of the epoch with the highest validation accuracy."""
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
 CURVE = "learning_curve.png"
@@ -123,7 +126,7 @@ async def run_demo(
         await train(
             launch=launch,
             data=ModelWithData(
-                model=SupervisedModel(create_model(options.seed), cross_entropy),
+                model=_model(create_model(options.seed)),
                 train_batches=_train_batches(shard, options),
                 validation_batches=_valid_batches(shard, options),
             ),
@@ -171,6 +174,11 @@ def _optimizer(lr: float) -> Any:
     return create
 
 
+def _model(module: torch.nn.Module) -> SupervisedModel:
+    """Every rank's model: the classifier, its loss, and its accuracy as a metric."""
+    return SupervisedModel(module, cross_entropy, metrics={"accuracy": ACCURACY})
+
+
 def _step(options: DemoOptions) -> StepOptions:
     """Every rank's step options: the shuffles follow ``--seed``."""
     return StepOptions(shuffle_seed=options.seed)
@@ -211,11 +219,6 @@ async def _run_root(
         first_epoch=first_epoch, epochs=options.epochs, batches_per_epoch=per_epoch
     )
 
-    async def validation_accuracy() -> float:
-        return await anyio.to_thread.run_sync(
-            accuracy, module, data.valid_inputs, data.valid_labels
-        )
-
     async with AsyncExitStack() as trackers:
         tracker = await _open_tensorboard(
             trackers, options, nranks=nranks, first_step=first_epoch * train_steps
@@ -234,13 +237,14 @@ async def _run_root(
                 max_epochs=options.epochs,
                 checkpoint_state=checkpoint.to_directory(out / CHECKPOINTS, keep=3),
                 return_min_validation_loss_model=range(options.epochs),
-                on_event=on_pass_event(reporter, counter, metrics, validation_accuracy, tracker),
+                best_model_monitor=BEST_BY,
+                on_event=on_pass_event(reporter, counter, metrics, tracker),
             )
             if launch is not None:
                 state = await train(
                     launch=launch,
                     data=ModelWithData(
-                        model=SupervisedModel(module, cross_entropy),
+                        model=_model(module),
                         train_batches=_train_batches(root_shard, options),
                         validation_batches=_valid_batches(root_shard, options),
                     ),
@@ -254,16 +258,11 @@ async def _run_root(
                 state = await _train_here(options, data, module, devices, loop, resumed)
         if tracker is not None:
             await tracker.log_summary(state)
-    final_accuracy = await anyio.to_thread.run_sync(
-        accuracy, module, data.valid_inputs, data.valid_labels
-    )
     seconds = time.perf_counter() - started
-    await anyio.to_thread.run_sync(
-        functools.partial(_write_results, out, module, state, read_metrics(out / METRICS))
-    )
+    await anyio.to_thread.run_sync(functools.partial(_write_results, out, module, state))
     return DemoResult(
         state=state,
-        accuracy=final_accuracy,
+        accuracy=final_accuracy(state),
         seconds=seconds,
         nranks=nranks,
         device=str(devices[0]),
@@ -313,7 +312,7 @@ async def _train_here(
         shard = data.shard(rank, nranks)
         entries.append(
             ModelWithData(
-                model=SupervisedModel(module, cross_entropy),
+                model=_model(module),
                 train_batches=_train_batches(shard, options),
                 validation_batches=_valid_batches(shard, options),
             )
@@ -350,8 +349,15 @@ async def _prepare(out: Path, resume: bool) -> Resumed | None:
     return None
 
 
-def _write_results(
-    out: Path, module: torch.nn.Module, state: LoopState, metrics: list[dict[str, Any]]
-) -> None:
+def final_accuracy(state: LoopState) -> float:
+    """The validation accuracy of the model the run ends with: the best epoch's, measured by
+    its validation pass over every rank's examples (NaN for a curve without it)."""
+    epoch = state.min_validation_epoch
+    points = [p for p in state.learning_curve if p.epoch == epoch] or state.learning_curve[-1:]
+    value = points[0].metrics.get(BEST_BY.metric, math.nan) if points else math.nan
+    return value if isinstance(value, float) else math.nan
+
+
+def _write_results(out: Path, module: torch.nn.Module, state: LoopState) -> None:
     torch.save(module.state_dict(), out / MODEL)
-    plot_learning_curve(out / CURVE, state.learning_curve, metrics)
+    plot_learning_curve(out / CURVE, state.learning_curve)

@@ -4,18 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from .._state import CurvePoint
 
 __all__ = ["plot_learning_curve"]
 
 
-def plot_learning_curve(
-    path: Path, curve: Sequence[CurvePoint], metrics: Sequence[dict[str, Any]]
-) -> None:
-    """Draw the training and validation loss of ``curve`` and the validation accuracy of
-    ``metrics`` per epoch (numbered from 1) into the PNG file ``path``."""
+def plot_learning_curve(path: Path, curve: Sequence[CurvePoint]) -> None:
+    """Draw the training and validation loss of ``curve`` and its validation accuracy per
+    epoch (numbered from 1) into the PNG file ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -34,9 +31,11 @@ def plot_learning_curve(
     )
     losses.set(xlabel="epoch", ylabel="cross-entropy loss", yscale="log", title="loss")
     losses.legend()
-    points = sorted(
-        (m["epoch"] + 1, m["accuracy"]) for m in metrics if m.get("accuracy") is not None
-    )
+    points = [
+        (p.epoch + 1, accuracy)
+        for p in curve
+        if isinstance(accuracy := p.metrics.get("validation_accuracy"), float)
+    ]
     accuracies.plot([e for e, _ in points], [a * 100 for _, a in points], marker="o")
     accuracies.set(xlabel="epoch", ylabel="%", title="validation accuracy")
     for axes in (losses, accuracies):

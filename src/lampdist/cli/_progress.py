@@ -7,7 +7,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
@@ -36,8 +36,8 @@ logger = logging.getLogger(__name__)
 class Reporter(Protocol):
     """Shows a run's progress; ``update`` is called after every step and pass."""
 
-    def update(self, event: PassEvent, counter: PassCounter, accuracy: float | None) -> None:
-        """Show ``event``; ``accuracy`` is the validation accuracy after a validation pass."""
+    def update(self, event: PassEvent, counter: PassCounter) -> None:
+        """Show ``event`` (with its metrics at the end of a pass)."""
 
 
 @attrs.define(eq=False)
@@ -78,6 +78,12 @@ def _loss(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:.4f}"
 
 
+def _accuracy(metrics: Mapping[str, object]) -> float | None:
+    """The pass's accuracy, if it reports one."""
+    value = metrics.get("accuracy")
+    return value if isinstance(value, float) else None
+
+
 @attrs.define(eq=False)
 class RichReporter:
     """A rich progress bar: epoch, pass, batch i/n, loss, examples/s, ETA."""
@@ -86,8 +92,9 @@ class RichReporter:
     task: TaskID
     epochs: int
 
-    def update(self, event: PassEvent, counter: PassCounter, accuracy: float | None) -> None:
+    def update(self, event: PassEvent, counter: PassCounter) -> None:
         total = event.total_batches if event.total_batches is not None else "?"
+        accuracy = _accuracy(event.metrics)
         fields: dict[str, Any] = {
             "epoch": f"epoch {event.epoch + 1}/{self.epochs}",
             "kind": event.kind,
@@ -106,10 +113,11 @@ class LogReporter:
 
     epochs: int
 
-    def update(self, event: PassEvent, counter: PassCounter, accuracy: float | None) -> None:
+    def update(self, event: PassEvent, counter: PassCounter) -> None:
         if not event.done:
             return
         eta = counter.eta()
+        accuracy = _accuracy(event.metrics)
         logger.info(
             "epoch %d/%d %s: %d batches, loss %s%s, %.0f examples/s, %.2f s, ETA %s",
             event.epoch + 1,
@@ -167,9 +175,10 @@ class MetricsFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text("".join(json.dumps(m) + "\n" for m in kept))
 
-    async def record(self, event: PassEvent, accuracy: float | None) -> None:
-        """Append the finished pass ``event`` (and the validation accuracy, if any)."""
-        line = {
+    async def record(self, event: PassEvent) -> None:
+        """Append the finished pass ``event``, its metrics under ``"metrics"`` (vectors as
+        lists)."""
+        line: dict[str, Any] = {
             "epoch": event.epoch,
             "kind": event.kind,
             "pass_index": event.pass_index,
@@ -179,8 +188,10 @@ class MetricsFile:
             "seconds": round(event.seconds, 6),
             "examples_per_second": round(event.examples_per_second, 1),
         }
-        if accuracy is not None:
-            line["accuracy"] = accuracy
+        line["metrics"] = {
+            name: list(value) if isinstance(value, tuple) else value
+            for name, value in event.metrics.items()
+        }
         text = json.dumps(line) + "\n"
 
         def append() -> None:
@@ -201,22 +212,18 @@ def on_pass_event(
     reporter: Reporter,
     counter: PassCounter,
     metrics: MetricsFile,
-    validation_accuracy: Callable[[], Awaitable[float]],
     tracker: OnPassEvent | None = None,
 ) -> Callable[[PassEvent], Awaitable[None]]:
-    """The ``on_event`` effect of the demo's root: count, measure accuracy after a
-    validation pass, write the metrics line, give the event to ``tracker`` (if any), show
+    """The ``on_event`` effect of the demo's root: count, write the metrics line (the pass's
+    metrics come with its last event), give the event to ``tracker`` (if any), show
     progress."""
 
     async def on_event(event: PassEvent) -> None:
         counter.advance(event)
-        accuracy = None
-        if event.kind == "valid" and event.done:
-            accuracy = await validation_accuracy()
         if event.done:
-            await metrics.record(event, accuracy)
+            await metrics.record(event)
         if tracker is not None:
             await tracker(event)
-        reporter.update(event, counter, accuracy)
+        reporter.update(event, counter)
 
     return on_event

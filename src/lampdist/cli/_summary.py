@@ -23,16 +23,16 @@ def summary_lines(result: DemoResult) -> list[str]:
         f"validation accuracy {result.accuracy:.1%}",
     ]
     if state.min_validation_epoch is not None and state.min_validation_loss is not None:
-        lines.append(
+        lines.append(  # the demo chooses its best model by validation accuracy
             f"best epoch {state.min_validation_epoch + 1} "
-            f"(validation loss {state.min_validation_loss:.4f}); the model ends there"
+            f"(validation accuracy {state.min_validation_loss:.1%}); the model ends there"
         )
     out = result.out
     checkpoints = sorted(p.name for p in (out / CHECKPOINTS).glob("epoch-*"))
     lines += [
         f"files in {out}:",
         f"  {CHECKPOINTS}/  {', '.join(checkpoints) or 'none'}  (--resume continues from it)",
-        f"  {METRICS}  one JSON line per pass",
+        f"  {METRICS}  one JSON line per pass (loss, metrics, speed)",
         f"  {CURVE}  loss and accuracy per epoch",
         f"  {MODEL}  the model's state dict",
     ]
