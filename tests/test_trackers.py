@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext, suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import numpy as np
@@ -560,3 +560,30 @@ async def test_a_resumed_run_continues_the_global_step_in_tensorboard(tmp_path: 
         (6, float32(event(1, 3).loss)),
     ]
     assert [step for step, _ in scalars(reader, "valid/loss")] == [3, 6]
+
+
+def test_the_metrics_of_a_pass_end_are_scalars_of_their_own() -> None:
+    from lampdist.trackers._base import event_scalars
+
+    def event(kind: Literal["train", "valid"], done: bool, **metrics: Any) -> lampdist.PassEvent:
+        return lampdist.PassEvent(
+            epoch=0,
+            kind=kind,
+            pass_index=0,
+            step=3,
+            batches=3,
+            total_batches=3,
+            examples=30,
+            loss=0.5,
+            seconds=1.0,
+            done=done,
+            metrics=metrics,
+        )
+
+    running = event("train", False)
+    end = event("valid", True, accuracy=0.75, per_class=(1.0, 0.5))
+    assert "train/accuracy" not in event_scalars(running)
+    scalars = event_scalars(end)
+    assert scalars["valid/accuracy"] == 0.75
+    assert (scalars["valid/per_class/0"], scalars["valid/per_class/1"]) == (1.0, 0.5)
+    assert scalars["valid/loss"] == 0.5

@@ -148,8 +148,11 @@ def event_scalars(event: PassEvent) -> dict[str, float]:
 
     Every training event: ``train/running_loss`` (the pass's example-weighted mean loss so
     far) and ``train/examples_per_second``; the end of a training pass adds ``train/loss``;
-    the end of a validation pass gives ``valid/loss`` and ``valid/examples_per_second``.
+    the end of a validation pass gives ``valid/loss`` and ``valid/examples_per_second``. The
+    end of either adds the pass's metrics (:attr:`PassEvent.metrics`) as ``KIND/NAME``, a
+    vector-valued one as ``KIND/NAME/INDEX``.
     """
+    scalars: dict[str, float] = {}
     if event.kind == "train":
         scalars = {
             "train/running_loss": event.loss,
@@ -157,10 +160,16 @@ def event_scalars(event: PassEvent) -> dict[str, float]:
         }
         if event.done:
             scalars["train/loss"] = event.loss
-        return scalars
+    elif event.done:
+        scalars = {"valid/loss": event.loss, "valid/examples_per_second": event.examples_per_second}
     if event.done:
-        return {"valid/loss": event.loss, "valid/examples_per_second": event.examples_per_second}
-    return {}
+        for name, value in event.metrics.items():
+            if isinstance(value, tuple):
+                for index, item in enumerate(value):
+                    scalars[f"{event.kind}/{name}/{index}"] = float(item)
+            else:
+                scalars[f"{event.kind}/{name}"] = float(value)
+    return scalars
 
 
 @attrs.define(eq=False)
