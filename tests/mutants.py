@@ -45,6 +45,8 @@ DRIVER = "tests/loop/test_driver.py"
 METRICS = "tests/roles/test_local_metrics.py"
 MONITORS = "tests/loop/test_monitors.py"
 LOCAL_MONITORS = "tests/roles/test_local_monitors.py"
+SHARDED = "tests/roles/test_local_sharded.py"
+STEPS = "tests/roles/test_local_steps.py"
 
 MUTANTS = [
     Mutant(
@@ -67,22 +69,21 @@ MUTANTS = [
         name="no-accumulation",
         guarantee="accumulate_gradient_over_n_batches batches make one step",
         path="_epoch/_kernel.py",
-        old="accumulate = self.options.accumulate_gradient_over_n_batches\n        for index",
-        new="accumulate = 1\n        for index",
+        old=(
+            "accumulate = self.options.accumulate_gradient_over_n_batches\n        if self.sharded:"
+        ),
+        new="accumulate = 1\n        if self.sharded:",
         tests=(EXACTNESS,),
     ),
     Mutant(
         name="no-clipping",
         guarantee="max_grad_norm clips the averaged gradients by their global norm",
         path="_epoch/_stepper.py",
-        old=(
-            "            if self.options.max_grad_norm is not None:\n"
-            "                torch.nn.utils.clip_grad_norm_(self.flat.parameters, "
-            "self.options.max_grad_norm)\n"
-            "            self.optimizer.step()\n            return True"
+        old="        if max_norm is None:\n            return\n        if self.shard is None:",
+        new="        if True:\n            return\n        if self.shard is None:",
+        tests=(
+            "tests/roles/test_local_exactness.py::test_clipping_matches_clip_grad_norm_in_a_plain_loop",
         ),
-        new="            self.optimizer.step()\n            return True",
-        tests=(f"{EXACTNESS}::test_clipping_matches_clip_grad_norm_in_a_plain_loop",),
     ),
     Mutant(
         name="loss-scale-never-backs-off",
@@ -110,18 +111,18 @@ MUTANTS = [
     ),
     Mutant(
         name="best-model-on-ties",
-        guarantee="the best model is the first epoch with the strictly lowest smoothed loss",
-        path="_loop/_driver.py",
-        old="if epoch in save_epochs and smoothed < lowest:",
-        new="if epoch in save_epochs and smoothed <= lowest:",
+        guarantee="the best model moves only on a strict improvement",
+        path="_monitor.py",
+        old="return value + min_delta < (best if best is not None else math.inf)",
+        new="return value + min_delta <= (best if best is not None else math.inf)",
         tests=(DRIVER,),
     ),
     Mutant(
         name="best-model-outside-its-epochs",
-        guarantee="only epochs in return_min_validation_loss_model can be the best model",
+        guarantee="the best model is chosen among return_min_validation_loss_model's epochs",
         path="_loop/_driver.py",
-        old="if epoch in save_epochs and smoothed < lowest:",
-        new="if smoothed < lowest:",
+        old="        if epoch in save_epochs:\n            best = _watched(",
+        new="        if True:\n            best = _watched(",
         tests=(DRIVER,),
     ),
     Mutant(
@@ -142,9 +143,9 @@ MUTANTS = [
     ),
     Mutant(
         name="resume-ignores-the-optimizer",
-        guarantee="a resumed run continues from the checkpoint's optimizer state",
+        guarantee="a resumed run restores the optimizer state",
         path="_roles/_root.py",
-        old="        self.stepper.optimizer.load_state_dict(dict(state.optimizer_state))\n",
+        old="        self.stepper.load_state_dict(dict(state.optimizer_state))\n",
         new="",
         tests=(RESUME,),
     ),
@@ -339,6 +340,86 @@ MUTANTS = [
         old="    check_monitors(loop, data)\n",
         new="",
         tests=(LOCAL_MONITORS,),
+    ),
+    Mutant(
+        name="sharded-parameters-not-gathered",
+        guarantee="sharded, every rank ends each step with every rank's stepped slice",
+        path="_epoch/_kernel.py",
+        old="        if self.sharded:\n            self._start_parameter_gathers()",
+        new="        if False:\n            self._start_parameter_gathers()",
+        tests=(SHARDED,),
+    ),
+    Mutant(
+        name="sharded-clipping-per-slice",
+        guarantee="sharded, clipping uses the global norm over every rank's slice",
+        path="_epoch/_stepper.py",
+        old="        combine(squares)\n",
+        new="",
+        tests=(EXACTNESS + "::test_clipping_matches_clip_grad_norm_in_a_plain_loop",),
+    ),
+    Mutant(
+        name="sharded-overflow-per-slice",
+        guarantee="sharded, an fp16 overflow in any slice skips the step on every rank",
+        path="_epoch/_stepper.py",
+        old="            combine(overflowed)\n",
+        new="            pass\n",
+        tests=(EXACTNESS + "::test_sharded_fp16_loss_scaling_sees_an_overflow_in_any_slice",),
+    ),
+    Mutant(
+        name="sharded-group-hyperparameters-lost",
+        guarantee="sharded, each parameter group keeps its own hyperparameters",
+        path="_epoch/_shard.py",
+        old="                **_hyperparameters(group),\n",
+        new="",
+        tests=(SHARDED,),
+    ),
+    Mutant(
+        name="sharded-state-not-gathered",
+        guarantee="a sharded checkpoint holds the whole optimizer state",
+        path="_epoch/_shard.py",
+        old="        all_gather(whole, self.flat.shard(whole, self.rank))",
+        new="        pass",
+        tests=(RESUME,),
+    ),
+    Mutant(
+        name="stream-state-not-loaded",
+        guarantee="a resumed stream loads its source's state_dict",
+        path="_epoch/_stream.py",
+        old="iterable.load_state_dict(state)  # type: ignore[attr-defined]  # checked above",
+        new="pass",
+        tests=(STEPS,),
+    ),
+    Mutant(
+        name="stream-position-not-restored",
+        guarantee="a resumed rank goes on with the next batch of its data",
+        path="_epoch/_pass.py",
+        old='                self._start = StreamPosition.from_plain(mine["position"])',
+        new="                pass",
+        tests=(STEPS,),
+    ),
+    Mutant(
+        name="per-step-schedule-ignored",
+        guarantee="learning_rate_per_step scales every step's learning rate",
+        path="_epoch/_kernel.py",
+        old="self.stepper.set_lr_factor(lr_factor * per_step.factor(epoch * window + step))",
+        new="self.stepper.set_lr_factor(lr_factor)",
+        tests=(STEPS,),
+    ),
+    Mutant(
+        name="checkpoint-interval-ignored",
+        guarantee="checkpoint_interval checkpoints only once its time has passed",
+        path="_roles/_root.py",
+        old="        return time.monotonic() - self.last_checkpoint >= interval",
+        new="        return True",
+        tests=(STEPS,),
+    ),
+    Mutant(
+        name="followers-rng-not-restored",
+        guarantee="with restore_rng, every follower restores its own RNG states",
+        path="_epoch/_pass.py",
+        old='            if shared["restore_rng"] and self.rank != 0:',
+        new="            if False:",
+        tests=("tests/roles/test_tcp_steps.py",),
     ),
 ]
 
