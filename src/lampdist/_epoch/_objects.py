@@ -33,6 +33,8 @@ def _decode(payload: torch.Tensor, map_location: Any) -> Any:
 def broadcast_object(clique: Clique, value: Any, *, rank: int, map_location: Any = "cpu") -> Any:
     """The root's ``value`` on every rank (``None`` when the root's is ``None``); its length
     first, then its bytes. Every rank calls it."""
+    if clique.nranks == 1:
+        return value
     device = clique.device
     payload = torch.zeros(0, dtype=torch.uint8, device=device)
     length = torch.zeros(1, dtype=torch.int64, device=device)
