@@ -224,22 +224,30 @@ def _replayed(shard: list[Batch], fail_after: int | None, *, scramble_first: boo
     return source
 
 
-@pytest.mark.parametrize("kind", ["stateful", "replayed"])
-@pytest.mark.parametrize("step_on", ["root", "sharded"])
+@pytest.mark.parametrize(
+    ("kind", "step_on", "nranks"),
+    [
+        ("stateful", "root", 2),
+        ("stateful", "sharded", 2),
+        ("replayed", "root", 2),
+        ("replayed", "sharded", 2),
+        ("stateful", "root", 1),
+    ],
+)
 async def test_a_run_killed_mid_window_resumes_on_the_next_batch_bitwise(
-    tmp_path: Path, kind: str, step_on: lampdist._options.StepOn
+    tmp_path: Path, kind: str, step_on: lampdist._options.StepOn, nranks: int
 ) -> None:
     """Two ranks read shuffled loaders in windows of 3 steps; one run goes through 5 epochs,
     another crashes in the middle of epoch 3 (its data in the middle of a pass) and resumes
     from the checkpoint of epoch 2 with other weights: both end bitwise alike."""
     make = _stateful if kind == "stateful" else _replayed
-    shards = make_shards([[4] * 5, [5] * 4], seed=4)  # 20 and 20 examples: 7 batches each
+    shards = make_shards([[4] * 5, [5] * 4], seed=4)[:nranks]  # 20 examples: 7 batches each
     initial = make_model()
     step = lampdist.StepOptions(steps_per_epoch=3, step_on=step_on)
 
     def sources(fail_after: int | None, *, resumed: bool = False) -> list[Any]:
         return [
-            make(shard, fail_after if rank == 1 else None, scramble_first=resumed)
+            make(shard, fail_after if rank == nranks - 1 else None, scramble_first=resumed)
             for rank, shard in enumerate(shards)
         ]
 
@@ -258,10 +266,11 @@ async def test_a_run_killed_mid_window_resumes_on_the_next_batch_bitwise(
     resumed = await anyio.to_thread.run_sync(checkpoint.load_latest, directory)
     assert resumed is not None and resumed.epoch == 3
     ranks = resumed.training_state.rank_states
-    assert ranks is not None and len(ranks) == 2
-    assert ranks[1]["position"]["batches"] == 2  # 9 batches drawn: one pass of 7, then 2
-    assert ranks[1]["position"]["data_pass"] == 1
-    assert (ranks[1]["position"]["state"] is not None) == (kind == "stateful")
+    assert ranks is not None and len(ranks) == nranks
+    position = ranks[-1]["position"]
+    assert position["batches"] == 2  # 9 batches drawn: one pass of 7, then 2
+    assert position["data_pass"] == 1
+    assert (position["state"] is not None) == (kind == "stateful")
     other = make_model(seed=77)
     finished, state = await _train(
         shards, other, step, epochs=5, resume=resumed, sources=sources(None, resumed=True)
