@@ -265,11 +265,15 @@ class _Loader:
     rank: int
     phase: str
 
-    def load_one(self, batch: object) -> LoadedBatch:
+    def load_one(self, batch: object, position: Any = None) -> LoadedBatch:
+        """``batch`` checked, counted and on the device (with its stream ``position``)."""
         inputs, target = check_batch(batch)
         examples = self.model.example_count(target)
         return LoadedBatch(
-            move_to_device(inputs, self.device), move_to_device(target, self.device), examples
+            move_to_device(inputs, self.device),
+            move_to_device(target, self.device),
+            examples,
+            position,
         )
 
     def load(self, iterable: Iterable[object]) -> None:

@@ -91,6 +91,12 @@ class ShardedOptimizer:
     """The template's parameters, group by group, in group order."""
     buffer_of: list[tuple[int, int, int]]
     """Per template parameter: its buffer, offset and element count."""
+    _gradients: list[torch.Tensor] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._gradients = [
+            self.flat.shard(padded, self.rank) for padded in self.flat.padded_gradients
+        ]
 
     @classmethod
     def create(
@@ -153,7 +159,7 @@ class ShardedOptimizer:
     def gradients(self) -> list[torch.Tensor]:
         """The rank's slice of every flat gradient buffer (the reduced sums, after the
         exchange)."""
-        return [self.flat.shard(padded, self.rank) for padded in self.flat.padded_gradients]
+        return self._gradients
 
     # -- the whole optimizer's state ----------------------------------------------------------
 

@@ -165,7 +165,7 @@ def _load(
                     batches=taken,
                     state=iterable.state_dict() if stateful else None,  # type: ignore[attr-defined]
                 )
-            if not feed.put(attrs.evolve(loader.load_one(batch), position=position)):
+            if not feed.put(loader.load_one(batch, position)):
                 return
         if not yielded and taken == 0:
             raise BadBatch(
