@@ -291,10 +291,19 @@ def test_a_stop_before_the_first_checkpoint_offers_nothing_to_resume(tmp_path: P
     flags = ["--nranks", "2", "--port", str(free_port()), "--out", str(out)]
     root = start_demo("--role", "root", *flags, cwd=tmp_path)  # its follower never comes
     try:
-        time.sleep(5)  # imports, then waiting for the follower
+        # Past the imports and the data (a fixed sleep was too short on a loaded machine):
+        # the demo logs this line just before it starts the run and its signal handlers.
+        assert root.stderr is not None
+        seen: list[str] = []
+        while not any("training on 2 ranks" in line for line in seen):
+            line = root.stderr.readline()
+            assert line, "".join(seen)  # the demo ended before it started training
+            seen.append(line)
+        time.sleep(2)  # the control channel opens and the handlers are installed
         assert root.poll() is None, root.communicate()[1]
         root.send_signal(signal.SIGINT)
-        _, err = root.communicate(timeout=90)  # the join has Timeouts.stop (30 s) to end
+        _, rest = root.communicate(timeout=90)  # the join has Timeouts.stop (30 s) to end
+        err = "".join(seen) + rest
     finally:
         if root.poll() is None:
             root.kill()
