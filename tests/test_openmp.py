@@ -13,7 +13,7 @@ import pytest
 
 SCRIPT = textwrap.dedent(
     """
-    import os, torch
+    import os, time, torch
     from lampdist._openmp import release_team
 
     def threads():
@@ -25,6 +25,10 @@ SCRIPT = textwrap.dedent(
     (a @ a).sum()  # an intra-op-parallel op: this thread gets a team of 2
     with_team = threads()
     supported = release_team()
+    # The team's threads leave after the call returns, each on its own: wait for them
+    deadline = time.monotonic() + 10
+    while threads() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
     after = threads()
     print(before, with_team, after, supported)
     """
