@@ -414,6 +414,14 @@ MUTANTS = [
         tests=(STEPS,),
     ),
     Mutant(
+        name="skipped-last-epoch-not-saved",
+        guarantee="a loop that ends early saves the last epoch the interval skipped",
+        path="_roles/_root.py",
+        old="            await self._save(*self.unsaved)",
+        new="            pass",
+        tests=(STEPS,),
+    ),
+    Mutant(
         name="followers-rng-not-restored",
         guarantee="with restore_rng, every follower restores its own RNG states",
         path="_epoch/_pass.py",

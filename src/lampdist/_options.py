@@ -176,8 +176,8 @@ class LoopOptions:
     ``checkpoint_state`` is awaited after every epoch
     (:func:`lampdist.checkpoint.to_directory` builds one), or with ``checkpoint_interval``
     (seconds of wall time: for preemptible jobs with short epochs) after the first epoch that
-    ends that long after the last checkpoint, and always after the last epoch and on a
-    requested stop; ``on_event`` receives the root's
+    ends that long after the last checkpoint, and always after the last epoch trained,
+    whatever ends the loop; ``on_event`` receives the root's
     progress (:class:`~lampdist.PassEvent`). The rules are :func:`lampdist.epochs`'.
 
     Raises :class:`~lampdist.ConfigError` for values out of range.

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import attrs
 import pytest
 import torch
 
@@ -322,3 +323,44 @@ async def test_progress_counts_each_window_on_its_own() -> None:
     step = lampdist.StepOptions(steps_per_epoch=2, accumulate_gradient_over_n_batches=2)
     await _train(shards, make_model(), step, epochs=3, loop={"on_event": record})
     assert [(e.batches, e.total_batches, e.step) for e in last] == [(4, 4, 2)] * 3
+
+
+@attrs.frozen
+class _StopAt:
+    """An epoch schedule that stops training (factor 0) from ``epoch`` on."""
+
+    epoch: int
+    init: None = None
+
+    def learning_rate_factor(
+        self, state: None, epoch: int, last_validation_loss: float | None
+    ) -> tuple[None, float]:
+        return None, 0.0 if epoch >= self.epoch else 1.0
+
+
+@pytest.mark.parametrize("ended_by", ["schedule", "early_stopping"])
+async def test_a_loop_that_ends_early_saves_the_epoch_the_interval_skipped(ended_by: str) -> None:
+    shards = make_shards([[5, 7], [6, 6]], seed=5)
+    saved: list[int] = []
+
+    async def record(state: lampdist.TrainingState, lr_state: Any) -> None:
+        saved.append(state.loop_state.epoch)
+
+    ending: dict[str, Any] = (
+        {"learning_rate_schedule": _StopAt(epoch=2)}
+        if ended_by == "schedule"
+        else {  # the training loss falls, so "max" sees no improvement after epoch 0
+            "early_stopping": lampdist.EarlyStopping(
+                monitor=lampdist.Monitor("training_loss", mode="max"), patience=1
+            )
+        }
+    )
+    _, state = await _train(
+        shards,
+        make_model(),
+        lampdist.StepOptions(steps_per_epoch=2),
+        epochs=4,
+        loop={"checkpoint_state": record, "checkpoint_interval": 3600.0, **ending},
+    )
+    assert state.epoch == 2
+    assert saved == [2]  # the last epoch trained, though an hour has not passed

@@ -292,6 +292,7 @@ class _Root:
     best_model_state: dict[str, torch.Tensor] | None = None
     pass_index: int = 0
     epoch: int = -1
+    unsaved: tuple[LoopState, Any] | None = None  # the last epoch, if the interval skipped it
 
     async def run(self) -> LoopState:
         """Restore, rendezvous, open the clique, agree, run the epochs, stop."""
@@ -365,7 +366,7 @@ class _Root:
     async def _epochs(self, loop_state: LoopState | None) -> LoopState:
         loop = self.loop
         validates = self.data.validation_batches is not None
-        return await epochs(
+        final = await epochs(
             max_epochs=loop.max_epochs,
             train_epoch=self._train_epoch,
             validation_epoch=self._validation_epoch if validates else None,
@@ -382,6 +383,9 @@ class _Root:
             best_model_monitor=loop.best_model_monitor,
             early_stopping=loop.early_stopping,
         )
+        if self.unsaved is not None:  # a stop, early stopping or the schedule ended the loop
+            await self._save(*self.unsaved)  # after an epoch the interval did not save
+        return final
 
     def _restore(self, resume: Resumed) -> dict[str, torch.Tensor] | None:
         """Load the checkpointed model and optimizer (the compute thread); the best model."""
@@ -430,10 +434,15 @@ class _Root:
         )
 
     async def _checkpoint(self, state: LoopState, lr_state: Any) -> None:
+        if not self._checkpoint_due(state):
+            self.unsaved = (state, lr_state)
+            return
+        await self._save(state, lr_state)
+
+    async def _save(self, state: LoopState, lr_state: Any) -> None:
         checkpoint_state, runner = self.loop.checkpoint_state, self.runner
         assert checkpoint_state is not None and runner is not None
-        if not self._checkpoint_due(state):
-            return
+        self.unsaved = None
         self.tracker.current = "checkpoint"
         check_schedule_state(self.loop.learning_rate_schedule, lr_state, epoch=state.epoch - 1)
         await self.control.broadcast(
@@ -465,7 +474,8 @@ class _Root:
     def _checkpoint_due(self, state: LoopState) -> bool:
         """Whether this epoch's end is checkpointed: every epoch, or with
         ``loop.checkpoint_interval`` once that many seconds have passed since the last
-        checkpoint, and always after the last epoch and when a stop was requested."""
+        checkpoint, and always after the last epoch and when a stop was requested (an epoch
+        skipped here is still saved if the loop then ends: see :meth:`_epochs`)."""
         interval = self.loop.checkpoint_interval
         if interval is None or state.epoch >= self.loop.max_epochs or self.stopping.requested():
             return True
