@@ -364,3 +364,41 @@ async def test_a_loop_that_ends_early_saves_the_epoch_the_interval_skipped(ended
     )
     assert state.epoch == 2
     assert saved == [2]  # the last epoch trained, though an hour has not passed
+
+
+def _broken_factory() -> list[Batch]:
+    raise RuntimeError("no data")
+
+
+async def _async_batches() -> Any:
+    yield (torch.zeros(2, 3), torch.zeros(2, 1))
+
+
+def _raising_midway() -> Iterator[Batch]:
+    yield (torch.zeros(2, 3, dtype=torch.float64), torch.zeros(2, 1, dtype=torch.float64))
+    raise RuntimeError("disk gone")
+
+
+@pytest.mark.parametrize(
+    ("source", "error", "match"),
+    [
+        (_broken_factory, lampdist.TrainingError, "factory raised RuntimeError: no data"),
+        (_raising_midway, lampdist.TrainingError, "batch source raised RuntimeError: disk gone"),
+        (lambda: [], lampdist.BadBatch, "yielded no batch in pass 0"),
+        (_async_batches, lampdist.BadBatch, "not an async one"),
+    ],
+    ids=["factory-raises", "raises-midway", "empty", "async"],
+)
+async def test_a_broken_training_stream_names_the_rank_and_phase(
+    source: Any, error: type[lampdist.LampdistError], match: str
+) -> None:
+    shards = make_shards([[5, 7], [6, 6]], seed=5)
+    with pytest.raises(error, match=match) as caught:
+        await _train(
+            shards,
+            make_model(),
+            lampdist.StepOptions(steps_per_epoch=3),
+            epochs=2,
+            sources=[lambda s=shards[0]: list(s), source],
+        )
+    assert (caught.value.rank, caught.value.phase) == (1, "train")

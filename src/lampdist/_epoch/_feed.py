@@ -28,7 +28,15 @@ from .._model import SupervisedModel, check_batch, move_to_device
 from .._signal import Signal
 from .._source import PassContext, call_source
 
-__all__ = ["AHEAD", "BatchFeed", "LoadedBatch", "PassStopped", "open_feed"]
+__all__ = [
+    "AHEAD",
+    "BatchFeed",
+    "LoadedBatch",
+    "Loader",
+    "PassStopped",
+    "call_checked",
+    "open_feed",
+]
 
 AHEAD = 4
 """How many batches the loading thread may load ahead of the compute thread. It is woken to
@@ -217,27 +225,13 @@ async def open_feed(
     source raises, and :class:`BadBatch` when it yields something that is not an ``(inputs,
     target)`` batch.
     """
-    try:
-        iterable = call_source(source, context)
-    except Exception as exc:
-        raise TrainingError(
-            f"the {phase} batch source factory raised {type(exc).__name__}: {exc}",
-            rank=rank,
-            phase=phase,
-        ) from exc
-    if not isinstance(iterable, Iterable | AsyncIterable):
-        raise BadBatch(
-            f"a batch source must return an iterable or async iterable of (inputs, target) "
-            f"batches, got {type(iterable).__name__}",
-            rank=rank,
-            phase=phase,
-        )
+    iterable = call_checked(source, context, rank=rank, phase=phase)
     feed = BatchFeed(
         total=len(iterable) if isinstance(iterable, Sized) else None,
         intra_op_threads=intra_op_threads,
         ahead=ahead,
     )
-    loader = _Loader(feed, model, device, rank, phase)
+    loader = Loader(feed, model, device, rank, phase)
     try:
         if isinstance(iterable, AsyncIterable):
             async with anyio.create_task_group() as group:
@@ -257,8 +251,34 @@ async def open_feed(
         feed.stop()
 
 
+def call_checked(
+    source: BatchSource | PassAwareBatchSource, context: PassContext, *, rank: int, phase: str
+) -> Iterable[object] | AsyncIterable[object]:
+    """``source()`` (or ``source(context)``), its errors as :class:`TrainingError` and
+    anything but an iterable or async iterable as :class:`BadBatch`, naming the rank and
+    phase."""
+    try:
+        iterable = call_source(source, context)
+    except Exception as exc:
+        raise TrainingError(
+            f"the {phase} batch source factory raised {type(exc).__name__}: {exc}",
+            rank=rank,
+            phase=phase,
+        ) from exc
+    if not isinstance(iterable, Iterable | AsyncIterable):
+        raise BadBatch(
+            f"a batch source must return an iterable or async iterable of (inputs, target) "
+            f"batches, got {type(iterable).__name__}",
+            rank=rank,
+            phase=phase,
+        )
+    return iterable
+
+
 @attrs.frozen
-class _Loader:
+class Loader:
+    """Puts a source's batches into ``feed``: checked, counted and on the device."""
+
     feed: BatchFeed
     model: SupervisedModel
     device: torch.device

@@ -27,7 +27,7 @@ from .._source import PassContext, PassKind, pass_seed
 from .._state import PassEvent
 from ..clique import Clique
 from ._compute import ComputeThread
-from ._feed import AHEAD, BatchFeed, _Loader, open_feed
+from ._feed import BatchFeed, open_feed
 from ._kernel import StepKernel
 from ._objects import broadcast_object
 from ._progress import Progress
@@ -153,13 +153,12 @@ class PassRunner:
         if self._stream is None:
             options = self.kernel.options
             assert options.steps_per_epoch is not None
-            feed = BatchFeed(
-                total=None, intra_op_threads=self.compute.intra_op_threads, ahead=AHEAD
-            )
-            loader = _Loader(feed, self.kernel.model, self.device, self.rank, "train")
             self._stream = TrainStream.open(
                 source,
-                loader=loader,
+                model=self.kernel.model,
+                device=self.device,
+                rank=self.rank,
+                intra_op_threads=self.compute.intra_op_threads,
                 window=options.steps_per_epoch * options.accumulate_gradient_over_n_batches,
                 start=self._start,
                 context=stream_context(options.shuffle_seed, self.rank, self.clique.nranks),

@@ -23,11 +23,13 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import attrs
+import torch
 
 from .._effects import BatchSource, PassAwareBatchSource
 from .._errors import BadBatch, TrainingError
-from .._source import PassContext, call_source, pass_seed
-from ._feed import BatchFeed, _Loader
+from .._model import SupervisedModel
+from .._source import PassContext, pass_seed
+from ._feed import AHEAD, BatchFeed, Loader, call_checked
 
 __all__ = ["StreamPosition", "TrainStream"]
 
@@ -63,14 +65,19 @@ class TrainStream:
         cls,
         source: BatchSource | PassAwareBatchSource,
         *,
-        loader: _Loader,
+        model: SupervisedModel,
+        device: torch.device,
+        rank: int,
+        intra_op_threads: int,
         window: int,
         start: StreamPosition | None,
         context: Callable[[int], PassContext],
     ) -> TrainStream:
-        """Start the loading thread; ``window`` is the batches of one epoch, ``context(k)``
-        the context of pass ``k`` over the data."""
-        feed = loader.feed
+        """Start the loading thread of rank ``rank``, which puts ``model``'s batches on
+        ``device``; ``window`` is the batches of one epoch, ``context(k)`` the context of pass
+        ``k`` over the data."""
+        feed = BatchFeed(total=None, intra_op_threads=intra_op_threads, ahead=AHEAD)
+        loader = Loader(feed, model, device, rank, "train")
         thread = threading.Thread(
             target=_run,
             args=(source, loader, window, start or StreamPosition(data_pass=0, batches=0), context),
@@ -97,7 +104,7 @@ def stream_context(shuffle_seed: int, rank: int, nranks: int) -> Callable[[int],
 
 def _run(
     source: BatchSource | PassAwareBatchSource,
-    loader: _Loader,
+    loader: Loader,
     window: int,
     start: StreamPosition,
     context: Callable[[int], PassContext],
@@ -116,7 +123,7 @@ def _run(
 
 def _load(
     source: BatchSource | PassAwareBatchSource,
-    loader: _Loader,
+    loader: Loader,
     window: int,
     start: StreamPosition,
     context: Callable[[int], PassContext],
@@ -178,16 +185,9 @@ def _load(
 
 
 def _call(
-    source: BatchSource | PassAwareBatchSource, context: PassContext, loader: _Loader
+    source: BatchSource | PassAwareBatchSource, context: PassContext, loader: Loader
 ) -> Iterable[object]:
-    try:
-        iterable = call_source(source, context)
-    except Exception as exc:
-        raise TrainingError(
-            f"the train batch source factory raised {type(exc).__name__}: {exc}",
-            rank=loader.rank,
-            phase="train",
-        ) from exc
+    iterable = call_checked(source, context, rank=loader.rank, phase="train")
     if not isinstance(iterable, Iterable):
         raise BadBatch(
             "with steps_per_epoch the training source must return an iterable of (inputs, "
