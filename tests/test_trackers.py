@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import anyio
+import attrs
 import numpy as np
 import pytest
 
@@ -48,10 +49,11 @@ def float32(value: float) -> float:
 
 
 async def train(
-    tracker: trackers.Tracker, epochs: int = EPOCHS
+    tracker: trackers.Tracker, epochs: int = EPOCHS, *, metrics: bool = False
 ) -> tuple[lampdist.LoopState, list[lampdist.PassEvent]]:
-    """Two ranks in this process train ``epochs`` epochs with ``tracker`` on the root,
-    logging the hyperparameters before and the summary after; what the root reported."""
+    """Two ranks in this process train ``epochs`` epochs with ``tracker`` on the root (with
+    ``metrics``, a model that reports its mean absolute error), logging the hyperparameters
+    before and the summary after; what the root reported."""
     seen: list[lampdist.PassEvent] = []
 
     async def on_event(event: lampdist.PassEvent) -> None:
@@ -61,7 +63,7 @@ async def train(
     await tracker.log_hyperparameters(HYPERPARAMETERS)
     with anyio.fail_after(60):
         state = await lampdist.local_data_parallel_training_loop(
-            models_with_data_streams=entries(2),
+            models_with_data_streams=[with_metrics(e) if metrics else e for e in entries(2)],
             optimizer_factory=sgd,
             loop=lampdist.LoopOptions(
                 max_epochs=epochs,
@@ -71,6 +73,13 @@ async def train(
         )
     await tracker.log_summary(state)
     return state, seen
+
+
+def with_metrics(entry: lampdist.ModelWithData) -> lampdist.ModelWithData:
+    """``entry`` whose model reports its mean absolute error (a metric of every pass end)."""
+    mae = lampdist.Metric(lambda out, y: ((out - y).abs().sum(), y.numel()))
+    model = lampdist.SupervisedModel(entry.model.module, entry.model.loss_fn, metrics={"mae": mae})
+    return attrs.evolve(entry, model=model)
 
 
 def expected_summary(state: lampdist.LoopState) -> dict[str, float]:
@@ -164,6 +173,11 @@ def check_event_records(records: list[dict[str, Any]], seen: list[lampdist.PassE
         assert float(record["loss"]) == sent.loss  # written exactly (repr), read exactly
         assert float(record["examples_per_second"]) == sent.examples_per_second
         assert str(record["done"]).lower() == str(sent.done).lower()
+        metrics = record["metrics"]
+        if isinstance(metrics, str) or metrics is None:  # CSV: JSON text, empty without any
+            metrics = json.loads(metrics) if metrics else {}
+        assert metrics == dict(sent.metrics)
+    assert any(sent.metrics for sent in seen)  # the pass ends carry the model's metric
 
 
 @pytest.fixture
@@ -257,7 +271,7 @@ async def test_mlflow_holds_one_run_with_params_and_metrics(mlflow_store: str) -
 async def test_json_lines_hold_each_event_and_the_records_once(tmp_path: Path) -> None:
     path = tmp_path / "logs" / "run.jsonl"
     async with trackers.JsonLinesTracker(path) as tracker:
-        state, seen = await train(tracker)
+        state, seen = await train(tracker, metrics=True)
     records = read_json_lines(path)
     assert records[0] == {"record": "hyperparameters", "hyperparameters": FLAT_HYPERPARAMETERS}
     assert records[-1] == {
@@ -272,7 +286,7 @@ async def test_json_lines_hold_each_event_and_the_records_once(tmp_path: Path) -
 @ASYNCIO
 async def test_csv_tables_hold_each_event_and_the_records(tmp_path: Path) -> None:
     async with trackers.CsvTracker(tmp_path / "csv") as tracker:
-        state, seen = await train(tracker)
+        state, seen = await train(tracker, metrics=True)
     check_event_records(read_csv(tmp_path / "csv" / "events.csv"), seen)
     hyperparameters = read_csv(tmp_path / "csv" / "hyperparameters.csv")
     assert {row["name"]: row["value"] for row in hyperparameters} == {

@@ -30,12 +30,14 @@ EVENT_FIELDS = (
     "seconds",
     "examples_per_second",
     "done",
+    "metrics",
 )
 """The fields of an event record, in the order of the CSV columns."""
 
 
 def event_record(event: PassEvent, global_step: int) -> dict[str, Any]:
-    """``event``'s fields, its global step and its examples per second, by name."""
+    """``event``'s fields, its global step and its examples per second, by name (``metrics``
+    as a dict of floats and lists)."""
     record = {"global_step": global_step, **attrs.asdict(event)}
     record["examples_per_second"] = event.examples_per_second
     return {name: record[name] for name in EVENT_FIELDS}
@@ -117,10 +119,11 @@ class CsvTracker(BufferedTracker):
     The events' columns: ``global_step`` (the optimizer steps from ``first_step`` on; see
     :class:`~lampdist.trackers.TensorBoardTracker`), the event's fields (``epoch``,
     ``kind``, ``pass_index``, ``step``, ``batches``, ``total_batches``, ``examples``,
-    ``loss``, ``seconds``), ``examples_per_second`` and ``done``. An empty cell is ``None``
-    (``total_batches`` of a source without a length). Rows are written in a worker thread
-    at the end of every pass, at least every 5 seconds and on closing; no file stays open
-    between writes. ``async with`` opens the tracker; see
+    ``loss``, ``seconds``), ``examples_per_second``, ``done`` and ``metrics`` (the pass's
+    metrics as a JSON object, on a pass's last event). An empty cell is ``None``
+    (``total_batches`` of a source without a length, ``metrics`` of the other events). Rows
+    are written in a worker thread at the end of every pass, at least every 5 seconds and on
+    closing; no file stays open between writes. ``async with`` opens the tracker; see
     :class:`~lampdist.trackers.Tracker`.
     """
 
@@ -140,7 +143,9 @@ class CsvTracker(BufferedTracker):
             _append_text(path, _csv_text([EVENT_FIELDS]))
 
     def _record_event(self, event: PassEvent, global_step: int) -> None:
-        self._rows.append(list(event_record(event, global_step).values()))
+        record = event_record(event, global_step)
+        record["metrics"] = json.dumps(record["metrics"]) if record["metrics"] else None
+        self._rows.append(list(record.values()))
 
     def _record_hyperparameters(self, hyperparameters: dict[str, HyperparameterValue]) -> None:
         rows = [("name", "value"), *hyperparameters.items()]
