@@ -278,11 +278,14 @@ class Timeouts:
 def check_monitors(loop: LoopOptions, data: ModelWithData, *, rank: int = 0) -> None:
     """Raise :class:`ConfigError` before training when a rule of ``loop`` watches a metric
     that ``data.model`` does not report, or a validation value of a run that does not
-    validate."""
+    validate (except lamp's defaults: without validation the best model and a plateau
+    watching the smoothed validation loss never act, as in lamp)."""
     names = set(data.model.metrics)
     for rule, monitor in loop._monitors():
         metric = monitor.metric
         kind, _, name = metric.partition("_")
+        if rule != "early_stopping" and monitor == Monitor():
+            continue  # lamp's value: nothing to check, and without validation it never comes
         if monitor.validation and data.validation_batches is None:
             raise ConfigError(
                 f"LoopOptions.{rule} watches {metric!r}, but there are no validation_batches: "

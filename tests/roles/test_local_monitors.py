@@ -17,7 +17,7 @@ import torch
 import lampdist
 from lampdist import checkpoint, schedules
 
-from .reference import Batch, make_shards
+from .reference import Batch, make_model, make_shards, mse
 
 ACCURACY = lampdist.Monitor("validation_accuracy", mode="max")
 MAX_EPOCHS = 10
@@ -200,4 +200,54 @@ async def test_a_monitor_of_an_unknown_metric_is_refused_before_training() -> No
     with pytest.raises(lampdist.ConfigError, match="watches 'validation_acc', which is no metric"):
         await train(
             early_stopping=lampdist.EarlyStopping(monitor=lampdist.Monitor("validation_acc", "max"))
+        )
+
+
+@pytest.mark.parametrize(
+    "loop",
+    [
+        {"return_min_validation_loss_model": range(3)},
+        {"learning_rate_schedule": schedules.reduce_on_plateau()},
+    ],
+    ids=["best-model", "plateau"],
+)
+async def test_lamps_defaults_without_validation_train_as_lamp_does(loop: dict[str, Any]) -> None:
+    """No validation: no best model is kept and no plateau comes (lamp's rules), no error."""
+    shards = make_shards([[4, 4], [4]], seed=23)
+    with anyio.fail_after(30):
+        state = await lampdist.local_data_parallel_training_loop(
+            models_with_data_streams=[
+                lampdist.ModelWithData(
+                    model=lampdist.SupervisedModel(make_model(seed=rank), mse),
+                    train_batches=lambda s=shard: list(s),
+                )
+                for rank, shard in enumerate(shards)
+            ],
+            optimizer_factory=sgd,
+            loop=lampdist.LoopOptions(max_epochs=3, **loop),
+        )
+    assert state.epoch == 3
+    assert state.min_validation_loss is None and state.min_validation_epoch is None
+
+
+@pytest.mark.parametrize(
+    "monitor", [lampdist.Monitor(), ACCURACY], ids=["smoothed-loss", "validation-metric"]
+)
+async def test_early_stopping_on_a_validation_value_without_validation_is_refused(
+    monitor: lampdist.Monitor,
+) -> None:
+    shards = make_shards([[4, 4], [4]], seed=23)
+    with pytest.raises(lampdist.ConfigError, match="no validation_batches"):
+        await lampdist.local_data_parallel_training_loop(
+            models_with_data_streams=[
+                lampdist.ModelWithData(
+                    model=lampdist.SupervisedModel(make_model(seed=rank), mse),
+                    train_batches=lambda s=shard: list(s),
+                )
+                for rank, shard in enumerate(shards)
+            ],
+            optimizer_factory=sgd,
+            loop=lampdist.LoopOptions(
+                max_epochs=3, early_stopping=lampdist.EarlyStopping(monitor=monitor)
+            ),
         )
