@@ -182,14 +182,15 @@ async def test_torchmetrics_equal_one_object_updated_on_all_the_data(
     _, training, validation = plain_outputs(initial, sgd, train, valid, epochs=2, loss=loss)
     modules = [make(10 + rank) for rank in range(nranks)]
     modules[0].load_state_dict(initial.state_dict())
+    objects = [create() for _ in range(nranks)]
     state = await lampdist.local_data_parallel_training_loop(
         models_with_data_streams=[
             lampdist.ModelWithData(
-                model=lampdist.SupervisedModel(module, loss, metrics={"m": create()}),
+                model=lampdist.SupervisedModel(module, loss, metrics={"m": metric}),
                 train_batches=source(t),
                 validation_batches=source(v),
             )
-            for module, t, v in zip(modules, train, valid, strict=True)
+            for module, metric, t, v in zip(modules, objects, train, valid, strict=True)
         ],
         optimizer_factory=sgd,
         loop=lampdist.LoopOptions(max_epochs=2),
@@ -204,6 +205,8 @@ async def test_torchmetrics_equal_one_object_updated_on_all_the_data(
                 one.update(out, y)
             want = float(one.compute())
             assert point.metrics[key] == pytest.approx(want, rel=1e-9, abs=1e-12), key
+    # lampdist computed without torchmetrics' own sync; the objects sync as before after it
+    assert [m._to_sync for m in objects] == [m.sync_on_compute for m in objects]
     if kind == "accuracy":  # macro accuracy, not the fraction right: the states were summed
         out, y = validation[-1]
         assert state.learning_curve[-1].metrics["validation_m"] != pytest.approx(

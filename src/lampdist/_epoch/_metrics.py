@@ -184,7 +184,10 @@ def _compute(metric: Any) -> Any:
     """``metric.compute()`` on the states lampdist summed: without torchmetrics' own sync
     (the clique did it; a default process group, if any, spans other processes), and with an
     update count of at least one (a root without a batch of its own holds the others')."""
-    metric._to_sync = False  # torchmetrics' per-compute switch, set again by every update
+    to_sync, metric._to_sync = metric._to_sync, False  # torchmetrics' switch for compute()
     metric._update_count = max(metric._update_count, 1)
     metric._computed = None
-    return metric.compute()
+    try:
+        return metric.compute()
+    finally:
+        metric._to_sync = to_sync  # the user's object syncs as before once lampdist is done
