@@ -503,7 +503,7 @@ def off_the_loop(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     except ImportError:
         pass
     else:
-        for name in ("__init__", "flush", "close"):
+        for name in ("__init__", "add_scalar", "flush", "close"):
             watch(SummaryWriter, name)
     return on_loop
 
