@@ -12,6 +12,7 @@ from typing import Any
 
 import anyio
 import attrs
+import numpy as np
 import pytest
 import torch
 
@@ -402,3 +403,37 @@ async def test_a_broken_training_stream_names_the_rank_and_phase(
             sources=[lambda s=shards[0]: list(s), source],
         )
     assert (caught.value.rank, caught.value.phase) == (1, "train")
+
+
+class _NumpyState:
+    """Batches whose ``state_dict()`` holds a numpy number (not loadable with weights_only)."""
+
+    def __init__(self, batches: list[Batch]) -> None:
+        self.batches = batches
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"drawn": np.int64(3)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def __iter__(self) -> Iterator[Batch]:
+        return iter(self.batches)
+
+
+async def test_a_follower_part_the_root_cannot_read_back_names_that_rank() -> None:
+    shards = make_shards([[5, 7], [6, 6]], seed=5)
+
+    async def record(state: lampdist.TrainingState, lr_state: Any) -> None:
+        pass
+
+    with pytest.raises(lampdist.CheckpointError, match="rank 1's part of the checkpoint") as caught:
+        await _train(
+            shards,
+            make_model(),
+            lampdist.StepOptions(steps_per_epoch=2),
+            epochs=2,
+            loop={"checkpoint_state": record},
+            sources=[lambda s=shards[0]: list(s), lambda s=shards[1]: _NumpyState(s)],
+        )
+    assert (caught.value.rank, caught.value.phase) == (1, "checkpoint")

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .._errors import CheckpointError
 from ..clique import Clique
 from ._device import host_to_device
 
@@ -53,7 +54,9 @@ def broadcast_object(clique: Clique, value: Any, *, rank: int, map_location: Any
 
 def gather_objects(clique: Clique, value: Any, *, rank: int) -> list[Any] | None:
     """Every rank's ``value``, in rank order, on the root (``None`` elsewhere): the lengths
-    gathered first, then the bytes padded to the longest. Every rank calls it."""
+    gathered first, then the bytes padded to the longest. Every rank calls it (for a
+    checkpoint: a value the root cannot read back raises :class:`CheckpointError` naming the
+    rank that sent it)."""
     device, nranks = clique.device, clique.nranks
     if nranks == 1:
         return [value]
@@ -70,4 +73,17 @@ def gather_objects(clique: Clique, value: Any, *, rank: int) -> list[Any] | None
     if rank != 0:
         return None
     rows = everything.view(nranks, longest)
-    return [_decode(rows[r, : counts[r]], "cpu") for r in range(nranks)]
+    values = []
+    for sender in range(nranks):
+        try:
+            values.append(_decode(rows[sender, : counts[sender]], "cpu"))
+        except Exception as exc:
+            raise CheckpointError(
+                f"rank {sender}'s part of the checkpoint (its place in its training data and "
+                f"its RNG states) cannot be read back with weights_only=True: {exc}; a "
+                "source's state_dict() may hold tensors, numbers, strings and containers of "
+                "them only",
+                rank=sender,
+                phase="checkpoint",
+            ) from exc
+    return values
