@@ -180,7 +180,8 @@ class LoopOptions:
     whatever ends the loop; ``on_event`` receives the root's
     progress (:class:`~lampdist.PassEvent`). The rules are :func:`lampdist.epochs`'.
 
-    Raises :class:`~lampdist.ConfigError` for values out of range.
+    Raises :class:`~lampdist.ConfigError` for values out of range, and for
+    ``checkpoint_interval`` without ``checkpoint_state``.
     """
 
     max_epochs: int
@@ -203,6 +204,12 @@ class LoopOptions:
         ):
             raise ConfigError(
                 f"checkpoint_interval must be > 0 seconds or None (every epoch), got {interval!r}",
+                phase="configure",
+            )
+        if interval is not None and self.checkpoint_state is None:
+            raise ConfigError(
+                "checkpoint_interval says how often to checkpoint, but there is no "
+                "checkpoint_state to checkpoint with: give both (checkpoint.to_directory(...))",
                 phase="configure",
             )
         check_epochs_arguments(

@@ -61,7 +61,8 @@ class LoopState:
 
 @attrs.frozen(kw_only=True)
 class TrainingState:
-    """Everything a distributed run needs to resume: the loop state and three state dicts.
+    """Everything a distributed run needs to resume: the loop state, three state dicts and
+    each rank's own state.
 
     ``model_state`` and ``optimizer_state`` are the root's ``state_dict()`` results (with
     ``step_on="sharded"``, the whole optimizer's state gathered from the ranks);

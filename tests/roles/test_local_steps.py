@@ -152,6 +152,8 @@ def test_a_per_step_schedule_needs_windows_of_steps() -> None:
         lampdist.StepOptions(steps_per_epoch=0)
     with pytest.raises(lampdist.ConfigError, match="checkpoint_interval"):
         lampdist.LoopOptions(max_epochs=1, checkpoint_interval=0)
+    with pytest.raises(lampdist.ConfigError, match="no checkpoint_state"):
+        lampdist.LoopOptions(max_epochs=1, checkpoint_interval=60.0)
 
 
 class Boom(Exception):
