@@ -124,7 +124,9 @@ def summary_values(state: LoopState) -> dict[str, float]:
     left out.
 
     ``epochs`` (epochs run, resumed ones included), ``min_validation_loss`` and
-    ``min_validation_epoch``, and the learning curve's last point: ``last_epoch``,
+    ``min_validation_epoch`` (the best model's watched value and epoch, under lamp's names:
+    the value of ``LoopOptions.best_model_monitor``, the smoothed validation loss unless it
+    watches another), and the learning curve's last point: ``last_epoch``,
     ``last_training_loss``, ``last_validation_loss``, ``last_smoothed_validation_loss``.
     """
     values: dict[str, float | None] = {
