@@ -203,6 +203,23 @@ async def test_a_monitor_of_an_unknown_metric_is_refused_before_training() -> No
         )
 
 
+async def _train_without_validation(loop: lampdist.LoopOptions) -> lampdist.LoopState:
+    """Two ranks with training batches only."""
+    shards = make_shards([[4, 4], [4]], seed=23)
+    with anyio.fail_after(30):
+        return await lampdist.local_data_parallel_training_loop(
+            models_with_data_streams=[
+                lampdist.ModelWithData(
+                    model=lampdist.SupervisedModel(make_model(seed=rank), mse),
+                    train_batches=lambda s=shard: list(s),
+                )
+                for rank, shard in enumerate(shards)
+            ],
+            optimizer_factory=sgd,
+            loop=loop,
+        )
+
+
 @pytest.mark.parametrize(
     "loop",
     [
@@ -213,19 +230,7 @@ async def test_a_monitor_of_an_unknown_metric_is_refused_before_training() -> No
 )
 async def test_lamps_defaults_without_validation_train_as_lamp_does(loop: dict[str, Any]) -> None:
     """No validation: no best model is kept and no plateau comes (lamp's rules), no error."""
-    shards = make_shards([[4, 4], [4]], seed=23)
-    with anyio.fail_after(30):
-        state = await lampdist.local_data_parallel_training_loop(
-            models_with_data_streams=[
-                lampdist.ModelWithData(
-                    model=lampdist.SupervisedModel(make_model(seed=rank), mse),
-                    train_batches=lambda s=shard: list(s),
-                )
-                for rank, shard in enumerate(shards)
-            ],
-            optimizer_factory=sgd,
-            loop=lampdist.LoopOptions(max_epochs=3, **loop),
-        )
+    state = await _train_without_validation(lampdist.LoopOptions(max_epochs=3, **loop))
     assert state.epoch == 3
     assert state.min_validation_loss is None and state.min_validation_epoch is None
 
@@ -236,18 +241,6 @@ async def test_lamps_defaults_without_validation_train_as_lamp_does(loop: dict[s
 async def test_early_stopping_on_a_validation_value_without_validation_is_refused(
     monitor: lampdist.Monitor,
 ) -> None:
-    shards = make_shards([[4, 4], [4]], seed=23)
+    rule = lampdist.EarlyStopping(monitor=monitor)
     with pytest.raises(lampdist.ConfigError, match="no validation_batches"):
-        await lampdist.local_data_parallel_training_loop(
-            models_with_data_streams=[
-                lampdist.ModelWithData(
-                    model=lampdist.SupervisedModel(make_model(seed=rank), mse),
-                    train_batches=lambda s=shard: list(s),
-                )
-                for rank, shard in enumerate(shards)
-            ],
-            optimizer_factory=sgd,
-            loop=lampdist.LoopOptions(
-                max_epochs=3, early_stopping=lampdist.EarlyStopping(monitor=monitor)
-            ),
-        )
+        await _train_without_validation(lampdist.LoopOptions(max_epochs=3, early_stopping=rule))
