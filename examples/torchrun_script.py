@@ -7,13 +7,16 @@
 the control channel (on a free port published in torchrun's store), and runs the root on
 rank 0 and a follower on the others. Every rank prints its final weights' checksum: they
 are the same everywhere. Ctrl-C (or SIGTERM) stops the run after the epoch in progress: the
-root exits with 128 + the signal's number, the followers with 0.
+root exits with 128 + the signal's number, the followers with 0. Bad settings and ranks that
+disagree exit 2; any other failure exits 1 with a traceback whose last line names the rank
+and phase where the run failed (docs/reliability.md lists the exit codes).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Iterable
 
@@ -68,8 +71,13 @@ async def main(epochs: int) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=5)
+    epochs = parser.parse_args().epochs
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")  # lampdist's warnings
     try:
-        anyio.run(main, parser.parse_args().epochs)
+        anyio.run(main, epochs)
     except lampdist.Interrupted as stopped:  # Ctrl-C or SIGTERM: the run ended in order
         print(f"{type(stopped).__name__}: {stopped}", file=sys.stderr)
         raise SystemExit(128 + stopped.signum) from None
+    except lampdist.ConfigError as error:  # bad settings, or ranks that disagree (MismatchError)
+        print(f"{type(error).__name__}: {error}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -33,7 +33,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -155,6 +155,9 @@ class WatchedRoot:
         timeout: float | UseChannelDefault | None = USE_CHANNEL_DEFAULT,  # noqa: ASYNC109
     ) -> None:
         await self.inner.broadcast(command, timeout=timeout)
+
+    async def wait_until_left(self, ranks: Collection[int], timeout: float) -> None:  # noqa: ASYNC109
+        await self.inner.wait_until_left(ranks, timeout)
 
     async def watch(self) -> NoReturn:
         await self.inner.watch()

@@ -21,6 +21,7 @@ Errors (every one names the rank it concerns and the phase):
 from __future__ import annotations
 
 import enum
+from collections.abc import Collection
 from types import TracebackType
 from typing import Final, NoReturn, Protocol, Self
 
@@ -129,6 +130,16 @@ class RootChannel(Protocol):
         :class:`lampdist.RankFailed`, :class:`lampdist.LampdistTimeout` for a missing
         acknowledgement), so a STOP carrying an error still reaches the survivors. Publish
         the clique id first; nothing follows STOP (:class:`lampdist.ControlError`).
+        """
+        ...
+
+    async def wait_until_left(self, ranks: Collection[int], timeout: float) -> None:  # noqa: ASYNC109
+        """Wait until the followers ``ranks`` have closed their channels, for at most
+        ``timeout`` seconds; never raises on the timeout.
+
+        The root awaits it after a follower reported a failure of its own, so that the failed
+        rank's process ends before the root's: a launcher that names the first process to
+        fail (torchrun's "Root Cause") then names the rank that failed, not the root.
         """
         ...
 

@@ -4,6 +4,7 @@ several devices, and for tests."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from types import TracebackType
 from typing import NoReturn, Self
 
@@ -143,6 +144,10 @@ class LocalRootChannel:
                 )
             raise errors[0]
 
+    async def wait_until_left(self, ranks: Collection[int], timeout: float) -> None:  # noqa: ASYNC109
+        """See :meth:`RootChannel.wait_until_left`."""
+        await self._hub.registry.wait_until_left(ranks, timeout)
+
     async def watch(self) -> NoReturn:
         """See :meth:`RootChannel.watch`."""
         await self._hub.registry.watch()
@@ -189,6 +194,7 @@ class LocalFollowerChannel:
                     phase=self._hub.registry.phase,
                 ),
             )
+            self._hub.registry.leave(self.rank)
         assert self._task_group is not None  # set by __aenter__
         try:
             return await close_tasks(self._task_group, exc_type, exc, tb)
@@ -240,6 +246,7 @@ class LocalFollowerChannel:
     async def report_failure(self, phase: str, message: str) -> None:
         """See :meth:`FollowerChannel.report_failure`."""
         await anyio.lowlevel.checkpoint()
+        self._follower.reported = True
         if self._joined:
             error = RankFailed(message, rank=self.rank, phase=phase)
             self._hub.registry.fail(self.rank, error, reported=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+from collections.abc import Collection
 from types import TracebackType
 from typing import NoReturn
 
@@ -109,6 +110,8 @@ class RootRegistry:
     first_failure: LampdistError | None = None
     refusals: list[str] = attrs.field(factory=list)
     """Connections refused while joining, newest last (``"from HOST:PORT: reason"``)."""
+    left: set[int] = attrs.field(factory=set)
+    """Followers whose connection (or in-process channel) has closed, for whatever reason."""
     changed: Notifier = attrs.field(factory=Notifier)
 
     def publish(self, clique_id: CliqueId) -> bool:
@@ -177,6 +180,17 @@ class RootRegistry:
         has begun to broadcast STOP (the run is ending, a follower leaving is no news; the
         broadcast itself raises what went wrong)."""
         return logging.INFO if self.stop_sent else logging.WARNING
+
+    def leave(self, rank: int) -> None:
+        """Record that ``rank``'s connection closed (after :meth:`fail`, if it failed)."""
+        self.left.add(rank)
+        self.changed.notify()
+
+    async def wait_until_left(self, ranks: Collection[int], timeout: float) -> None:  # noqa: ASYNC109
+        """See :meth:`RootChannel.wait_until_left`."""
+        with anyio.move_on_after(timeout):
+            while not set(ranks) <= self.left:
+                await self.changed.wait()
 
     def mark_stopped(self, rank: int) -> None:
         """``rank`` holds STOP: from now on its leaving is no failure."""
@@ -253,6 +267,9 @@ class FollowerState:
     rank: int
     phase: str = "join"
     stopped: bool = False
+    reported: bool = False
+    """Whether this follower reported a failure of its own: the root's going away is then
+    the expected consequence, not news worth a warning."""
     failure: LampdistError | None = None
     changed: Notifier = attrs.field(factory=Notifier)
 
@@ -261,7 +278,8 @@ class FollowerState:
         if self.stopped or self.failure is not None:
             return
         self.failure = PeerDisconnected(reason, rank=0, phase=self.phase)
-        logger.warning("rank %d: %s", self.rank, self.failure, extra={"rank": self.rank})
+        level = logging.DEBUG if self.reported else logging.WARNING
+        logger.log(level, "rank %d: %s", self.rank, self.failure, extra={"rank": self.rank})
         self.changed.notify()
 
     async def watch(self) -> NoReturn:

@@ -361,6 +361,7 @@ class TcpFollowerChannel:
     async def report_failure(self, phase: str, message: str) -> None:
         """See :meth:`FollowerChannel.report_failure`."""
         await anyio.lowlevel.checkpoint()
+        self._follower.reported = True
         if self._framed is None or self._session_done:
             logger.debug("rank %d: no root to report the failure to", self.rank)
             return

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import ssl
+from collections.abc import Collection
 from types import TracebackType
 from typing import NoReturn, Self
 
@@ -175,6 +176,8 @@ class TcpRootChannel:
                 if framed is not None:
                     await framed.aclose()
                 await raw.aclose()
+            if session is not None:
+                self._registry.leave(session.rank)
 
     async def _handshake(self, framed: FramedStream, peer: str) -> FollowerSession:
         try:
@@ -307,6 +310,10 @@ class TcpRootChannel:
                     extra,
                 )
             raise errors[0]
+
+    async def wait_until_left(self, ranks: Collection[int], timeout: float) -> None:  # noqa: ASYNC109
+        """See :meth:`RootChannel.wait_until_left`."""
+        await self._registry.wait_until_left(ranks, timeout)
 
     async def watch(self) -> NoReturn:
         """See :meth:`RootChannel.watch`."""

@@ -1,0 +1,210 @@
+"""Failures under the real torchrun, as a user of the README's script sees them: which rank
+torchrun names as the root cause, each rank's exit code, the last line each rank prints, and
+no rank left to torchrun's SIGKILL after its 30 s grace period.
+
+Each case starts ``torchrun --standalone --nproc-per-node 2 torchrun_rank.py`` with one
+fault (see that script) and ``--redirects 3``, so that each rank's stderr lands in a file of
+its own. The times from the fault to the end of the job are printed (``pytest -s``); the
+assertions are about outcomes, not speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import attrs
+
+ROOT_DIR = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).with_name("torchrun_rank.py")
+SIGKILLED = -9
+
+
+@attrs.frozen
+class Job:
+    """What one torchrun job left behind."""
+
+    returncode: int
+    exitcodes: dict[int, int]
+    """Each failed rank's exit code, from torchrun's summary (a rank that exited 0 is absent)."""
+    root_cause: int | None
+    stderr: dict[int, str]
+    torchrun_stderr: str
+    after_fault: float | None
+    """Seconds from the fault (the time the faulty rank noted before it acted; else the first
+    line naming an error in any rank's stderr) to the job's end."""
+
+    def last_line(self, rank: int) -> str:
+        lines = [line for line in self.stderr[rank].splitlines() if line.strip()]
+        return lines[-1] if lines else ""
+
+    def explain(self) -> str:
+        ranks = "\n".join(f"--- rank {r} ---\n{text[-3000:]}" for r, text in self.stderr.items())
+        return f"{ranks}\n--- torchrun ---\n{self.torchrun_stderr[-3000:]}"
+
+
+def run_job(tmp_path: Path, *args: str, timeout: float = 120) -> Job:
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    out.mkdir(parents=True)
+    env = {
+        **os.environ,
+        "LAMPDIST_SECRET": "torchrun-secret",
+        "PYTHONPATH": os.pathsep.join([str(ROOT_DIR / "src"), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", "--log-dir", str(logs), "--redirects", "3"]
+    command += [str(SCRIPT), "--out", str(out), *args]
+    first_error: list[float] = []
+    done = threading.Event()
+
+    def watch_for_errors() -> None:  # the moment an error line first appears in a rank's file
+        while not done.wait(0.02):
+            for path in logs.glob("**/stderr.log"):
+                if "Error" in path.read_text(errors="replace"):
+                    first_error.append(time.time())
+                    return
+
+    watcher = threading.Thread(target=watch_for_errors, daemon=True)
+    watcher.start()
+    try:
+        finished = subprocess.run(
+            command,
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+    finally:
+        done.set()
+        watcher.join()
+    ended = time.time()
+    fault = out / "fault.json"
+    if fault.exists():
+        first_error[:0] = [json.loads(fault.read_text())["time"]]
+    stderr = {
+        int(path.parent.name): path.read_text(errors="replace")
+        for path in logs.glob("**/attempt_0/*/stderr.log")
+    }
+    summary = finished.stderr
+    exitcodes = {
+        int(rank): int(code)
+        for rank, code in re.findall(
+            r"rank\s*: (\d+) \(local_rank.*\n\s*exitcode\s*: (-?\d+)", summary
+        )
+    }
+    cause = re.search(r"Root Cause.*?\n.*?\n.*?\n.*?rank\s*: (\d+)", summary, re.DOTALL)
+    return Job(
+        returncode=finished.returncode,
+        exitcodes=exitcodes,
+        root_cause=int(cause.group(1)) if cause else None,
+        stderr=stderr,
+        torchrun_stderr=summary,
+        after_fault=ended - first_error[0] if first_error else None,
+    )
+
+
+def report(name: str, job: Job) -> None:
+    took = f"{job.after_fault:.1f} s" if job.after_fault is not None else "?"
+    print(f"\n{name}: the job ended {took} after the fault; exit codes {job.exitcodes}")
+
+
+def test_the_rank_script_ends_as_the_readme_does() -> None:
+    """The script under test is the README's: its last lines are the README's own."""
+    readme = (ROOT_DIR / "README.md").read_text()
+    block = readme.split("logging.basicConfig(", 1)[1].split("```", 1)[0]
+    assert block.strip() in SCRIPT.read_text()
+
+
+def test_a_killed_follower_is_the_roots_error_not_a_graceful_stop(tmp_path: Path) -> None:
+    job = run_job(tmp_path, "--fault", "kill", "--checkpoints", str(tmp_path / "ck"))
+    report("follower SIGKILL in training", job)
+    assert job.exitcodes == {0: 1, 1: SIGKILLED}, job.explain()
+    assert job.root_cause == 1, job.explain()
+    last = job.last_line(0)
+    assert "PeerDisconnected: rank 1, phase 'train'" in last, job.explain()
+    assert "Interrupted" not in job.stderr[0], job.explain()
+
+
+def test_a_killed_root_ends_the_follower_with_its_error(tmp_path: Path) -> None:
+    job = run_job(tmp_path, "--fault", "kill", "--fault-rank", "0")
+    report("root SIGKILL in training", job)
+    assert job.exitcodes == {0: SIGKILLED, 1: 1}, job.explain()
+    assert "PeerDisconnected: rank 0, phase 'train'" in job.last_line(1), job.explain()
+
+
+def test_a_refused_secret_ends_the_joining_root_at_once(tmp_path: Path) -> None:
+    """The root, still waiting for followers, gets torchrun's SIGTERM: nothing to drain, so
+    it ends at once (before: it waited Timeouts.stop, 30 s, and torchrun SIGKILLed it)."""
+    job = run_job(tmp_path, "--fault", "secret")
+    report("refused secret", job)
+    assert job.exitcodes == {0: 143, 1: 1}, job.explain()
+    assert job.root_cause == 1, job.explain()
+    assert "AuthenticationError: rank 1, phase 'handshake'" in job.last_line(1), job.explain()
+
+
+def test_a_refused_checkpoint_directory_ends_the_joining_follower_at_once(
+    tmp_path: Path,
+) -> None:
+    checkpoints = tmp_path / "ck"
+    first = run_job(tmp_path / "first", "--epochs", "1", "--checkpoints", str(checkpoints))
+    assert first.returncode == 0, first.explain()
+    job = run_job(tmp_path / "second", "--checkpoints", str(checkpoints))  # a new run there
+    report("refused checkpoint directory", job)
+    assert job.exitcodes == {0: 1, 1: 143}, job.explain()
+    assert job.root_cause == 0, job.explain()
+    assert "CheckpointError: rank 0, phase 'configure'" in job.last_line(0), job.explain()
+
+
+def test_a_batch_of_the_wrong_shape_names_the_follower_as_the_root_cause(
+    tmp_path: Path,
+) -> None:
+    job = run_job(tmp_path, "--fault", "bad-shape")
+    report("wrong-shape batch on rank 1", job)
+    assert job.root_cause == 1, job.explain()
+    assert job.exitcodes[1] == 1, job.explain()
+    last = job.last_line(1)
+    assert "TrainingError: rank 1, phase 'train'" in last, job.explain()
+    assert "float32[16, 7]" in last, job.explain()  # the batch's shapes
+    assert "RankFailed: rank 1, phase 'train'" in job.stderr[0], job.explain()
+    # the failed rank does not also warn that the root went away: it knows why
+    assert "without STOP" not in job.stderr[1], job.explain()
+
+
+def test_a_non_finite_loss_names_the_rank_it_came_from(tmp_path: Path) -> None:
+    job = run_job(tmp_path, "--fault", "nan")
+    report("NaN loss on rank 1", job)
+    assert job.exitcodes[0] == 1, job.explain()
+    last = job.last_line(0)
+    assert "NonFiniteLoss: rank 0, phase 'train'" in last, job.explain()
+    assert "rank 1" in last.split("phase 'train'", 1)[1], job.explain()
+
+
+def test_ranks_that_disagree_exit_2(tmp_path: Path) -> None:
+    job = run_job(tmp_path, "--fault", "width")
+    report("a wider model on rank 1", job)
+    # Both ranks raise at the agreement check; the one still tearing down when torchrun
+    # signals the other's exit may end by that SIGTERM, having printed its error.
+    codes = job.exitcodes
+    assert sorted(codes) == [0, 1] and 2 in codes.values(), job.explain()
+    assert set(codes.values()) <= {2, -15}, job.explain()
+    for rank in (0, 1):
+        assert job.last_line(rank).startswith("MismatchError: rank "), job.explain()
+
+
+def test_bad_settings_exit_2(tmp_path: Path) -> None:
+    """The root's optimizer factory returns no optimizer: the root exits 2, and the follower,
+    still joining, ends at once on torchrun's SIGTERM."""
+    job = run_job(tmp_path, "--fault", "config", "--fault-rank", "0")
+    report("bad settings on the root", job)
+    assert job.exitcodes == {0: 2, 1: 143}, job.explain()
+    assert job.root_cause == 0, job.explain()
+    assert job.last_line(0).startswith("ConfigError: rank 0, phase 'configure'"), job.explain()
