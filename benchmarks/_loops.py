@@ -33,6 +33,7 @@ from _models import Batch, Workload, build_workload
 
 SECRET_ENV = "LAMPDIST_BENCH_SECRET"
 PROFILE_ENV = "LAMPDIST_BENCH_PROFILE"  # a directory: trace PROFILE_STEPS steps after warm-up
+COMPILE_ENV = "LAMPDIST_BENCH_COMPILE"  # "1": every configuration trains torch.compile(module)
 PROFILE_STEPS = 3
 SIZED_KEY = "sized"  # a lampdist variant key of the benchmark's own: false for a bare generator
 SETUP_TIMEOUT = timedelta(seconds=120)
@@ -396,6 +397,8 @@ def main(argv: list[str]) -> None:
         device = torch.device("cpu")
         torch.set_num_threads(spec.threads)
     workload = build_workload(spec.model, device, rank=spec.rank)
+    if os.environ.get(COMPILE_ENV) == "1":
+        workload.module = torch.compile(workload.module)  # type: ignore[assignment]  # a wrapper
     if spec.kind == "lampdist":
         result = anyio.run(run_lampdist, spec, workload, device)
     elif spec.kind == "ddp":

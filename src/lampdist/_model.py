@@ -3,6 +3,7 @@ the metrics its passes report."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -12,7 +13,7 @@ import torch
 from ._errors import BadBatch
 from ._metric import Metric, check_metrics
 
-__all__ = ["SupervisedModel", "count_examples", "move_to_device"]
+__all__ = ["SupervisedModel", "count_examples", "move_to_device", "original_module"]
 
 
 def count_examples(target: Any) -> int:
@@ -20,6 +21,22 @@ def count_examples(target: Any) -> int:
     if isinstance(target, torch.Tensor):
         return int(target.shape[0]) if target.dim() > 0 else 1
     return len(target)
+
+
+def original_module(module: torch.nn.Module) -> torch.nn.Module:
+    """The module that ``torch.compile`` wrapped (``module._orig_mod``, through every layer of
+    wrapping), else ``module`` itself.
+
+    Its parameter and state-dict names are the model's own (``0.weight``, where the wrapper's
+    are ``_orig_mod.0.weight``): lampdist stores, loads and compares state dicts and layouts
+    of this module, so that compiled and eager runs share checkpoints and agree.
+    """
+    # A module can only be an OptimizedModule once torch._dynamo is loaded: no import here.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized: type[torch.nn.Module] | None = getattr(eval_frame, "OptimizedModule", None)
+    while optimized is not None and isinstance(module, optimized):
+        module = module.get_submodule("_orig_mod")
+    return module
 
 
 @attrs.define(eq=False)

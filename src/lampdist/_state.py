@@ -65,8 +65,9 @@ class TrainingState:
     each rank's own state.
 
     ``model_state`` and ``optimizer_state`` are the root's ``state_dict()`` results (with
-    ``step_on="sharded"``, the whole optimizer's state gathered from the ranks);
-    ``best_model_state`` is the model's state dict at the minimum validation loss, or ``None``
+    ``step_on="sharded"``, the whole optimizer's state gathered from the ranks; a compiled
+    model's of the module that ``torch.compile`` wrapped, so that its keys are the same either
+    way); ``best_model_state`` is the model's state dict at the minimum validation loss, or ``None``
     when no best model has been saved. ``rank_states`` holds, per rank in rank order, what it
     needs to go on exactly where it stopped: its place in its training data
     (``"position"``, with ``StepOptions.steps_per_epoch``) and its RNG states; ``None`` in

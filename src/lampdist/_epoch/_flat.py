@@ -31,6 +31,8 @@ import hashlib
 import attrs
 import torch
 
+from .._model import original_module
+
 __all__ = ["META_SLOTS", "ROOT_VALUES_BYTES", "FlatParameters"]
 
 META_SLOTS = 4
@@ -235,7 +237,9 @@ def _cut(parameters: list[torch.nn.Parameter], cap_bytes: int) -> list[list[torc
 
 def _layout(module: torch.nn.Module) -> tuple[tuple[str, str], ...]:
     """Every parameter and buffer as (``"parameter NAME"``, ``"shape (..), dtype, ..."``):
-    what ranks must share (not the values)."""
+    what ranks must share (not the values), named as in the original module of a compiled
+    one, so that compiled and eager ranks agree."""
+    module = original_module(module)
     entries = [
         (
             f"parameter {name!r}",

@@ -22,6 +22,7 @@ from .._epoch import (
 )
 from .._errors import CheckpointError, CliqueError, CliqueTimeout, ConfigError, LampdistError
 from .._loop import epochs
+from .._model import original_module
 from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts, check_monitors
 from .._state import LoopState, TrainingState
 from ..checkpoint import Resumed, check_before_training
@@ -46,6 +47,7 @@ from ._common import (
     single_error,
     watch_peers,
 )
+from ._resume import fitting_model_state, load_model_state, load_optimizer_state
 
 __all__ = ["drive", "drive_distributed_training"]
 
@@ -344,7 +346,7 @@ class _Root:
                     self.tracker.current = "stop"
                     self.stopping.reached.set()
                     if self.best_model_state is not None:
-                        module = self.data.model.module
+                        module = original_module(self.data.model.module)
                         await self.compute.run(module.load_state_dict, self.best_model_state)
                     await self.control.broadcast(
                         Command(
@@ -389,12 +391,14 @@ class _Root:
 
     def _restore(self, resume: Resumed) -> dict[str, torch.Tensor] | None:
         """Load the checkpointed model and optimizer (the compute thread); the best model."""
-        state = resume.training_state
-        self.data.model.module.load_state_dict(state.model_state)
-        self.stepper.load_state_dict(dict(state.optimizer_state))
+        state, module = resume.training_state, self.data.model.module
+        load_model_state(module, state.model_state, path=resume.path)
+        load_optimizer_state(self.stepper, state.optimizer_state, path=resume.path)
         if state.best_model_state is None:
             return None
-        return _snapshot(state.best_model_state, self.device)
+        best = state.best_model_state
+        best = fitting_model_state(module, best, path=resume.path, what="best-model")
+        return _snapshot(best, self.device)
 
     async def _train_epoch(self, lr_factor: float) -> EpochOutcome:
         assert self.runner is not None
@@ -428,7 +432,7 @@ class _Root:
         return (result.loss, result.metrics) if result.metrics else result.loss
 
     async def _save_best(self) -> None:
-        module = self.data.model.module
+        module = original_module(self.data.model.module)
         self.best_model_state = await self.compute.run(
             lambda: _snapshot(module.state_dict(), self.device)
         )
@@ -450,7 +454,7 @@ class _Root:
         )
         parts = await runner.checkpoint_parts()
         assert parts is not None  # on the root
-        module = self.data.model.module
+        module = original_module(self.data.model.module)
         model_state = await self.compute.run(module.state_dict)
         training_state = TrainingState(
             loop_state=state,
