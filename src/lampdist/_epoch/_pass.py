@@ -98,7 +98,9 @@ class PassRunner:
                 return
             ranks = shared["ranks"]
             if len(ranks) != self.clique.nranks:
-                if self.rank == 0:
+                # Places in the data exist with steps_per_epoch only: without, there is
+                # nothing to drop and so nothing to warn of.
+                if self.rank == 0 and any(rank["position"] is not None for rank in ranks):
                     logger.warning(
                         "the checkpoint was written by %d ranks and this run has %d: every "
                         "rank starts its training data afresh",
