@@ -70,10 +70,9 @@ async def one_run(tick: float) -> dict[str, Any]:
             steps.append(event.seconds / event.step)
 
     entries = [
-        (
-            lampdist.SupervisedModel(build(0), nn.functional.cross_entropy),
-            lambda rank=rank: batches(rank),
-            None,
+        lampdist.ModelWithData(
+            model=lampdist.SupervisedModel(build(0), nn.functional.cross_entropy),
+            train_batches=lambda rank=rank: batches(rank),
         )
         for rank in range(2)
     ]

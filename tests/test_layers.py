@@ -23,6 +23,7 @@ LAYERS = [
         "_source",
         "_metric",
         "_monitor",
+        "_preload",
     },
     {"_effects", "schedules", "_model"},
     {"control", "clique", "_checkpoint", "_loop"},

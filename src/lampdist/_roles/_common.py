@@ -12,11 +12,6 @@ import anyio
 import attrs
 import torch
 
-# The first optimizer of a process imports torch._dynamo, whose imports hold the GIL for long
-# stretches (docs/performance.md). Imported here, with lampdist, before any event loop runs,
-# so that a run's first optimizer, built on its compute thread, never stalls the event loop.
-import torch._dynamo  # isort: skip
-
 from .._checkpoint import RngStates, restore_rng_states
 from .._effects import OptimizerFactory
 from .._epoch import FlatParameters, PassRunner, Stepper, check_elementwise

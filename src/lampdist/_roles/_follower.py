@@ -29,6 +29,7 @@ from .._errors import (
     RankFailed,
 )
 from .._options import ModelWithData, StepOptions, Timeouts
+from .._preload import preload
 from ..clique import Cliques, ProcessGroups
 from ..control import Command, CommandKind, FollowerChannel
 from ._common import (
@@ -98,6 +99,7 @@ async def follow_distributed_training(
     check_rank(rank, nranks)
     if rank == 0:
         raise ConfigError("rank 0 is the root: call drive_distributed_training for it")
+    await preload()
     run = RunOptions(optimizer_factory, step, timeouts, stop, cliques)
     await follow(rank, nranks, resolve_device(device), control, data, run)
 

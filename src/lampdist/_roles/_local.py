@@ -14,6 +14,7 @@ from .._errors import ConfigError
 from .._metric import Metric
 from .._model import SupervisedModel
 from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts
+from .._preload import preload
 from .._state import LoopState
 from ..checkpoint import Resumed
 from ..clique import in_process
@@ -63,6 +64,7 @@ async def local_data_parallel_training_loop(
         )
     nranks = len(models_with_data_streams)
     _check_own_metrics(models_with_data_streams)
+    await preload()
     devices = [_device_of(entry.model) for entry in models_with_data_streams]
     cliques = in_process(devices, collective_timeout=timeouts.collective)
     run = RunOptions(optimizer_factory, step, timeouts, stop, cliques)

@@ -24,6 +24,7 @@ from .._errors import CheckpointError, CliqueError, CliqueTimeout, ConfigError, 
 from .._loop import epochs
 from .._model import original_module
 from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts, check_monitors
+from .._preload import preload
 from .._state import LoopState, TrainingState
 from ..checkpoint import Resumed, check_before_training
 from ..clique import Cliques, ProcessGroups, in_process
@@ -113,6 +114,7 @@ async def drive_distributed_training(
     ``ExceptionGroup``.
     """
     check_rank(0, nranks)
+    await preload()
     run = RunOptions(optimizer_factory, step, timeouts, stop, cliques)
     return await drive(nranks, resolve_device(device), control, data, run, loop, resume)
 

@@ -15,6 +15,7 @@ import attrs
 
 from .._errors import Interrupted
 from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts
+from .._preload import preload
 from .._state import LoopState
 from ..checkpoint import Resumed
 from ..clique import ProcessGroups
@@ -146,6 +147,7 @@ async def train(
     env = launch if launch is not None else from_env()
 
     check_rank(env.rank, env.nranks)
+    await preload()
     # A root alone gets the in-process clique of one rank that drive() picks for cliques=None.
     run_options = RunOptions(
         optimizer_factory, step, timeouts, None, ProcessGroups(env.host) if env.nranks > 1 else None
