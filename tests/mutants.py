@@ -47,6 +47,8 @@ MONITORS = "tests/loop/test_monitors.py"
 LOCAL_MONITORS = "tests/roles/test_local_monitors.py"
 SHARDED = "tests/roles/test_local_sharded.py"
 STEPS = "tests/roles/test_local_steps.py"
+BLAME = "tests/roles/test_local_blame.py"
+NAMES_RANKS = BLAME + "::test_a_non_finite_loss_names_the_ranks_it_came_from"
 
 MUTANTS = [
     Mutant(
@@ -428,6 +430,78 @@ MUTANTS = [
         old='            if shared["restore_rng"] and self.rank != 0:',
         new="            if False:",
         tests=("tests/roles/test_tcp_steps.py",),
+    ),
+    Mutant(
+        name="own-losses-not-gathered",
+        guarantee="a non-finite summed loss names the ranks whose own loss was not finite",
+        path="_epoch/_kernel.py",
+        old="gather=self._all_gather if names else None,",
+        new="gather=None,",
+        tests=(NAMES_RANKS,),
+    ),
+    Mutant(
+        name="followers-not-asked",
+        guarantee="with step_on='root' the followers gather their own losses when the root asks",
+        path="_epoch/_kernel.py",
+        old="ask = non_finite is not None and self._non_finite.gather is not None",
+        new="ask = False",
+        tests=(NAMES_RANKS,),
+    ),
+    Mutant(
+        name="cpu-checks-after-the-step",
+        guarantee="on the CPU every stepping rank checks the summed loss at once, before stepping",
+        path="_epoch/_kernel.py",
+        old='if must_read or self.device.type != "cuda":',
+        new="if must_read:",
+        tests=(NAMES_RANKS,),
+    ),
+    Mutant(
+        name="skip-warning-unnamed",
+        guarantee="the skip policy's warning names the ranks whose own loss was not finite",
+        path="_epoch/_blame.py",
+        old="            describe_losses(summed, losses, nranks=self.nranks),\n",
+        new="            summed,\n",
+        tests=(BLAME + "::test_the_skip_warning_names_the_ranks",),
+    ),
+    Mutant(
+        name="alone-skips-unchecked",
+        guarantee="a rank alone checks its loss before stepping and names itself",
+        path="_epoch/_kernel.py",
+        old="            if not math.isfinite(value):\n",
+        new="            if False:\n",
+        tests=(BLAME + "::test_a_rank_alone_names_itself",),
+    ),
+    Mutant(
+        name="batch-index-not-in-the-pass",
+        guarantee="a model error names the batch's index in its pass",
+        path="_epoch/_kernel.py",
+        old="index = batch.number - self._first_batch",
+        new="index = batch.number",
+        tests=(BLAME + "::test_the_batch_index_counts_from_each_window",),
+    ),
+    Mutant(
+        name="batch-shapes-unnamed",
+        guarantee="a model error names the batch's shapes and dtypes",
+        path="_epoch/_kernel.py",
+        old='f"({describe_batch(batch.inputs, batch.target)})",',
+        new='"",',
+        tests=(BLAME + "::test_a_batch_of_the_wrong_shape_names_the_rank_batch_and_shapes",),
+    ),
+    Mutant(
+        name="closure-optimizer-accepted",
+        guarantee="an optimizer whose step needs a closure is refused before training",
+        path="_epoch/_shard.py",
+        old="    if closure is None or closure.default is not inspect.Parameter.empty:\n",
+        new="    if True:\n",
+        tests=(BLAME,),
+    ),
+    Mutant(
+        name="closure-check-not-called",
+        guarantee="every design checks the optimizer for a closure when it is built",
+        path="_roles/_common.py",
+        old="    check_closure_free(rank, optimizer)\n",
+        new="",
+        tests=(BLAME + "::test_an_optimizer_that_needs_a_closure_is_refused_before_training",),
     ),
 ]
 

@@ -52,14 +52,19 @@ class StepOptions:
     owns with ``1/n`` of the optimizer state, and all-gathers the parameters (followers need
     ``optimizer_factory`` too, and the optimizer must treat each element on its own: SGD,
     Adam, AdamW, Adagrad, RMSprop and the like; others raise
-    :class:`~lampdist.ConfigError`); checkpoints still hold the whole optimizer state.
+    :class:`~lampdist.ConfigError`); checkpoints still hold the whole optimizer state. Under
+    every design lampdist runs the forward and backward passes and calls ``step()`` itself, so
+    an optimizer whose ``step`` needs a closure (``LBFGS``) raises
+    :class:`~lampdist.ConfigError` when it is built.
     ``accumulate_gradient_over_n_batches`` batches make one step. ``bucket_cap_mb`` cuts the
     gradients into buckets of about that many megabytes whose exchange starts while backward
     still runs (``None``: one exchange per flat buffer after backward). ``max_grad_norm``
     clips the averaged gradients by their global norm; ``non_finite_loss`` says what a step
     whose summed loss is not finite does (``"raise"`` :class:`~lampdist.NonFiniteLoss`, or
-    ``"skip"`` the step). ``autocast_dtype`` runs forward passes under ``torch.autocast``
-    (bfloat16, or float16 with dynamic loss scaling). ``shuffle_seed`` seeds the
+    ``"skip"`` the step with a warning; either names the ranks whose own loss was not finite,
+    on CUDA only where every rank reads the step's loss at once: see docs/reliability.md).
+    ``autocast_dtype`` runs forward passes under ``torch.autocast`` (bfloat16, or float16
+    with dynamic loss scaling). ``shuffle_seed`` seeds the
     :class:`~lampdist.PassContext` of every pass, which a batch source that shuffles draws its
     order from (each rank, epoch and kind of pass gets its own seed).
 

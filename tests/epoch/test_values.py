@@ -119,15 +119,16 @@ async def test_meta_without_a_tail_travels_as_float64() -> None:
     )
 
 
+@pytest.mark.parametrize("ask", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-async def test_root_values_reach_every_follower_bit_for_bit(dtype: torch.dtype) -> None:
+async def test_root_values_reach_every_follower_bit_for_bit(dtype: torch.dtype, ask: bool) -> None:
     scale = 65536.0 + 2**-20  # not representable in bf16 or float32: a bit copy keeps it
 
     async def body(clique: Clique) -> tuple[list[float], bool]:
         flat = FlatParameters.create(linear(5, 3, dtype=dtype), CPU)
         parameters = [p.detach().clone() for p in flat.parameters]
         if clique.rank == 0:
-            assert write_root_values(flat, False, scale, CPU) is None
+            assert write_root_values(flat, False, scale, CPU, ask=ask) is None
             values = None
         else:
             for parameter in flat.parameters:
@@ -141,7 +142,7 @@ async def test_root_values_reach_every_follower_bit_for_bit(dtype: torch.dtype) 
     with anyio.fail_after(30):
         results = await run_ranks(3, body)
     for values, same in results:
-        assert values == [0.0, scale]
+        assert values == [0.0, scale, 1.0 if ask else 0.0]
         assert same
 
 

@@ -56,7 +56,8 @@ CASES = [
             args={1: ["--fault", f"{value}@train:1"]},
             codes={0: {FAILED}, 1: {FAILED}},
             errors={
-                0: rf"^NonFiniteLoss: rank 0, phase 'train': epoch 1, step 1: .* is {value}",
+                0: rf"^NonFiniteLoss: rank 0, phase 'train': epoch 1, step 1: the loss of rank 1 "
+                rf"was {value} \(the summed loss of the step is {value}\)",
                 1: r"^RankFailed: rank 0, phase 'stop': .*NonFiniteLoss",
             },
             checkpoint=1,

@@ -179,7 +179,8 @@ CASES = [
         errors={
             0: r"^RankFailed: rank 2, phase 'train': TrainingError: .*RuntimeError: injected",
             1: stopped_by_root("train", r"RankFailed: rank 2, phase 'train'"),
-            2: r"^TrainingError: rank 2, phase 'train': epoch 1: the model raised RuntimeError",
+            2: r"^TrainingError: rank 2, phase 'train': epoch 1, batch 1: the model raised "
+            r"RuntimeError: injected .*\(inputs float64\[\d+, 3\], target float64\[\d+, 1\]\)",
         },
     ),
     Case(

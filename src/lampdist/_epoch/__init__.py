@@ -17,6 +17,7 @@ from ._kernel import StepKernel as StepKernel
 from ._pass import PassRunner as PassRunner
 from ._progress import Progress as Progress
 from ._result import PassResult as PassResult
+from ._shard import check_closure_free as check_closure_free
 from ._shard import check_elementwise as check_elementwise
 from ._stepper import LossScale as LossScale
 from ._stepper import Stepper as Stepper
@@ -33,6 +34,7 @@ __all__ = [
     "Progress",
     "StepKernel",
     "Stepper",
+    "check_closure_free",
     "check_elementwise",
     "host_to_device",
     "open_compute_thread",

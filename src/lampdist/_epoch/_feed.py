@@ -60,6 +60,9 @@ class LoadedBatch:
     position: Any = None
     """On a training stream, the rank's place in its data right after this batch, when the
     batch ends a window (a :class:`~lampdist._epoch._stream.StreamPosition`)."""
+    number: int = 0
+    """Where the batch comes among the batches of its feed, from 0 (its index in a pass, for
+    error messages, is this less the batches the feed handed out before the pass)."""
 
 
 @attrs.define(eq=False)
@@ -82,6 +85,8 @@ class BatchFeed:
     """Batches the consumer has taken (peeked ones not counted)."""
     position: Any = None
     """The stream position of the last batch taken that carried one (see ``_stream``)."""
+    loaded: int = 0
+    """Batches the producer has loaded (their numbers; only the producer writes it)."""
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
     _changed: threading.Condition = attrs.field(init=False, repr=False)
     _ready: collections.deque[LoadedBatch] = attrs.field(factory=collections.deque, init=False)
@@ -289,11 +294,14 @@ class Loader:
         """``batch`` checked, counted and on the device (with its stream ``position``)."""
         inputs, target = check_batch(batch)
         examples = self.model.example_count(target)
+        number = self.feed.loaded
+        self.feed.loaded = number + 1
         return LoadedBatch(
             move_to_device(inputs, self.device),
             move_to_device(target, self.device),
             examples,
             position,
+            number,
         )
 
     def load(self, iterable: Iterable[object]) -> None:

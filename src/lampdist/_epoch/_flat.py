@@ -8,7 +8,7 @@ autograd accumulates into the views.
 Two small tails ride behind the buffers so that a step sends no extra collective for them:
 the first float32 or float64 gradient buffer carries the step's meta values (examples, loss
 sum, whether the rank has more batches: summed with the gradients), and the first parameter
-buffer carries the root values' 16 bytes (copied with the parameters). A model without such
+buffer carries the root values' 24 bytes (copied with the parameters). A model without such
 a buffer sends those values on their own.
 
 Sharded (``step_on="sharded"``), each rank owns a contiguous ``1/n`` of every flat buffer
@@ -37,8 +37,9 @@ __all__ = ["META_SLOTS", "ROOT_VALUES_BYTES", "FlatParameters"]
 
 META_SLOTS = 4
 """Elements of the gradient tail: examples (high and low parts), loss sum, more batches."""
-ROOT_VALUES_BYTES = 16
-"""Bytes of the parameter tail: the two float64 root values (more batches, loss scale)."""
+ROOT_VALUES_BYTES = 24
+"""Bytes of the parameter tail: the three float64 root values (more batches, loss scale, the
+root's ask for every rank's own loss)."""
 _META_DTYPES = (torch.float32, torch.float64)
 
 
@@ -66,6 +67,8 @@ class FlatParameters:
     values' tail."""
     root_values_tail: torch.Tensor | None = None
     """The ``ROOT_VALUES_BYTES`` bytes behind the first parameter buffer, as uint8."""
+    root_values: torch.Tensor | None = None
+    """The same bytes as float64 (a view made once: a follower may read them every step)."""
     flat_gradients: bool = True
     """Whether the gradients live in ``gradient_buffers`` (else autograd owns them)."""
     shards: int = 1
@@ -171,6 +174,7 @@ class FlatParameters:
             meta_tail=meta_tail,
             parameter_storage=parameter_storage,
             root_values_tail=root_values_tail,
+            root_values=None if root_values_tail is None else root_values_tail.view(torch.float64),
             flat_gradients=gradients,
             shards=shards,
             padded_gradients=padded_gradients,

@@ -45,6 +45,7 @@ from .._options import StepOptions
 from .._signal import on_event_loop_thread
 from .._state import PassEvent
 from ..clique import Clique, PendingCollective
+from ._blame import NonFiniteSteps, describe_batch, names_every_rank
 from ._buckets import GradientBuckets
 from ._device import host_to_device
 from ._feed import BatchFeed, LoadedBatch, PassStopped
@@ -93,12 +94,32 @@ class StepKernel:
     window (what a checkpoint stores)."""
     _metrics: MetricTally | None = attrs.field(default=None, init=False)
     """The pass's metrics, when the model has some."""
+    _first_batch: int = attrs.field(default=0, init=False)
+    """The feed's batches taken before the pass (a batch's index in the pass is its number in
+    the feed less these)."""
+    _non_finite: NonFiniteSteps = attrs.field(init=False)
 
     @loss_scale.default
     def _default_loss_scale(self) -> LossScale:
         if self.stepper is not None:
             return self.stepper.loss_scale
         return LossScale(enabled=self.options.autocast_dtype == torch.float16)
+
+    @_non_finite.default
+    def _default_non_finite(self) -> NonFiniteSteps:
+        names = names_every_rank(
+            device=self.device,
+            nranks=self.clique.nranks,
+            step_on=self.options.step_on,
+            skips=self.options.non_finite_loss == "skip",
+            loss_scaling=self.loss_scale.enabled,
+        )
+        return NonFiniteSteps(
+            rank=self.rank,
+            nranks=self.clique.nranks,
+            policy=self.options.non_finite_loss,
+            gather=self._all_gather if names else None,
+        )
 
     @property
     def device(self) -> torch.device:
@@ -209,14 +230,16 @@ class StepKernel:
         self.flat.zero_gradients()
         started = time.perf_counter()
         # A training stream's feed lives across passes: count this pass's batches only.
-        first_batch = feed.batches_read
+        first_batch = self._first_batch = feed.batches_read
         window = self.options.steps_per_epoch
         total = feed.total
         if window is not None:
             total = window * self.options.accumulate_gradient_over_n_batches
         if self._read_back is None and self.device.type == "cuda":
             self._read_back = ReadBack(self.device)
-        tally = Tally(rank=self.rank, epoch=epoch, read_back=self._read_back)
+        tally = Tally(
+            rank=self.rank, epoch=epoch, read_back=self._read_back, nranks=self.clique.nranks
+        )
         per_step = self.options.learning_rate_per_step
         metrics = self._metrics = MetricTally.start(
             self.model, self.device, rank=self.rank, phase="train", epoch=epoch
@@ -315,7 +338,7 @@ class StepKernel:
         tail = not self.alone and self._buckets is None
         tail = tail and (not self.sharded or self._all_reduces_shards)
         meta = write_meta(self.flat, examples, loss_sum, more, tail=tail)
-        return self._synchronise(meta, examples, more, epoch, step, tally, planned)
+        return self._synchronise(meta, loss_sum, examples, more, epoch, step, tally, planned)
 
     def _solo_step(self, feed: BatchFeed, epoch: int, step: int, tally: Tally) -> bool:
         """One training step of a rank alone in its clique: a plain loop's step.
@@ -353,7 +376,12 @@ class StepKernel:
                 loss_sum = loss_sum + loss.to(torch.float64) * batch.examples
         if stepper.needs_host_values:
             value = loss_sum.item() * factor
-            counted = stepper.step(examples, value, epoch=epoch, step=step, averaged=True)
+            if not math.isfinite(value):
+                stepper.skip()
+                tally.record(examples, value, counted=False)
+                self._non_finite.settle(epoch=epoch, step=step, summed=value, own=loss_sum * factor)
+                return more
+            counted = stepper.step(examples, epoch=epoch, step=step, averaged=True)
             tally.record(examples, value, counted=counted)
         else:
             stepper.step_on_device(None)
@@ -436,6 +464,7 @@ class StepKernel:
     def _synchronise(
         self,
         meta: torch.Tensor | None,
+        own_loss: torch.Tensor,
         local_examples: int,
         local_more: bool,
         epoch: int,
@@ -446,14 +475,19 @@ class StepKernel:
         """Combine the step's gradients over the clique and step where the optimizer lives.
 
         ``meta`` is the step's meta tensor when it travels on its own, ``None`` when it rides
-        behind the gradients (see ``_values``). Returns whether any rank has more batches
-        (only meaningful when ``planned`` is None).
-        A stepping rank reads the reduced values on the host before it steps only when it must:
-        the skip policy, fp16 loss scaling, no examples of its own (so that it cannot know the
-        clique had some), or no plan and no batch of its own left (so that it cannot know
-        whether another rank has one; with a batch left, ``local_more``, it knows that the
+        behind the gradients (see ``_values``); ``own_loss`` is this rank's loss sum of the
+        step. Returns whether any rank has more batches (only meaningful when ``planned`` is
+        None).
+        On CUDA a stepping rank reads the reduced values on the host before it steps only when
+        it must: the skip policy, fp16 loss scaling, no examples of its own (so that it cannot
+        know the clique had some), or no plan and no batch of its own left (so that it cannot
+        know whether another rank has one; with a batch left, ``local_more``, it knows that the
         clique has). Otherwise it steps on the device and the tally reads the values back
-        later. A follower reads the root values for the same reason only.
+        later. A follower reads the root values for the same reasons, and where the root may
+        ask for its own loss (see ``_blame``). On the CPU, where reading waits for nothing,
+        every rank reads them at once.
+        A step whose summed loss is not finite is skipped, and raises or warns once the ranks
+        whose own loss was not finite are known (see ``_blame``).
         """
         learn_more = planned is None and not local_more
         if not self.alone:
@@ -477,20 +511,33 @@ class StepKernel:
                 exchange.wait_blocking(None)
         if self.stepper is None:
             self.flat.zero_gradients()  # the reduce left partial sums in them
-            return self._receive_parameters(read=learn_more)
+            return self._receive_parameters(read=learn_more, own_loss=own_loss)
         stepper = self.stepper
         must_read = learn_more or stepper.needs_host_values or local_examples == 0
         values = read_meta(self.flat, meta)  # before the step zeroes the gradients' tail
         combine: Combine | None = self._sum_over_clique if self.sharded else None
-        if must_read:
+        non_finite: float | None = None
+        if must_read or self.device.type != "cuda":
             examples, loss_sum, flag = values.tolist()
-            counted = stepper.step(examples, loss_sum, epoch=epoch, step=step, combine=combine)
-            tally.record(examples, loss_sum, counted=counted)
-            more = bool(flag > 0)
+            more = bool(flag > 0) if must_read else True
+            if examples > 0 and not math.isfinite(loss_sum):
+                stepper.skip()
+                tally.record(examples, loss_sum, counted=False)
+                non_finite = loss_sum
+            elif must_read:
+                counted = stepper.step(examples, epoch=epoch, step=step, combine=combine)
+                tally.record(examples, loss_sum, counted=counted)
+            else:
+                stepper.step_on_device(values[EXAMPLES], combine=combine)
+                tally.record(examples, loss_sum, counted=True)
         else:
             stepper.step_on_device(values[EXAMPLES], combine=combine)
-            tally.submit(step, values)
+            tally.submit(step, values, own=own_loss)
             more = True
+        if non_finite is not None and self.options.step_on != "root":
+            # Every rank steps and reads the same sum: all are here, before the step's other
+            # collectives, where they gather their own losses (see _blame).
+            self._non_finite.settle(epoch=epoch, step=step, summed=non_finite, own=own_loss)
         if self.alone:
             return more
         if self.sharded:
@@ -499,16 +546,21 @@ class StepKernel:
             if self.flat.module_buffers:
                 self.clique.start_broadcast(self.flat.module_buffers).wait_blocking(None)
         else:
-            self._send_parameters(more)
+            ask = non_finite is not None and self._non_finite.gather is not None
+            self._send_parameters(more, ask=ask)
+            if non_finite is not None:
+                # The followers read the ask behind the parameters and gather with the root.
+                self._non_finite.settle(epoch=epoch, step=step, summed=non_finite, own=own_loss)
         return more
 
-    def _send_parameters(self, more: bool) -> None:
-        """Broadcast the stepped parameters. On CUDA the root's next forward only reads
-        them, so it need not wait, unless the broadcast carries module buffers (which a
-        forward in train mode may update in place); the next step's exchange waits for it at
-        the latest. On the CPU the root waits: the broadcast's threads would compete with its
-        forward."""
-        values = write_root_values(self.flat, more, self.loss_scale.scale, self.device)
+    def _send_parameters(self, more: bool, *, ask: bool = False) -> None:
+        """Broadcast the stepped parameters, and behind them the root values (with ``ask``:
+        the followers are to gather their own losses of the step with the root). On CUDA the
+        root's next forward only reads them, so it need not wait, unless the broadcast carries
+        module buffers (which a forward in train mode may update in place); the next step's
+        exchange waits for it at the latest. On the CPU the root waits: the broadcast's threads
+        would compete with its forward."""
+        values = write_root_values(self.flat, more, self.loss_scale.scale, self.device, ask=ask)
         own = [] if values is None else [values]
         sent = self.clique.start_broadcast(
             [*self.flat.parameter_storage, *self.flat.module_buffers, *own], root=0
@@ -518,18 +570,22 @@ class StepKernel:
         else:
             self._sent = [sent]
 
-    def _receive_parameters(self, *, read: bool) -> bool:
+    def _receive_parameters(self, *, read: bool, own_loss: torch.Tensor) -> bool:
         """Receive the root's parameters; read the root values (a host sync on CUDA) only
-        when ``read`` or when fp16 loss scaling needs the scale."""
+        when ``read``, when fp16 loss scaling needs the scale, or when the root may ask for
+        this rank's own loss of the step (``own_loss``; see ``_blame``), and answer it."""
         values = root_values_receiver(self.flat, self.device)
         own = [] if values is None else [values]
         if not self.alone:
             self.clique.start_broadcast(
                 [*self.flat.parameter_storage, *self.flat.module_buffers, *own], root=0
             ).wait_blocking(None)
-        if not read and not self.loss_scale.enabled:
+        may_ask = self._non_finite.gather is not None
+        if not read and not self.loss_scale.enabled and not may_ask:
             return True
-        more, self.loss_scale.scale = read_root_values(self.flat, values).tolist()
+        more, self.loss_scale.scale, ask = read_root_values(self.flat, values).tolist()
+        if ask > 0:
+            self._non_finite.own_losses(own_loss)
         return bool(more > 0)
 
     # -- the validation pass -----------------------------------------------------------------
@@ -539,6 +595,7 @@ class StepKernel:
         root's result covers the whole clique; a follower's its own examples."""
         self._check_thread()
         self.model.module.eval()
+        self._first_batch = feed.batches_read
         metrics = self._metrics = MetricTally.start(
             self.model, self.device, rank=self.rank, phase="valid", epoch=epoch
         )
@@ -585,7 +642,7 @@ class StepKernel:
         """The batch's mean loss, detached. With ``weight``, first the backward of the mean
         loss times ``weight`` (times the fp16 loss scale); without, evaluated without
         gradients. The pass's metrics take the same forward's output. User errors come back
-        naming the rank."""
+        naming the rank, the batch's index in the pass and its shapes."""
         metrics = self._metrics
         try:
             if weight is None:
@@ -605,8 +662,10 @@ class StepKernel:
         except LampdistError:
             raise
         except Exception as exc:
+            index = batch.number - self._first_batch
             raise TrainingError(
-                f"epoch {epoch}: the model raised {type(exc).__name__}: {exc}",
+                f"epoch {epoch}, batch {index}: the model raised {type(exc).__name__}: {exc} "
+                f"({describe_batch(batch.inputs, batch.target)})",
                 rank=self.rank,
                 phase=phase,
             ) from exc

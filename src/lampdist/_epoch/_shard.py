@@ -28,7 +28,14 @@ import torch
 from .._errors import CheckpointError, ConfigError
 from ._flat import FlatParameters
 
-__all__ = ["ELEMENTWISE", "SCALAR_STATE", "AllGather", "ShardedOptimizer", "check_elementwise"]
+__all__ = [
+    "ELEMENTWISE",
+    "SCALAR_STATE",
+    "AllGather",
+    "ShardedOptimizer",
+    "check_closure_free",
+    "check_elementwise",
+]
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
@@ -297,8 +304,31 @@ def check_elementwise(rank: int, optimizer: torch.optim.Optimizer) -> None:
     raise ConfigError(
         f"step_on='sharded' steps each rank's slice of the parameters on its own, which only "
         f"an optimizer that treats each element on its own can do; {name} is not one of "
-        f"those ({known}; LBFGS, LAMB's per-tensor trust ratio or factored second moments "
-        "need whole tensors): use step_on='every_rank' or 'root' for it",
+        f"those ({known}; LAMB's per-tensor trust ratio or factored second moments need "
+        "whole tensors): use step_on='every_rank' or 'root' for it",
+        rank=rank,
+        phase="configure",
+    )
+
+
+def check_closure_free(rank: int, optimizer: torch.optim.Optimizer) -> None:
+    """Raise :class:`ConfigError` when ``optimizer``'s class steps only with a closure (its
+    ``step`` has a ``closure`` parameter without a default, as ``LBFGS``'s has), whatever the
+    design: lampdist runs the forward and backward passes itself and calls ``step()`` once per
+    step, with nothing to re-evaluate the loss."""
+    try:
+        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    except (TypeError, ValueError):  # no signature to read: let it step
+        return
+    if closure is None or closure.default is not inspect.Parameter.empty:
+        return
+    name = type(optimizer).__name__
+    raise ConfigError(
+        f"{name}.step() needs a closure that re-evaluates the loss, which lampdist cannot "
+        "give it: lampdist runs the forward and backward passes itself, sums the gradients "
+        "over the ranks and calls step() once for each step's "
+        "accumulate_gradient_over_n_batches batches; use an optimizer that steps without a "
+        "closure (SGD, Adam, AdamW, Adagrad, RMSprop, ...)",
         rank=rank,
         phase="configure",
     )

@@ -1,4 +1,8 @@
-"""The optimizer step: averaging, fp16 loss scaling, clipping and the non-finite loss policy.
+"""The optimizer step: averaging, fp16 loss scaling and clipping.
+
+A step whose summed loss is not finite never gets here: the step kernel checks the sum first,
+skips the step (:meth:`Stepper.skip`) and applies the ``non_finite_loss`` policy (see
+``_blame``).
 
 A sharded stepper (``step_on="sharded"``) steps the rank's slice with its slice optimizer
 (see ``_shard``): the clipping norm and the fp16 overflow check need the whole gradient, so
@@ -8,14 +12,12 @@ their one scalar each is summed over the clique through ``combine`` (see :data:`
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from typing import Any
 
 import attrs
 import torch
 
-from .._errors import NonFiniteLoss
 from .._options import StepOptions
 from ._flat import FlatParameters
 from ._shard import ShardedOptimizer
@@ -163,10 +165,13 @@ class Stepper:
         for grads in gradients:
             grads.mul_(coefficient.to(grads.dtype))
 
+    def skip(self) -> None:
+        """Skip the step (its summed loss was not finite): zero the gradients."""
+        self.flat.zero_gradients()
+
     def step(
         self,
         examples: float,
-        loss_sum: float,
         *,
         epoch: int,
         step: int,
@@ -175,25 +180,13 @@ class Stepper:
     ) -> bool:
         """Average the summed gradients over ``examples`` and step (``averaged``: the losses
         were weighted by their share of ``examples`` before backward, so the gradients are
-        averages already).
+        averages already); the caller has checked that the step's summed loss is finite.
 
-        Returns whether the step's loss counts towards the pass's mean: a step skipped for a
-        non-finite loss does not, one skipped for an fp16 overflow does. Raises
-        :class:`NonFiniteLoss` under ``non_finite_loss="raise"``.
+        Returns whether the step's loss counts towards the pass's mean: a step without
+        examples does not, one skipped for an fp16 overflow does.
         """
         try:
             if examples == 0:
-                return False
-            if not math.isfinite(loss_sum):
-                where = f"epoch {epoch}, step {step}"
-                if self.options.non_finite_loss == "raise":
-                    raise NonFiniteLoss(
-                        f"{where}: the summed loss of the step is {loss_sum}; pass "
-                        "non_finite_loss='skip' to skip such steps",
-                        rank=self.rank,
-                        phase="train",
-                    )
-                logger.warning("%s: skipping a step whose loss is %s", where, loss_sum)
                 return False
             divisor = (1.0 if averaged else examples) * self.loss_scale.factor
             gradients = self.gradients()

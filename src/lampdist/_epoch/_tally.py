@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 import torch
 
-from .._errors import NonFiniteLoss
+from ._blame import non_finite_error
 
 __all__ = ["FLUSH_INTERVAL", "RING", "ReadBack", "Tally"]
 
@@ -38,6 +38,9 @@ class _Entry:
     """The step's examples when the host knows them, else ``None`` (read back with the loss)."""
     factor: float
     """What the loss read back is multiplied by (the examples of a mean loss)."""
+    own: torch.Tensor | None = None
+    """The rank's own loss sum of the step, on the device, when the values read back are the
+    clique's (``None`` for a rank alone, whose loss is the step's)."""
 
 
 @attrs.define(eq=False)
@@ -84,6 +87,8 @@ class Tally:
     epoch: int
     read_back: ReadBack | None = None
     """The kernel's ring and buffers (needed on CUDA)."""
+    nranks: int = 1
+    """The ranks of the clique (alone, the step's loss is the rank's own)."""
     examples: int = 0
     loss_sum: float = 0.0
     skipped: int = 0
@@ -106,15 +111,15 @@ class Tally:
         elif examples > 0:
             self.skipped += 1
 
-    def submit(self, step: int, meta: torch.Tensor) -> None:
+    def submit(self, step: int, meta: torch.Tensor, *, own: torch.Tensor) -> None:
         """Count a step's reduced ``[examples, loss sum, ...]`` (it stepped), once it has
-        reached the host."""
+        reached the host; ``own`` is this rank's loss sum of the step."""
         if meta.device.type != "cuda":
             examples, loss_sum = meta.tolist()[:2]
-            self._count(_Entry(step, None, 1.0), examples, loss_sum)
+            self._count(_Entry(step, None, 1.0, own), examples, loss_sum)
             return
         self._ring_row(meta.device).copy_(meta[:2])
-        self._entries.append(_Entry(step, None, 1.0))
+        self._entries.append(_Entry(step, None, 1.0, own))
 
     def submit_loss(
         self, step: int, examples: int, loss: torch.Tensor, *, factor: float = 1.0
@@ -131,7 +136,8 @@ class Tally:
         """Send the gathered steps to the host when due, and count every step whose values
         have arrived.
 
-        Raises :class:`NonFiniteLoss` naming the first step whose loss was not finite.
+        Raises :class:`NonFiniteLoss` naming the first step whose loss was not finite, and
+        the rank if its own loss was not (a rank alone: always).
         """
         if self._entries and (
             len(self._entries) == RING or time.monotonic() - self._flushed >= FLUSH_INTERVAL
@@ -173,18 +179,24 @@ class Tally:
         if self.read_back is not None:
             self.read_back.give_back(flight.host, flight.event)
         for entry, (examples, loss_sum) in zip(flight.entries, rows, strict=True):
-            self._count(entry, examples, loss_sum)
+            self._count(entry, examples, loss_sum, lag=RING)
 
-    def _count(self, entry: _Entry, examples: float, loss_sum: float) -> None:
+    def _count(
+        self, entry: _Entry, examples: float, loss_sum: float, *, lag: int | None = None
+    ) -> None:
         if entry.examples is not None:
             examples = entry.examples
         loss_sum *= entry.factor
         if not math.isfinite(loss_sum):
-            raise NonFiniteLoss(
-                f"epoch {self.epoch}, step {entry.step}: the summed loss of the step is "
-                f"{loss_sum}; pass non_finite_loss='skip' to skip such steps (on CUDA, with "
-                f"non_finite_loss='raise' the check may lag the step by up to {RING} steps)",
+            # Alone, the summed loss is the rank's own; else this rank knows only its own.
+            own = loss_sum if entry.own is None else float(entry.own.item())
+            raise non_finite_error(
                 rank=self.rank,
-                phase="train",
+                epoch=self.epoch,
+                step=entry.step,
+                summed=loss_sum,
+                losses={self.rank: own},
+                nranks=self.nranks,
+                lag=lag,
             )
         self.record(examples, loss_sum, counted=True)

@@ -14,7 +14,7 @@ import torch
 
 from .._checkpoint import RngStates, restore_rng_states
 from .._effects import OptimizerFactory
-from .._epoch import FlatParameters, PassRunner, Stepper, check_elementwise
+from .._epoch import FlatParameters, PassRunner, Stepper, check_closure_free, check_elementwise
 from .._errors import (
     CheckpointError,
     CliqueTimeout,
@@ -91,6 +91,7 @@ def create_stepper(
             rank=rank,
             phase="configure",
         )
+    check_closure_free(rank, optimizer)
     if options.step_on == "sharded":
         check_elementwise(rank, optimizer)
     return Stepper.create(rank, optimizer, flat, options)
