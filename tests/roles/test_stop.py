@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import attrs
 import pytest
 import torch
 
@@ -60,9 +61,20 @@ async def _root_and_follower(
     max_epochs: int,
     timeouts: lampdist.Timeouts,
     slow_root: bool = False,
+    stop_follower_in_training: bool = False,
 ) -> dict[int, Any]:
-    """A root and one follower in this process; what each returned or raised."""
+    """A root and one follower in this process; what each returned or raised.
+    ``stop_follower_in_training`` sets ``follower_stop`` once the follower's first pass has
+    begun (as Ctrl-C reaching every process of a job that trains)."""
     streams = entries(2)
+    if stop_follower_in_training:
+        batches = streams[1].train_batches
+
+        def stop_then_batches() -> Any:
+            follower_stop.set()
+            return batches()  # type: ignore[call-arg]  # the fixture's source takes no context
+
+        streams[1] = attrs.evolve(streams[1], train_batches=stop_then_batches)
     if slow_root:
 
         def slow(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -123,22 +135,40 @@ async def _root_and_follower(
 
 async def test_a_follower_asked_to_stop_follows_until_the_roots_stop() -> None:
     follower_stop = anyio.Event()
-    follower_stop.set()  # as when Ctrl-C reaches every process of the job
     outcome = await _root_and_follower(
-        follower_stop=follower_stop, max_epochs=3, timeouts=lampdist.Timeouts(stop=20.0)
+        follower_stop=follower_stop,
+        max_epochs=3,
+        timeouts=lampdist.Timeouts(stop=20.0),
+        stop_follower_in_training=True,
     )
+    assert follower_stop.is_set()
     assert isinstance(outcome[0], lampdist.LoopState) and outcome[0].epoch == 3
     assert outcome[1] == "returned"
 
 
+async def test_a_follower_asked_to_stop_before_training_stops_at_once() -> None:
+    """Nothing to drain before the first pass: no waiting out Timeouts.stop (a launcher's
+    SIGKILL would come first). The root, never asked to stop, learns it and names rank 1."""
+    follower_stop = anyio.Event()
+    follower_stop.set()  # while the follower joins
+    outcome = await _root_and_follower(
+        follower_stop=follower_stop, max_epochs=3, timeouts=lampdist.Timeouts(stop=600.0)
+    )
+    error = outcome[1]
+    assert isinstance(error, lampdist.LampdistTimeout), error
+    assert (error.rank, error.phase) == (1, "stop")
+    assert "before training began" in error.message
+    assert isinstance(outcome[0], lampdist.LampdistError) and "rank 1" in str(outcome[0])
+
+
 async def test_a_follower_whose_root_does_not_stop_in_time_abandons_the_run() -> None:
     follower_stop = anyio.Event()
-    follower_stop.set()
     outcome = await _root_and_follower(
         follower_stop=follower_stop,
         max_epochs=10_000,  # the root never stops on its own within the test
         timeouts=lampdist.Timeouts(stop=0.5),
         slow_root=True,
+        stop_follower_in_training=True,
     )
     error = outcome[1]
     assert isinstance(error, lampdist.LampdistTimeout), error

@@ -255,11 +255,17 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]
             yield exc
 
 
+BEFORE_TRAINING = frozenset({"join", "clique setup", "agreement"})
+"""The phases before the first pass: a stop requested in one of them has nothing to drain."""
+
+
 @attrs.define(eq=False)
 class Stopping:
     """A graceful stop: once ``stop`` is set, the run has ``timeout`` seconds to reach its
     end (the root: the end of the epoch in progress; a follower: the root's STOP), after
-    which :meth:`enforce` cancels ``scope`` and the run is abandoned."""
+    which :meth:`enforce` cancels ``scope`` and the run is abandoned. A stop requested before
+    training began (:data:`BEFORE_TRAINING`) abandons the run at once: there is no epoch to
+    finish, and a launcher's grace period (torchrun's is 30 s) must not run out on it."""
 
     stop: anyio.Event | None
     timeout: float | None
@@ -267,6 +273,8 @@ class Stopping:
     scope: anyio.CancelScope = attrs.field(factory=anyio.CancelScope)
     reached: anyio.Event = attrs.field(factory=anyio.Event)
     abandoned: str | None = None
+    at_once: bool = False
+    """Whether the stop came before training and abandoned the run without waiting."""
 
     def requested(self) -> bool:
         return self.stop is not None and self.stop.is_set()
@@ -275,6 +283,16 @@ class Stopping:
         """Once stop is set, give the run ``timeout`` seconds to reach its end."""
         assert self.stop is not None
         await self.stop.wait()
+        if tracker.current in BEFORE_TRAINING:
+            self.abandoned = f"{tracker.current!r}, before training began,"
+            self.at_once = True
+            logger.info(
+                "stop requested in phase %r, before training began: stopping at once",
+                tracker.current,
+                extra={"rank": self.rank, "epoch": tracker.epoch},
+            )
+            self.scope.cancel()
+            return
         waits_for = "the current epoch" if self.rank == 0 else "the root's STOP"
         logger.info(
             "stop requested in phase %r of epoch %d: %s has %s s to come",
@@ -297,6 +315,13 @@ class Stopping:
         self.scope.cancel()
 
     def timeout_error(self) -> LampdistTimeout:
+        if self.at_once:
+            return LampdistTimeout(
+                f"stop was requested in phase {self.abandoned} so nothing was left to finish: "
+                "abandoned it at once",
+                rank=self.rank,
+                phase="stop",
+            )
         return LampdistTimeout(
             f"stop was requested, but phase {self.abandoned} did not end within "
             f"Timeouts.stop={self.timeout} s: abandoned it; resume from the last checkpoint",

@@ -88,7 +88,8 @@ async def follow_distributed_training(
     the root's kind (process groups by default; the in-process cliques shared with a root in
     this process). ``stop`` asks for a graceful end: the follower goes on following until the
     root's STOP, for at most ``timeouts.stop`` seconds, and then abandons the run with
-    :class:`~lampdist.LampdistTimeout` (phase ``'stop'``).
+    :class:`~lampdist.LampdistTimeout` (phase ``'stop'``); before training began (join,
+    clique setup, agreement) it abandons the run so at once.
 
     Raises :class:`~lampdist.MismatchError` when this rank disagrees with the root,
     :class:`~lampdist.RankFailed` when the root (rank 0) aborts the run, naming its error,

@@ -20,7 +20,14 @@ from .._epoch import (
     Stepper,
     open_compute_thread,
 )
-from .._errors import CheckpointError, CliqueError, CliqueTimeout, ConfigError, LampdistError
+from .._errors import (
+    CheckpointError,
+    CliqueError,
+    CliqueTimeout,
+    ConfigError,
+    LampdistError,
+    RankFailed,
+)
 from .._loop import epochs
 from .._model import original_module
 from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts, check_monitors
@@ -56,6 +63,13 @@ logger = logging.getLogger(__name__)
 
 ABORT_TIMEOUT = 2.0
 """How long the root tries to tell the followers why it stops."""
+
+LEAVE_TIMEOUT = 2.0
+"""How long the root waits for a follower that failed on its own to close its channel."""
+
+EXIT_HEAD_START = 0.3
+"""How much longer the root then waits: the failed process's last lines and exit (torchrun
+polls its processes every 0.1 s)."""
 
 
 async def drive_distributed_training(
@@ -94,11 +108,12 @@ async def drive_distributed_training(
     ``stop`` ends the run early and gracefully (set it from a signal handler, say): once it
     is set, the root starts no new epoch; the epoch in progress finishes, validates and is
     checkpointed as usual, then the followers get STOP and the root returns the loop state,
-    whose ``epoch`` is the next epoch to run. When that epoch (or the join and clique setup
-    before the first one) has not ended within ``timeouts.stop`` seconds of the request, the
-    root abandons it: it raises :class:`~lampdist.LampdistTimeout` with ``phase='stop'``, the
-    followers raise :class:`~lampdist.RankFailed` naming it, and the last committed
-    checkpoint is the one to resume from.
+    whose ``epoch`` is the next epoch to run. When that epoch has not ended within
+    ``timeouts.stop`` seconds of the request, or at once when the request comes before
+    training began (join, clique setup, agreement: nothing to finish), the root abandons the
+    run: it raises :class:`~lampdist.LampdistTimeout` with ``phase='stop'``, the followers
+    raise :class:`~lampdist.RankFailed` naming it, and the last committed checkpoint is the
+    one to resume from.
 
     ``cliques`` says where the clique comes from: process groups through a rendezvous store
     served on 127.0.0.1 (``lampdist.clique.ProcessGroups(host)`` names another address the
@@ -195,16 +210,29 @@ async def drive(
                     if not tracker.reported:
                         with anyio.CancelScope(shield=True):
                             await _abort_followers(control, tracker, culprit or exc)
+                    with anyio.CancelScope(shield=True):
+                        await _let_exit_first(control, culprit or leaf)
                     if culprit is not None:
                         raise culprit from leaf
                     raise
                 except BaseException as exc:
-                    if not tracker.reported:
-                        with anyio.CancelScope(shield=True):
+                    with anyio.CancelScope(shield=True):
+                        if not tracker.reported:
                             await _abort_followers(control, tracker, _why(exc, tracker, stopping))
+                        await _let_exit_first(control, tracker.cause)
                     raise
                 group.cancel_scope.cancel()
     return state
+
+
+async def _let_exit_first(control: RootChannel, failure: BaseException | None) -> None:
+    """When ``failure`` is a follower's report of its own error, give that follower a head
+    start: wait until its channel closes (its process is ending), then
+    :data:`EXIT_HEAD_START`, so that it exits before the root and a launcher that reports the
+    first process to fail (torchrun's "Root Cause") names it rather than the root."""
+    if isinstance(failure, RankFailed) and failure.rank:
+        await control.wait_until_left([failure.rank], LEAVE_TIMEOUT)
+        await anyio.sleep(EXIT_HEAD_START)
 
 
 async def _watch(control: RootChannel, tracker: PhaseTracker) -> None:

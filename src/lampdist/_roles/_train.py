@@ -13,7 +13,7 @@ from typing import TypeVar, cast
 import anyio
 import attrs
 
-from .._errors import Interrupted
+from .._errors import Interrupted, LampdistTimeout
 from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts
 from .._preload import preload
 from .._state import LoopState
@@ -21,7 +21,7 @@ from ..checkpoint import Resumed
 from ..clique import ProcessGroups
 from ..control import FollowerChannel, RootChannel
 from ..launch import LaunchEnv, from_env
-from ._common import OptimizerFactory, RunOptions, check_rank, single_error
+from ._common import OptimizerFactory, RunOptions, check_rank, most_telling, single_error
 from ._follower import follow
 from ._root import drive
 
@@ -65,8 +65,11 @@ async def run_until_signal(
     Give ``stop`` to the entry point as its ``stop``: the run then ends gracefully (the
     epoch in progress finishes and is checkpointed, the followers stop). The signal handlers
     are installed while ``work`` runs (call this from the main thread, as the signal APIs
-    require). Raises :class:`Interrupted` after a signal (chained to any error the work
-    raised), else whatever ``work`` raises.
+    require). Raises :class:`Interrupted` after a signal once the work has ended, returning or
+    abandoned by the stop itself (a :class:`~lampdist.LampdistTimeout` in phase ``'stop'``,
+    chained); any other error the work raises is raised as it is, signal or not: a failure
+    that came first (a dead follower, then torchrun's SIGTERM) is the run's outcome, not the
+    stop.
     """
     return await _run_until_signal(work, rank=rank, done_is_interrupted=True)
 
@@ -85,15 +88,24 @@ async def _run_until_signal(
                 results.append(await work(signals.stop))
                 group.cancel_scope.cancel()
     except Exception as exc:
-        if signals.received:
+        if signals.received and _ended_by_the_stop(exc):
             raise _interrupted(signals.received[0], rank) from exc
-        raise
+        raise  # a failure, whatever signal came after it: the failure is the news
     if signals.received and done_is_interrupted:
         raise _interrupted(signals.received[0], rank)
     if signals.received:
         name = signal.Signals(signals.received[0]).name
         logger.info("rank %s: the root's STOP ended the run after %s", rank, name)
     return results[0]
+
+
+def _ended_by_the_stop(error: BaseException) -> bool:
+    """Whether ``error`` is the stop's own end: the run abandoned because the stop did not
+    finish within ``Timeouts.stop`` or came before training (:class:`LampdistTimeout` in
+    phase ``'stop'`` of this rank). Any other error is a failure, reported as it is even when
+    a signal followed it (torchrun signals every rank once one of them has failed)."""
+    leaf = most_telling(error)
+    return isinstance(leaf, LampdistTimeout) and leaf.phase == "stop"
 
 
 def _interrupted(signum: int, rank: int | None) -> Interrupted:
@@ -135,10 +147,12 @@ async def train(
     With ``stop_on_signals`` (the default; it needs the main thread) the first SIGTERM or
     SIGINT stops the run gracefully: the root finishes the epoch in progress, checkpoints it
     and stops the followers (within ``timeouts.stop``), and a follower follows until that
-    STOP; a second signal stops at once. Every resource is released; then the root raises
-    :class:`Interrupted`, and so does a follower that a second signal (or no STOP within
-    ``timeouts.stop``) stopped, while a follower that the root's STOP ended returns ``None``
-    as after a completed run (the root reports the interruption). Raises
+    STOP; a second signal, or a first one before training began, stops at once. Every
+    resource is released; then the root raises :class:`Interrupted`, and so does a follower
+    that a second signal (or no STOP within ``timeouts.stop``) stopped, while a follower
+    that the root's STOP ended returns ``None`` as after a completed run (the root reports
+    the interruption). A failure that the signal did not cause (under torchrun: a rank died,
+    and torchrun signals the others) is raised as it is, not as :class:`Interrupted`. Raises
     :class:`~lampdist.ConfigError` for bad arguments or launch variables, and every error of
     the role it runs (see :func:`drive_distributed_training` and
     :func:`follow_distributed_training`), an ``ExceptionGroup`` only for several unrelated
