@@ -5,6 +5,8 @@ the import would make deferred."""
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -131,3 +133,24 @@ def test_collections_turned_off_or_objects_frozen_stay_so() -> None:
         assert gc.get_freeze_count() == frozen
     finally:
         gc.unfreeze()
+
+
+EXIT_SCRIPT = """
+import atexit, gc, sys
+import anyio
+from lampdist import _preload
+
+# registered first, so it runs last: after the handler that the preload registers
+atexit.register(lambda: sys.stdout.write(f"frozen at exit: {gc.get_freeze_count() > 0}\\n"))
+anyio.run(_preload.preload)
+sys.stdout.write(f"frozen before exit: {gc.get_freeze_count() > 0}\\n")
+"""
+
+
+def test_a_process_that_preloaded_exits_without_collecting_torch() -> None:
+    """The objects are frozen only at exit, so that the interpreter's last collections skip
+    them (a lampdist process exits about a second sooner: docs/reliability.md)."""
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, check=True
+    )
+    assert done.stdout.splitlines() == ["frozen before exit: False", "frozen at exit: True"]

@@ -14,6 +14,7 @@ measurements).
 
 from __future__ import annotations
 
+import atexit
 import gc
 import importlib
 import threading
@@ -35,7 +36,20 @@ def _import_modules() -> None:
     with _collections_deferred():
         for name in MODULES:
             importlib.import_module(name)
+    if not _done.is_set():
+        atexit.register(_freeze_at_exit)
     _done.set()
+
+
+def _freeze_at_exit() -> None:
+    """At interpreter exit, move every object to the permanent generation, so that the
+    interpreter's last collections skip torch's object graph: a process that imported
+    ``torch._dynamo`` then exits in about 0.3 s instead of 1.1-1.4 s (2 cores), and a
+    launcher that polls its processes (torchrun) sees a failed rank go, and signals the
+    others, a second earlier. Objects are still freed by reference counting; only cycles
+    that are garbage at exit are left to the operating system, as Python allows for objects
+    alive at exit (their ``__del__`` is not guaranteed to run)."""
+    gc.freeze()
 
 
 @contextmanager

@@ -24,6 +24,10 @@ import attrs
 ROOT_DIR = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("torchrun_rank.py")
 SIGKILLED = -9
+ENDED_BY_SIGTERM = (143, -15)
+"""A rank that torchrun's SIGTERM ended at once: 143 once lampdist's signal handling is up
+(the README's script exits 128 + 15), -15 before it (Python's default action). The outcome
+these tests rule out is -9: torchrun's SIGKILL after its 30 s grace period."""
 
 
 @attrs.frozen
@@ -146,7 +150,8 @@ def test_a_refused_secret_ends_the_joining_root_at_once(tmp_path: Path) -> None:
     it ends at once (before: it waited Timeouts.stop, 30 s, and torchrun SIGKILLed it)."""
     job = run_job(tmp_path, "--fault", "secret")
     report("refused secret", job)
-    assert job.exitcodes == {0: 143, 1: 1}, job.explain()
+    assert job.exitcodes[1] == 1, job.explain()
+    assert job.exitcodes[0] in ENDED_BY_SIGTERM, job.explain()
     assert job.root_cause == 1, job.explain()
     assert "AuthenticationError: rank 1, phase 'handshake'" in job.last_line(1), job.explain()
 
@@ -159,7 +164,8 @@ def test_a_refused_checkpoint_directory_ends_the_joining_follower_at_once(
     assert first.returncode == 0, first.explain()
     job = run_job(tmp_path / "second", "--checkpoints", str(checkpoints))  # a new run there
     report("refused checkpoint directory", job)
-    assert job.exitcodes == {0: 1, 1: 143}, job.explain()
+    assert job.exitcodes[0] == 1, job.explain()
+    assert job.exitcodes[1] in ENDED_BY_SIGTERM, job.explain()
     assert job.root_cause == 0, job.explain()
     assert "CheckpointError: rank 0, phase 'configure'" in job.last_line(0), job.explain()
 
@@ -205,6 +211,7 @@ def test_bad_settings_exit_2(tmp_path: Path) -> None:
     still joining, ends at once on torchrun's SIGTERM."""
     job = run_job(tmp_path, "--fault", "config", "--fault-rank", "0")
     report("bad settings on the root", job)
-    assert job.exitcodes == {0: 2, 1: 143}, job.explain()
+    assert job.exitcodes[0] == 2, job.explain()
+    assert job.exitcodes[1] in ENDED_BY_SIGTERM, job.explain()
     assert job.root_cause == 0, job.explain()
     assert job.last_line(0).startswith("ConfigError: rank 0, phase 'configure'"), job.explain()
