@@ -347,6 +347,32 @@ async def test_a_second_signal_cancels_the_work() -> None:
     assert cleaned_up.is_set()
 
 
+async def test_a_failure_is_raised_as_it_is_whatever_signal_follows() -> None:
+    """Under torchrun a dead rank is followed by SIGTERM to the others: the failure is the
+    news, not the stop."""
+
+    async def work(stop: anyio.Event) -> None:
+        await anyio.wait_all_tasks_blocked()
+        os.kill(os.getpid(), signal.SIGTERM)
+        await stop.wait()
+        raise lampdist.PeerDisconnected("the follower closed the connection", rank=1, phase="train")
+
+    with anyio.fail_after(10), pytest.raises(lampdist.PeerDisconnected, match="rank 1"):
+        await run_until_signal(work, rank=0)
+
+
+async def test_a_run_the_stop_abandoned_is_interrupted() -> None:
+    async def work(stop: anyio.Event) -> None:
+        await anyio.wait_all_tasks_blocked()
+        os.kill(os.getpid(), signal.SIGTERM)
+        await stop.wait()
+        raise lampdist.LampdistTimeout("abandoned", rank=0, phase="stop")
+
+    with anyio.fail_after(10), pytest.raises(Interrupted, match="SIGTERM") as caught:
+        await run_until_signal(work, rank=0)
+    assert isinstance(caught.value.__cause__, lampdist.LampdistTimeout)
+
+
 async def test_without_a_signal_the_result_comes_back() -> None:
     async def work(stop: anyio.Event) -> int:
         assert not stop.is_set()
