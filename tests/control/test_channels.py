@@ -176,6 +176,45 @@ async def test_root_leaving_without_stop_surfaces_on_the_follower(impl: str) -> 
                     await channel.report_failure("train", "too late: the root is gone")
 
 
+@pytest.mark.parametrize("reported", [False, True])
+async def test_a_follower_that_reported_its_failure_hears_the_root_go_quietly(
+    impl: str, reported: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The root closing without STOP is news (a warning) to a follower, except to one that
+    failed and said so: the root's going is then what it expects."""
+    send, receive = anyio.create_memory_object_stream[Command](10)
+    with anyio.fail_after(20):
+        async with root_in_task(impl, 2) as handle:
+            root, channel = handle.root, handle.follower(1)
+            async with channel, receive:
+                await root.publish_clique_id(clique_id(2))
+                await channel.join(send)
+                if reported:
+                    await channel.report_failure("train", "the model raised")
+                await handle.close()
+                with pytest.raises(lampdist.PeerDisconnected):
+                    await channel.watch()
+    warned = [
+        r for r in caplog.records if r.levelname == "WARNING" and "without STOP" in r.getMessage()
+    ]
+    assert bool(warned) is not reported, caplog.text
+
+
+async def test_the_root_waits_until_a_follower_has_left(impl: str) -> None:
+    send, receive = anyio.create_memory_object_stream[Command](10)
+    with anyio.fail_after(20):
+        async with open_root(impl, 3) as (root, follower):
+            await root.publish_clique_id(clique_id(3))
+            channel = follower(1)
+            async with channel, receive:
+                await channel.join(send)
+                with anyio.move_on_after(0.2) as scope:  # rank 1 is still there
+                    await root.wait_until_left([1], timeout=10)
+                assert scope.cancelled_caught
+                await root.wait_until_left([1], timeout=0.05)  # a timeout never raises
+            await root.wait_until_left([1], timeout=10)  # returns: rank 1 closed its channel
+
+
 async def test_report_failure_surfaces_as_rank_failed(impl: str) -> None:
     send, receive = anyio.create_memory_object_stream[Command](10)
     with anyio.fail_after(20):
