@@ -40,6 +40,7 @@ class Mutant:
 
 
 EXACTNESS = "tests/roles/test_local_exactness.py"
+TORCHRUN = "tests/reliability/test_torchrun.py"
 RESUME = "tests/roles/test_local_resume.py"
 DRIVER = "tests/loop/test_driver.py"
 METRICS = "tests/roles/test_local_metrics.py"
@@ -139,7 +140,7 @@ MUTANTS = [
         name="resume-ignores-the-model",
         guarantee="a resumed run continues from the checkpoint's weights",
         path="_roles/_root.py",
-        old="        self.data.model.module.load_state_dict(state.model_state)\n",
+        old="        load_model_state(module, state.model_state, path=resume.path)\n",
         new="",
         tests=(RESUME, "tests/roles/test_resume_from_disk.py"),
     ),
@@ -147,7 +148,7 @@ MUTANTS = [
         name="resume-ignores-the-optimizer",
         guarantee="a resumed run restores the optimizer state",
         path="_roles/_root.py",
-        old="        self.stepper.load_state_dict(dict(state.optimizer_state))\n",
+        old="        load_optimizer_state(self.stepper, state.optimizer_state, path=resume.path)\n",
         new="",
         tests=(RESUME,),
     ),
@@ -502,6 +503,43 @@ MUTANTS = [
         old="    check_closure_free(rank, optimizer)\n",
         new="",
         tests=(BLAME + "::test_an_optimizer_that_needs_a_closure_is_refused_before_training",),
+    ),
+    Mutant(
+        name="signal-hides-the-failure",
+        guarantee="a failure is raised as it is, whatever signal follows it (torchrun)",
+        path="_roles/_train.py",
+        old='    return isinstance(leaf, LampdistTimeout) and leaf.phase == "stop"\n',
+        new="    return True\n",
+        tests=(
+            "tests/test_launch.py",
+            TORCHRUN + "::test_a_killed_follower_is_the_roots_error_not_a_graceful_stop",
+        ),
+    ),
+    Mutant(
+        name="stop-before-training-waits",
+        guarantee="a stop before training began abandons the run at once",
+        path="_roles/_common.py",
+        old="        if tracker.current in BEFORE_TRAINING:\n",
+        new="        if False:\n",
+        tests=("tests/roles/test_stop.py",),
+    ),
+    Mutant(
+        name="failed-follower-exits-last",
+        guarantee="a follower that failed on its own exits before the root (torchrun's root cause)",
+        path="_roles/_root.py",
+        old="    if isinstance(failure, RankFailed) and failure.rank:\n",
+        new="    if False:\n",
+        tests=(
+            TORCHRUN + "::test_a_batch_of_the_wrong_shape_names_the_follower_as_the_root_cause",
+        ),
+    ),
+    Mutant(
+        name="reported-follower-warns-of-the-root",
+        guarantee="a follower that reported its own failure does not warn that the root left",
+        path="control/_state.py",
+        old="        level = logging.DEBUG if self.reported else logging.WARNING\n",
+        new="        level = logging.WARNING\n",
+        tests=("tests/control/test_channels.py",),
     ),
 ]
 
