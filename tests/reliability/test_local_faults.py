@@ -324,14 +324,21 @@ async def test_stop_finishes_the_epoch_checkpoints_and_stops_the_followers(
     await resumes_exactly(run, 2)
 
 
-async def test_stop_before_the_first_epoch_runs_none(tmp_path: Path) -> None:
+async def test_stop_before_training_abandons_the_run_at_once(tmp_path: Path) -> None:
+    """Nothing to drain before the first pass: the root does not wait out Timeouts.stop for
+    followers that may never come (under torchrun, the reason it was signalled); it ends at
+    once, and the follower, still joining, learns that the root has gone."""
     stop = anyio.Event()
     stop.set()
     run = Run(2, tmp_path)
-    await run_ranks(run, stop=stop)
-    assert not run.errors
-    assert run.results[0] == lampdist.LoopState()
-    assert run.results[1] == "stopped"
+    with anyio.fail_after(60):  # far below stop_timeout: it did not wait
+        await run_ranks(run, stop=stop, stop_timeout=3600.0)
+    root_error = leaf(run.errors[0])
+    assert isinstance(root_error, lampdist.LampdistTimeout), run.errors
+    assert (root_error.rank, root_error.phase) == (0, "stop")
+    assert "before training began" in root_error.message
+    assert isinstance(leaf(run.errors[1]), lampdist.ControlError | lampdist.RankFailed)
+    assert run.epoch == {}  # no pass began
     assert _training.latest_epoch(tmp_path) is None
 
 
