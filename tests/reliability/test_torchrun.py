@@ -21,8 +21,11 @@ from pathlib import Path
 
 import attrs
 
+import lampdist
+
 ROOT_DIR = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("torchrun_rank.py")
+SOURCE = Path(lampdist.__file__).resolve().parents[1]
 SIGKILLED = -9
 ENDED_BY_SIGTERM = (143, -15)
 """A rank that torchrun's SIGTERM ended at once: 143 once lampdist's signal handling is up
@@ -59,7 +62,8 @@ def run_job(tmp_path: Path, *args: str, timeout: float = 120) -> Job:
     env = {
         **os.environ,
         "LAMPDIST_SECRET": "torchrun-secret",
-        "PYTHONPATH": os.pathsep.join([str(ROOT_DIR / "src"), os.environ.get("PYTHONPATH", "")]),
+        # the lampdist these tests import (a mutant's copy under tests/mutants.py)
+        "PYTHONPATH": os.pathsep.join([str(SOURCE), os.environ.get("PYTHONPATH", "")]),
         "OMP_NUM_THREADS": "1",
     }
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -114,6 +118,11 @@ def run_job(tmp_path: Path, *args: str, timeout: float = 120) -> Job:
         torchrun_stderr=summary,
         after_fault=ended - first_error[0] if first_error else None,
     )
+
+
+def exit_time(tmp_path: Path, rank: int) -> float:
+    """When ``rank``'s interpreter began to exit (the rank script notes it at exit)."""
+    return float(json.loads((tmp_path / "out" / f"exit-{rank}").read_text())["time"])
 
 
 def report(name: str, job: Job) -> None:
@@ -175,6 +184,10 @@ def test_a_batch_of_the_wrong_shape_names_the_follower_as_the_root_cause(
 ) -> None:
     job = run_job(tmp_path, "--fault", "bad-shape")
     report("wrong-shape batch on rank 1", job)
+    # torchrun names the first process it sees gone, polling every 0.1 s: the follower must
+    # be gone more than a poll before the root (each rank notes when its interpreter exits)
+    exited = {rank: exit_time(tmp_path, rank) for rank in (0, 1)}
+    assert exited[0] - exited[1] > 0.1, (exited, job.explain())
     assert job.root_cause == 1, job.explain()
     assert job.exitcodes[1] == 1, job.explain()
     last = job.last_line(1)

@@ -16,8 +16,9 @@ and checkpoints. The end of the script is the README's pattern, word for word. F
 
 ``--fault-rank -1`` puts the fault on every rank.
 
-Every rank writes ``started-R`` into ``--out`` once its training pass has begun, and
-``fault.json`` (the wall-clock time) just before it injects a fault.
+Every rank writes ``started-R`` into ``--out`` once its training pass has begun, ``exit-R``
+when its interpreter begins to exit, and ``fault.json`` (the wall-clock time) just before it
+injects a fault.
 """
 
 from __future__ import annotations
