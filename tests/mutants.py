@@ -499,7 +499,7 @@ MUTANTS = [
     Mutant(
         name="closure-check-not-called",
         guarantee="every design checks the optimizer for a closure when it is built",
-        path="_roles/_common.py",
+        path="_roles/_setup.py",
         old="    check_closure_free(rank, optimizer)\n",
         new="",
         tests=(BLAME + "::test_an_optimizer_that_needs_a_closure_is_refused_before_training",),
@@ -518,7 +518,7 @@ MUTANTS = [
     Mutant(
         name="stop-before-training-waits",
         guarantee="a stop before training began abandons the run at once",
-        path="_roles/_common.py",
+        path="_roles/_stopping.py",
         old="        if tracker.current in BEFORE_TRAINING:\n",
         new="        if False:\n",
         tests=("tests/roles/test_stop.py",),

@@ -35,6 +35,16 @@ LAYERS = [
 ]
 LAYER = {name: index for index, names in enumerate(LAYERS) for name in names}
 
+ROLES_LAYERS = [
+    {"_agreement", "_failures"},
+    {"_resume", "_setup", "_stopping"},
+    {"_root", "_follower"},
+    {"_local", "_train"},
+    {"__init__"},
+]
+"""The modules of ``_roles``, each importing only from the layers below it."""
+ROLES_LAYER = {name: index for index, names in enumerate(ROLES_LAYERS) for name in names}
+
 
 def imports(path: Path) -> Iterator[tuple[list[str], list[str]]]:
     """(the importing module's parts, each imported module's parts) under ``lampdist``."""
@@ -66,4 +76,18 @@ def test_imports_point_down_and_stay_off_other_packages_private_modules() -> Non
                 wrong.append(f"{'.'.join(parts)} imports {'.'.join(target)}: not below it")
             if any(part.startswith("_") for part in target[1:]):
                 wrong.append(f"{'.'.join(parts)} imports {'.'.join(target)}: a private module")
+    assert wrong == []
+
+
+def test_the_roles_modules_import_down_only() -> None:
+    wrong = []
+    for path in (ROOT / "_roles").glob("*.py"):
+        for parts, target in imports(path):
+            if target[0] != "_roles" or len(target) < 2:
+                continue
+            here, there = parts[-1], target[1]
+            if here not in ROLES_LAYER or there not in ROLES_LAYER:
+                wrong.append(f"{here} -> {there}: layer unknown")
+            elif ROLES_LAYER[there] >= ROLES_LAYER[here]:
+                wrong.append(f"_roles.{here} imports _roles.{there}: not below it")
     assert wrong == []

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from ._errors import ConfigError
+from ._errors import ConfigError, Phase
 
 __all__ = ["resolve_device"]
 
 
 def resolve_device(
-    device: torch.device | str | int, *, rank: int | None = None, phase: str | None = None
+    device: torch.device | str | int, *, rank: int | None = None, phase: Phase | None = None
 ) -> torch.device:
     """``device`` as a :class:`torch.device`: a device as it is, a string (``"cuda:1"``) as
     torch reads it, an int as the CUDA device of that index.

@@ -25,7 +25,8 @@ already catches a standard exception, the lampdist error derives from it too::
         └── CheckpointVersionError          written by a newer lampdist; upgrade to read it
 
 Every error carries the ``rank`` and ``phase`` it happened in, when known, and shows them
-at the start of its message (``rank 1, phase 'train': ...``).
+at the start of its message (``rank 1, phase 'train': ...``). The phases are the values of
+:data:`Phase`, one spelling each (docs/reliability.md says where each one is).
 
 Cancellation is never turned into a lampdist error. Calls that run several tasks (the
 training entry points, the channels' context managers) may raise an ``ExceptionGroup``
@@ -34,6 +35,8 @@ whose leaves are these errors; each entry point's docstring says so.
 
 from __future__ import annotations
 
+from typing import Literal, TypeAlias
+
 __all__ = [
     "AuthenticationError",
     "BadBatch",
@@ -41,6 +44,7 @@ __all__ = [
     "CheckpointVersionError",
     "CliqueError",
     "CliqueTimeout",
+    "Collective",
     "CollectiveFailed",
     "ConfigError",
     "ControlError",
@@ -52,10 +56,47 @@ __all__ = [
     "MismatchError",
     "NonFiniteLoss",
     "PeerDisconnected",
+    "Phase",
     "ProtocolError",
     "RankFailed",
     "TrainingError",
 ]
+
+
+Collective: TypeAlias = Literal[
+    "broadcast", "reduce", "all_reduce", "reduce_scatter", "all_gather", "barrier"
+]
+"""A clique's collectives: each is the phase of its own errors."""
+
+Phase: TypeAlias = Literal[
+    Collective,
+    # arguments, before anything runs
+    "configure",
+    "launch",
+    "demo",
+    "track",
+    # the control channel
+    "open",
+    "join",
+    "handshake",
+    "publish",
+    # the clique
+    "clique rendezvous",
+    "clique setup",
+    "clique teardown",
+    # a rank's run and its checkpoints
+    "agreement",
+    "wait for command",
+    "train",
+    "valid",
+    "checkpoint",
+    "resume",
+    "stop",
+    # the epoch driver
+    "loop",
+    "schedule",
+]
+"""Where an error happened: what its rank was doing (see docs/reliability.md)."""
 
 
 class LampdistError(Exception):
@@ -64,7 +105,9 @@ class LampdistError(Exception):
     ``rank`` and ``phase`` say where it happened, when known; ``str(error)`` starts with them.
     """
 
-    def __init__(self, message: str, *, rank: int | None = None, phase: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, rank: int | None = None, phase: Phase | None = None
+    ) -> None:
         self.message = message
         self.rank = rank
         self.phase = phase
@@ -83,7 +126,7 @@ class LampdistError(Exception):
 
 
 def _rebuild(
-    cls: type[LampdistError], message: str, rank: int | None, phase: str | None
+    cls: type[LampdistError], message: str, rank: int | None, phase: Phase | None
 ) -> LampdistError:
     return cls(message, rank=rank, phase=phase)
 
@@ -150,7 +193,7 @@ class Interrupted(LampdistError):
     """
 
     def __init__(
-        self, message: str, *, signum: int, rank: int | None = None, phase: str | None = None
+        self, message: str, *, signum: int, rank: int | None = None, phase: Phase | None = None
     ) -> None:
         self.signum = signum
         super().__init__(message, rank=rank, phase=phase)
@@ -160,7 +203,7 @@ class Interrupted(LampdistError):
 
 
 def _rebuild_interrupted(
-    message: str, signum: int, rank: int | None, phase: str | None
+    message: str, signum: int, rank: int | None, phase: Phase | None
 ) -> Interrupted:
     return Interrupted(message, signum=signum, rank=rank, phase=phase)
 

@@ -42,7 +42,7 @@ import anyio.to_thread
 import attrs
 import torch
 
-from ._errors import ConfigError, JoinTimeout
+from ._errors import ConfigError, JoinTimeout, Phase
 from ._store import Budget, connect_store, wait_for_keys
 from .control import (
     DEFAULT_JOIN_TIMEOUT,
@@ -57,7 +57,7 @@ __all__ = ["LaunchEnv", "PortExchange", "first_slurm_host", "from_env"]
 
 logger = logging.getLogger(__name__)
 
-_PHASE = "launch"
+_PHASE: Phase = "launch"
 
 
 def _never() -> None:

@@ -45,6 +45,7 @@ import lampdist
 from lampdist import checkpoint, control
 from lampdist._checkpoint import _write
 from lampdist._clique_id import CliqueId
+from lampdist._errors import Phase
 from lampdist.clique import _tether
 from lampdist.control import USE_CHANNEL_DEFAULT, Command, UseChannelDefault
 
@@ -116,7 +117,7 @@ class WatchedFollower:
         self.injector.phase = "setup"
         return clique_id
 
-    async def report_failure(self, phase: str, message: str) -> None:
+    async def report_failure(self, phase: Phase, message: str) -> None:
         await self.inner.report_failure(phase, message)
 
     async def watch(self) -> NoReturn:

@@ -26,7 +26,7 @@ from .._effects import BatchSource, PassAwareBatchSource
 from .._errors import BadBatch, LampdistError, TrainingError
 from .._model import SupervisedModel, check_batch, move_to_device
 from .._signal import Signal
-from .._source import PassContext, call_source
+from .._source import PassContext, PassKind, call_source
 
 __all__ = [
     "AHEAD",
@@ -216,7 +216,7 @@ async def open_feed(
     model: SupervisedModel,
     device: torch.device,
     rank: int,
-    phase: str,
+    phase: PassKind,
     intra_op_threads: int,
     ahead: int = AHEAD,
 ) -> AsyncIterator[BatchFeed]:
@@ -257,7 +257,7 @@ async def open_feed(
 
 
 def call_checked(
-    source: BatchSource | PassAwareBatchSource, context: PassContext, *, rank: int, phase: str
+    source: BatchSource | PassAwareBatchSource, context: PassContext, *, rank: int, phase: PassKind
 ) -> Iterable[object] | AsyncIterable[object]:
     """``source()`` (or ``source(context)``), its errors as :class:`TrainingError` and
     anything but an iterable or async iterable as :class:`BadBatch`, naming the rank and
@@ -288,7 +288,7 @@ class Loader:
     model: SupervisedModel
     device: torch.device
     rank: int
-    phase: str
+    phase: PassKind
 
     def load_one(self, batch: object, position: Any = None) -> LoadedBatch:
         """``batch`` checked, counted and on the device (with its stream ``position``)."""

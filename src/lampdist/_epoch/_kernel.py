@@ -43,6 +43,7 @@ from .._errors import LampdistError, TrainingError
 from .._model import SupervisedModel
 from .._options import StepOptions
 from .._signal import on_event_loop_thread
+from .._source import PassKind
 from .._state import PassEvent
 from ..clique import Clique, PendingCollective
 from ._blame import NonFiniteSteps, describe_batch, names_every_rank
@@ -637,7 +638,7 @@ class StepKernel:
     # -- model code ---------------------------------------------------------------------------
 
     def _model_loss(
-        self, batch: LoadedBatch, phase: str, epoch: int, *, weight: float | None
+        self, batch: LoadedBatch, phase: PassKind, epoch: int, *, weight: float | None
     ) -> torch.Tensor:
         """The batch's mean loss, detached. With ``weight``, first the backward of the mean
         loss times ``weight`` (times the fp16 loss scale); without, evaluated without
@@ -678,7 +679,7 @@ class StepKernel:
         return self.model.forward_loss_and_output(batch.inputs, batch.target)
 
     def _weighted_loss(
-        self, batch: LoadedBatch, phase: str, epoch: int, *, weight: float | None
+        self, batch: LoadedBatch, phase: PassKind, epoch: int, *, weight: float | None
     ) -> torch.Tensor:
         """:meth:`_model_loss` times the batch's examples, in float64 on the device."""
         loss = self._model_loss(batch, phase, epoch, weight=weight)

@@ -21,6 +21,7 @@ import torch
 from .._errors import LampdistError, TrainingError
 from .._metric import Metric, MetricValue, sum_states, to_metric_value
 from .._model import SupervisedModel
+from .._source import PassKind
 from ._device import host_to_device
 
 __all__ = ["MetricTally"]
@@ -93,7 +94,7 @@ class MetricTally:
     """One rank's metrics over one pass (the compute thread). Create it with :meth:`start`."""
 
     rank: int
-    phase: str
+    phase: PassKind
     epoch: int
     device: torch.device
     metrics: Mapping[str, Any]
@@ -101,7 +102,7 @@ class MetricTally:
 
     @classmethod
     def start(
-        cls, model: SupervisedModel, device: torch.device, *, rank: int, phase: str, epoch: int
+        cls, model: SupervisedModel, device: torch.device, *, rank: int, phase: PassKind, epoch: int
     ) -> MetricTally | None:
         """A tally for ``model``'s metrics (``None`` when it has none); torchmetrics metrics
         are moved to ``device`` and reset."""

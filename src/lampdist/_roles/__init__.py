@@ -1,8 +1,8 @@
 """The entry points: the root's driver, the follower, the single-process loop, and
 :func:`train`, which runs the right one for this process's rank."""
 
+from .._effects import OptimizerFactory as OptimizerFactory
 from .._errors import Interrupted as Interrupted
-from ._common import OptimizerFactory as OptimizerFactory
 from ._follower import follow_distributed_training as follow_distributed_training
 from ._local import local_data_parallel_training_loop as local_data_parallel_training_loop
 from ._root import drive_distributed_training as drive_distributed_training

@@ -11,11 +11,11 @@ import torch
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from .._device import resolve_device
+from .._effects import OptimizerFactory
 from .._epoch import (
     ComputeThread,
     FlatParameters,
     PassRunner,
-    StepKernel,
     Stepper,
     open_compute_thread,
 )
@@ -26,29 +26,32 @@ from .._errors import (
     LampdistError,
     MismatchError,
     PeerDisconnected,
+    Phase,
     RankFailed,
 )
 from .._options import ModelWithData, StepOptions, Timeouts
 from .._preload import preload
 from ..clique import Cliques, ProcessGroups
 from ..control import Command, CommandKind, FollowerChannel
-from ._common import (
+from ._failures import (
     CULPRIT_TIMEOUT,
     DERIVED,
-    OptimizerFactory,
     PhaseTracker,
-    RunOptions,
-    Stopping,
-    agree_and_sync,
-    check_rank,
-    create_flat,
-    create_stepper,
     describe,
     find_culprit,
     most_telling,
     single_error,
     watch_peers,
 )
+from ._setup import (
+    RunOptions,
+    agree_and_sync,
+    check_rank,
+    create_flat,
+    create_stepper,
+    open_runner,
+)
+from ._stopping import Stopping
 
 __all__ = ["follow", "follow_distributed_training"]
 
@@ -173,7 +176,7 @@ async def follow(
                 group.cancel_scope.cancel()
 
 
-async def _report(control: FollowerChannel, phase: str, error: BaseException) -> None:
+async def _report(control: FollowerChannel, phase: Phase, error: BaseException) -> None:
     """Best effort: tell the root why this rank stops."""
     with anyio.move_on_after(REPORT_TIMEOUT):
         try:
@@ -237,24 +240,7 @@ class _Follower:
         send: anyio.abc.ObjectSendStream[Command],
     ) -> None:
         clique_id = await self.control.join(send, timeout=self.timeouts.join)
-        self.tracker.current = "clique setup"
-        async with self.cliques.open(
-            nranks=self.nranks,
-            rank=self.rank,
-            device=self.device,
-            clique_id=clique_id,
-            setup_timeout=self.timeouts.setup,
-            collective_timeout=self.timeouts.collective,
-        ) as clique:
-            kernel = StepKernel(
-                rank=self.rank,
-                clique=clique,
-                model=self.data.model,
-                flat=self.flat,
-                options=self.step,
-                stepper=self.stepper,
-            )
-            runner = PassRunner(kernel=kernel, compute=self.compute)
+        async with open_runner(self, clique_id, rank=self.rank) as runner:
             try:
                 await self._follow_commands(runner, commands)
             except Exception as exc:

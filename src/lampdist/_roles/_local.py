@@ -10,6 +10,7 @@ import anyio
 import attrs
 import torch
 
+from .._effects import OptimizerFactory
 from .._errors import ConfigError
 from .._metric import Metric
 from .._model import SupervisedModel
@@ -19,9 +20,10 @@ from .._state import LoopState
 from ..checkpoint import Resumed
 from ..clique import in_process
 from ..control import local_channels
-from ._common import OptimizerFactory, RunOptions, single_error
+from ._failures import single_error
 from ._follower import follow
 from ._root import drive
+from ._setup import RunOptions
 
 __all__ = ["local_data_parallel_training_loop"]
 

@@ -1,4 +1,6 @@
-"""A checkpoint's state dicts into the root's model and optimizer, before any rank trains.
+"""The root's resume and checkpoint checks: a checkpoint's state dicts into its model and
+optimizer, its schedule state and RNG states, before any rank trains; and whether a schedule
+state survives being checkpointed.
 
 State dicts are the original module's (see :func:`lampdist._model.original_module`), so a
 checkpoint of a compiled run loads into an eager one and the reverse; keys a compiled module
@@ -17,11 +19,21 @@ from typing import Any
 import torch
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
+from .._checkpoint import RngStates, restore_rng_states
 from .._epoch import Stepper
-from .._errors import CheckpointError
+from .._errors import CheckpointError, ConfigError
 from .._model import original_module
+from ..checkpoint import Resumed
+from ..schedules import LearningRateSchedule, state_from_json, state_to_json
 
-__all__ = ["fitting_model_state", "load_model_state", "load_optimizer_state"]
+__all__ = [
+    "check_schedule_state",
+    "fitting_model_state",
+    "load_model_state",
+    "load_optimizer_state",
+    "restore_rng",
+    "resumed_schedule_state",
+]
 
 COMPILED_PREFIX = "_orig_mod."
 """What ``torch.compile``'s wrapper puts before each key of the module it wraps."""
@@ -155,6 +167,51 @@ def _without_compiled_prefix(
         consume_prefix_in_state_dict_if_present(renamed, COMPILED_PREFIX)
         stripped = renamed
     return stripped
+
+
+def resumed_schedule_state(schedule: LearningRateSchedule[Any], resume: Resumed | None) -> Any:
+    """The schedule state to resume from, rebuilt against the run's own ``schedule``
+    (``None``, the schedule's ``init``, for a new run). Raises :class:`CheckpointError`
+    (phase ``'resume'``) when the stored state does not fit ``schedule``."""
+    if resume is None:
+        return None
+    try:
+        return state_from_json(schedule, resume.schedule_state)
+    except ConfigError as exc:
+        raise CheckpointError(
+            f"the checkpoint's learning-rate schedule state does not fit this run's schedule: "
+            f"{exc.message}",
+            rank=0,
+            phase="resume",
+        ) from exc
+
+
+def check_schedule_state(schedule: LearningRateSchedule[Any], state: Any, *, epoch: int) -> None:
+    """Raise :class:`CheckpointError` unless ``state`` comes back from its JSON form as it is
+    (a resumed run rebuilds it so), before it is checkpointed."""
+    try:
+        data = state_to_json(state)
+        back = state_to_json(state_from_json(schedule, data))
+    except ConfigError as exc:
+        raise CheckpointError(
+            f"epoch {epoch}: the learning-rate schedule state {state!r} cannot be checkpointed "
+            f"and resumed: {exc.message}",
+            rank=0,
+            phase="checkpoint",
+        ) from exc
+    if back != data:
+        raise CheckpointError(
+            f"epoch {epoch}: the learning-rate schedule state {state!r} would resume as "
+            f"{back!r}: give the state types that survive JSON (attrs or dataclass values of "
+            "numbers, or plain JSON with finite floats)",
+            rank=0,
+            phase="checkpoint",
+        )
+
+
+def restore_rng(states: RngStates) -> None:
+    """Restore the global RNG states saved with a checkpoint (the root, before it resumes)."""
+    restore_rng_states(states)
 
 
 def _where(path: Path | None) -> str:

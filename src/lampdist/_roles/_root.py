@@ -11,12 +11,11 @@ import attrs
 import torch
 
 from .._device import resolve_device
-from .._effects import EpochOutcome
+from .._effects import EpochOutcome, OptimizerFactory
 from .._epoch import (
     ComputeThread,
     FlatParameters,
     PassRunner,
-    StepKernel,
     Stepper,
     open_compute_thread,
 )
@@ -37,25 +36,24 @@ from ..checkpoint import Resumed, check_before_training
 from ..clique import Cliques, ProcessGroups, in_process
 from ..control import Command, CommandKind, RootChannel
 from ..schedules import LearningRateSchedule
-from ._common import (
-    OptimizerFactory,
-    PhaseTracker,
-    RunOptions,
-    Stopping,
-    agree_and_sync,
-    check_rank,
+from ._failures import PhaseTracker, describe, find_culprit, most_telling, single_error, watch_peers
+from ._resume import (
     check_schedule_state,
-    create_flat,
-    create_stepper,
-    describe,
-    find_culprit,
-    most_telling,
+    fitting_model_state,
+    load_model_state,
+    load_optimizer_state,
     restore_rng,
     resumed_schedule_state,
-    single_error,
-    watch_peers,
 )
-from ._resume import fitting_model_state, load_model_state, load_optimizer_state
+from ._setup import (
+    RunOptions,
+    agree_and_sync,
+    check_rank,
+    create_flat,
+    create_stepper,
+    open_runner,
+)
+from ._stopping import Stopping
 
 __all__ = ["drive", "drive_distributed_training"]
 
@@ -336,26 +334,8 @@ class _Root:
         async with self.cliques.rendezvous(self.nranks) as clique_id:
             await self.control.publish_clique_id(clique_id)
             await self.control.wait_for_peers(self.nranks - 1, self.timeouts.join)
-            self.tracker.current = "clique setup"
-            async with self.cliques.open(
-                rank=0,
-                nranks=self.nranks,
-                device=self.device,
-                clique_id=clique_id,
-                setup_timeout=self.timeouts.setup,
-                collective_timeout=self.timeouts.collective,
-            ) as clique:
-                kernel = StepKernel(
-                    rank=0,
-                    clique=clique,
-                    model=self.data.model,
-                    flat=self.flat,
-                    options=self.step,
-                    stepper=self.stepper,
-                )
-                runner = self.runner = PassRunner(
-                    kernel=kernel, compute=self.compute, on_event=self.loop.on_event
-                )
+            async with open_runner(self, clique_id, rank=0, on_event=self.loop.on_event) as runner:
+                self.runner = runner
                 try:
                     validates = self.data.validation_batches is not None
                     await agree_and_sync(

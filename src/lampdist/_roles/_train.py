@@ -13,6 +13,7 @@ from typing import TypeVar, cast
 import anyio
 import attrs
 
+from .._effects import OptimizerFactory
 from .._errors import Interrupted, LampdistTimeout
 from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts
 from .._preload import preload
@@ -21,9 +22,10 @@ from ..checkpoint import Resumed
 from ..clique import ProcessGroups
 from ..control import FollowerChannel, RootChannel
 from ..launch import LaunchEnv, from_env
-from ._common import OptimizerFactory, RunOptions, check_rank, most_telling, single_error
+from ._failures import most_telling, single_error
 from ._follower import follow
 from ._root import drive
+from ._setup import RunOptions, check_rank
 
 __all__ = ["Interrupted", "run_until_signal", "train"]
 

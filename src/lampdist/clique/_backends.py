@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroupGloo
 
-from .._errors import CliqueError, CliqueTimeout, CollectiveFailed, LampdistError
+from .._errors import CliqueError, CliqueTimeout, CollectiveFailed, LampdistError, Phase
 from .._store import NO_LIMIT, Budget, wait_for_keys
 from ._bridge import Failure
 
@@ -34,7 +34,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SETUP = "clique setup"
+SETUP: Phase = "clique setup"
 ABORT_KEY = "abort"  # where a rank that leaves abnormally posts "rank\nreason"
 _GLOO_THREADS = 2
 _NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
@@ -57,7 +57,7 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def translate(exc: BaseException, phase: str) -> Failure:
+def translate(exc: BaseException, phase: Phase) -> Failure:
     """A torch error as a lampdist failure: a timeout, or a failed collective."""
     if isinstance(exc, LampdistError):
         return type(exc), exc.message

@@ -19,7 +19,7 @@ import anyio.lowlevel
 import anyio.to_thread
 import attrs
 
-from .._errors import CliqueTimeout, CollectiveFailed, ConfigError, LampdistError
+from .._errors import CliqueTimeout, Collective, CollectiveFailed, ConfigError, LampdistError, Phase
 from .._signal import Signal, on_event_loop_thread
 
 __all__ = ["PendingCollective", "Then", "on_event_loop_thread"]
@@ -46,7 +46,7 @@ class _Owner(Protocol):
 
     def _fail(self, failure: Failure) -> None: ...
 
-    def _translate(self, exc: BaseException, phase: str) -> Failure: ...
+    def _translate(self, exc: BaseException, phase: Phase) -> Failure: ...
 
 
 @attrs.define(eq=False)
@@ -65,7 +65,7 @@ class PendingCollective:
     when it closes.
     """
 
-    name: str
+    name: Collective
     """The collective: ``"all_reduce"``, ``"broadcast"``, ...; the ``phase`` of its errors."""
     rank: int
     """The rank that started it."""

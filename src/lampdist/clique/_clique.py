@@ -18,7 +18,7 @@ import torch.distributed as dist
 from .._clique_id import CliqueId
 from .._defaults import COLLECTIVE_TIMEOUT, SETUP_TIMEOUT
 from .._device import resolve_device
-from .._errors import ConfigError, MismatchError
+from .._errors import Collective, ConfigError, MismatchError, Phase
 from ._backends import prefer_nccl_cleanup
 from ._bridge import PendingCollective
 from ._group import Group
@@ -28,7 +28,7 @@ __all__ = ["Clique", "open_clique"]
 
 logger = logging.getLogger(__name__)
 
-_SETUP = "clique setup"
+_SETUP: Phase = "clique setup"
 
 
 @attrs.define(eq=False)
@@ -134,7 +134,7 @@ class Clique:
 
     # -- argument checks -----------------------------------------------------------------
 
-    def _check_root(self, phase: str, root: int) -> None:
+    def _check_root(self, phase: Collective, root: int) -> None:
         if not 0 <= root < self.nranks:
             raise ConfigError(
                 f"root must be a rank in 0..{self.nranks - 1}, got {root}",
@@ -142,7 +142,7 @@ class Clique:
                 phase=phase,
             )
 
-    def _check_tensor(self, phase: str, tensor: object) -> torch.Tensor:
+    def _check_tensor(self, phase: Collective, tensor: object) -> torch.Tensor:
         if not isinstance(tensor, torch.Tensor):
             raise ConfigError(
                 f"expected a tensor, got {type(tensor).__name__}", rank=self.rank, phase=phase
@@ -161,7 +161,7 @@ class Clique:
             )
         return tensor
 
-    def _tensors(self, phase: str, tensors: object) -> tuple[torch.Tensor, ...]:
+    def _tensors(self, phase: Collective, tensors: object) -> tuple[torch.Tensor, ...]:
         if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
             raise ConfigError(
                 "pass a sequence of tensors, e.g. [tensor]", rank=self.rank, phase=phase
@@ -169,7 +169,9 @@ class Clique:
         checked = tuple(self._check_tensor(phase, tensor) for tensor in tensors)
         return tuple(tensor for tensor in checked if tensor.numel() > 0)
 
-    def _pair(self, phase: str, output: torch.Tensor, input: torch.Tensor, *, gather: bool) -> None:
+    def _pair(
+        self, phase: Collective, output: torch.Tensor, input: torch.Tensor, *, gather: bool
+    ) -> None:
         self._check_tensor(phase, output)
         self._check_tensor(phase, input)
         if output.dtype != input.dtype:

@@ -11,14 +11,14 @@ import torch
 
 from .._clique_id import CliqueId
 from .._defaults import COLLECTIVE_TIMEOUT
-from .._errors import ConfigError, MismatchError
+from .._errors import ConfigError, MismatchError, Phase
 from ._clique import Clique, open_clique
 from ._local import LocalHub
 from ._rendezvous import serve_rendezvous
 
 __all__ = ["Cliques", "InProcess", "ProcessGroups", "in_process"]
 
-_SETUP = "clique setup"
+_SETUP: Phase = "clique setup"
 
 
 class Cliques(Protocol):

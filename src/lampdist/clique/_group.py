@@ -28,7 +28,7 @@ import torch
 from torch._C._distributed_c10d import PrefixStore
 
 from .._clique_id import CliqueId
-from .._errors import CliqueError, CliqueTimeout, CollectiveFailed, LampdistError
+from .._errors import CliqueError, CliqueTimeout, Collective, CollectiveFailed, LampdistError, Phase
 from .._store import connect_store
 from ._backends import (
     SETUP,
@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 # Enqueues the collective's works on the process group, appending each to the list.
 Issue = Callable[[Any, list[Any]], None]
 
-_TEARDOWN = "clique teardown"
+_TEARDOWN: Phase = "clique teardown"
 _STORE_OP_TIMEOUT = timedelta(seconds=10)  # store operations after setup (abort notices)
 _WATCH_INTERVAL = 0.05  # how often the watcher polls the store for an abort notice
 _DRAIN_NO_LIMIT = 600.0  # how long close waits for pending work when collective_timeout is None
@@ -213,7 +213,9 @@ class Group:
 
     # -- collectives ---------------------------------------------------------------------
 
-    def start(self, name: str, issue: Issue, *, wait_for_device: bool = False) -> PendingCollective:
+    def start(
+        self, name: Collective, issue: Issue, *, wait_for_device: bool = False
+    ) -> PendingCollective:
         """Start a collective from any thread; raise at once if the clique is closed or broken.
 
         The calling thread issues it (a rank's compute thread, autograd's thread for a
@@ -333,7 +335,7 @@ class Group:
         for each in pending:
             each._fail(failure)
 
-    def _translate(self, exc: BaseException, phase: str) -> Failure:
+    def _translate(self, exc: BaseException, phase: Phase) -> Failure:
         kind, message = translate(exc, phase)
         if isinstance(exc, LampdistError):
             return kind, message

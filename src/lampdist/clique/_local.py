@@ -31,14 +31,21 @@ from typing import Any
 import attrs
 import torch
 
-from .._errors import CliqueError, CliqueTimeout, CollectiveFailed, ConfigError
+from .._errors import (
+    CliqueError,
+    CliqueTimeout,
+    Collective,
+    CollectiveFailed,
+    ConfigError,
+    Phase,
+)
 from ._backends import describe, translate
 from ._bridge import Failure, PendingCollective, on_event_loop_thread
 from ._clique import Clique
 
 __all__ = ["LocalHub"]
 
-_SETUP = "clique setup"
+_SETUP: Phase = "clique setup"
 _BARRIER_POLL = 50e-6  # seconds between polls of the ranks' GPU work in a CUDA barrier
 
 
@@ -57,7 +64,7 @@ class _Part:
 class _Slot:
     """The parts of one collective (the n-th of every rank) gathered so far."""
 
-    name: str
+    name: Collective
     parts: dict[int, _Part] = attrs.field(factory=dict)
 
 
@@ -197,7 +204,7 @@ class LocalHub:
     # -- collectives -----------------------------------------------------------------------
 
     def start(
-        self, rank: int, name: str, tensors: tuple[torch.Tensor, ...], root: int = 0
+        self, rank: int, name: Collective, tensors: tuple[torch.Tensor, ...], root: int = 0
     ) -> PendingCollective:
         """Hand rank ``rank``'s part of its next collective over; the last rank to do so
         issues it for all (see the module docstring)."""
@@ -246,7 +253,7 @@ class LocalHub:
                 self._issue(complete)
         return pending
 
-    def _refusal(self, rank: int, name: str) -> Failure | None:  # under the lock
+    def _refusal(self, rank: int, name: Collective) -> Failure | None:  # under the lock
         if rank in self._left:
             return CliqueError, "the clique is closed; open a new one"
         if self._broken is not None:
@@ -321,7 +328,7 @@ class LocalHub:
             hub_kind = CliqueTimeout if kind is CliqueTimeout else CollectiveFailed
             self._break_locked(_Breakage(hub_kind, message), None)
 
-    def _translate(self, exc: BaseException, phase: str) -> Failure:
+    def _translate(self, exc: BaseException, phase: Phase) -> Failure:
         return translate(exc, phase)
 
 
@@ -354,7 +361,7 @@ class _Member:
         self.hub.abort(self.rank, reason)
 
 
-def _check_parts(name: str, parts: list[_Part]) -> None:
+def _check_parts(name: Collective, parts: list[_Part]) -> None:
     """Raise :class:`CollectiveFailed` unless every rank passed alike tensors and root."""
     first = parts[0]
     shape = [(t.dtype, t.numel()) for t in first.tensors]
@@ -371,7 +378,7 @@ def _check_parts(name: str, parts: list[_Part]) -> None:
             )
 
 
-def _issue_on_cpu(name: str, parts: list[_Part]) -> None:
+def _issue_on_cpu(name: Collective, parts: list[_Part]) -> None:
     """The collective as torch ops: sums in rank order, so every run adds alike."""
     nranks = len(parts)
     root = parts[0].root
@@ -409,7 +416,7 @@ def _issue_on_cpu(name: str, parts: list[_Part]) -> None:
         raise AssertionError(name)
 
 
-def _issue_on_gpus(name: str, parts: list[_Part], deadline: float | None) -> list[list[Any]]:
+def _issue_on_gpus(name: Collective, parts: list[_Part], deadline: float | None) -> list[list[Any]]:
     """The collective as one NCCL group per tensor over every rank's GPU, on each rank's
     stream; returns each rank's works to order its waiter's stream after."""
     from torch.cuda import nccl

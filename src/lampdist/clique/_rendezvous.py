@@ -13,13 +13,13 @@ import anyio.to_thread
 from torch._C._distributed_c10d import TCPStore  # what torch.distributed re-exports
 
 from .._clique_id import CliqueId
-from .._errors import CliqueError, ConfigError
+from .._errors import CliqueError, ConfigError, Phase
 
 __all__ = ["serve_rendezvous"]
 
 logger = logging.getLogger(__name__)
 
-_PHASE = "clique rendezvous"
+_PHASE: Phase = "clique rendezvous"
 _STORE_TIMEOUT = timedelta(seconds=30)  # the server's own client; it never waits on peers
 
 

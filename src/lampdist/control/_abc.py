@@ -29,7 +29,7 @@ from anyio.abc import ObjectSendStream
 
 from .._clique_id import CliqueId
 from .._defaults import JOIN_TIMEOUT
-from .._errors import ConfigError
+from .._errors import ConfigError, Phase
 from ._command import Command
 
 __all__ = [
@@ -60,7 +60,7 @@ USE_CHANNEL_DEFAULT: Final = UseChannelDefault.USE_CHANNEL_DEFAULT
 
 
 def resolve_timeout(
-    timeout: float | UseChannelDefault | None, default: float | None, *, rank: int, phase: str
+    timeout: float | UseChannelDefault | None, default: float | None, *, rank: int, phase: Phase
 ) -> float | None:
     """``timeout``, or ``default`` for :data:`USE_CHANNEL_DEFAULT`; refuses negative values."""
     if isinstance(timeout, UseChannelDefault):
@@ -192,7 +192,7 @@ class FollowerChannel(Protocol):
         """
         ...
 
-    async def report_failure(self, phase: str, message: str) -> None:
+    async def report_failure(self, phase: Phase, message: str) -> None:
         """Tell the root that this rank failed in ``phase``, so that its :meth:`RootChannel.watch`
         raises :class:`lampdist.RankFailed`. Best effort and bounded (about a second); never
         raises for a broken channel."""

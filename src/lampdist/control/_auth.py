@@ -31,13 +31,13 @@ def secret_bytes(secret: str | bytes | None, *, insecure: bool, rank: int) -> by
                 "every rank, e.g. from an environment variable), or insecure=True on a "
                 "trusted network",
                 rank=rank,
-                phase="config",
+                phase="configure",
             )
         return b""
     if isinstance(secret, str):
         secret = secret.encode()
     if not isinstance(secret, bytes) or not secret:
-        raise ConfigError("secret must be a non-empty str or bytes", rank=rank, phase="config")
+        raise ConfigError("secret must be a non-empty str or bytes", rank=rank, phase="configure")
     return secret
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 
-from .._errors import ConfigError, ProtocolError
+from .._errors import ConfigError, Phase, ProtocolError
 
 __all__ = ["MAX_TEXT_CHARS", "Command", "CommandKind"]
 
@@ -24,6 +24,11 @@ class CommandKind(enum.Enum):
     VALID = "valid"
     CHECKPOINT = "checkpoint"
     STOP = "stop"
+
+    @property
+    def phase(self) -> Phase:
+        """The phase a rank is in while it carries this command out: the kind's value."""
+        return self.value
 
 
 def _check_count(name: str, value: object) -> None:

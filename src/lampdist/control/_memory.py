@@ -21,6 +21,7 @@ from .._errors import (
     JoinTimeout,
     LampdistError,
     PeerDisconnected,
+    Phase,
     RankFailed,
 )
 from ._abc import (
@@ -243,7 +244,7 @@ class LocalFollowerChannel:
             phase="join",
         )
 
-    async def report_failure(self, phase: str, message: str) -> None:
+    async def report_failure(self, phase: Phase, message: str) -> None:
         """See :meth:`FollowerChannel.report_failure`."""
         await anyio.lowlevel.checkpoint()
         self._follower.reported = True
@@ -270,8 +271,10 @@ def local_channels(
     :meth:`~FollowerChannel.join`. Raises :class:`lampdist.ConfigError` for ``nranks < 1``.
     """
     if not isinstance(nranks, int) or isinstance(nranks, bool) or nranks < 1:
-        raise ConfigError(f"nranks must be an integer >= 1, got {nranks!r}", rank=0, phase="config")
-    resolve_timeout(join_timeout, None, rank=0, phase="config")
+        raise ConfigError(
+            f"nranks must be an integer >= 1, got {nranks!r}", rank=0, phase="configure"
+        )
+    resolve_timeout(join_timeout, None, rank=0, phase="configure")
     hub = _Hub(registry=RootRegistry(nranks=nranks))
     root = LocalRootChannel(hub)
     followers: list[FollowerChannel] = [

@@ -24,6 +24,7 @@ from .._errors import (
     LampdistError,
     MismatchError,
     PeerDisconnected,
+    Phase,
 )
 from ._command import Command, CommandKind
 
@@ -65,7 +66,7 @@ def check_enter(state: ChannelState, what: str, rank: int) -> None:
         )
 
 
-def check_open(state: ChannelState, what: str, rank: int, phase: str) -> None:
+def check_open(state: ChannelState, what: str, rank: int, phase: Phase) -> None:
     """Refuse calls outside ``async with``."""
     if state is not ChannelState.OPEN:
         raise ControlError(
@@ -98,7 +99,7 @@ class RootRegistry:
     """The root's view of its followers."""
 
     nranks: int
-    phase: str = "join"
+    phase: Phase = "join"
     closed: bool = False
     stop_sent: bool = False
     clique_id: CliqueId | None = None
@@ -208,7 +209,7 @@ class RootRegistry:
                 rank=0,
                 phase="broadcast",
             )
-        self.phase = command.kind.value
+        self.phase = command.kind.phase
         if command.kind is CommandKind.STOP:
             self.stop_sent = True
 
@@ -265,7 +266,7 @@ class FollowerState:
     """A follower's view of the root."""
 
     rank: int
-    phase: str = "join"
+    phase: Phase = "join"
     stopped: bool = False
     reported: bool = False
     """Whether this follower reported a failure of its own: the root's going away is then
@@ -316,7 +317,7 @@ class CommandRelay:
         channel has closed."""
         if self.shut:
             raise anyio.BrokenResourceError
-        self.follower.phase = command.kind.value
+        self.follower.phase = command.kind.phase
         stop = command.kind is CommandKind.STOP
         if stop:
             self.follower.stopped = True

@@ -24,6 +24,7 @@ from .._errors import (
     JoinTimeout,
     LampdistError,
     MismatchError,
+    Phase,
     ProtocolError,
 )
 from ._abc import DEFAULT_JOIN_TIMEOUT, USE_CHANNEL_DEFAULT, UseChannelDefault, resolve_timeout
@@ -261,7 +262,7 @@ class TcpFollowerChannel:
                 "mismatch": MismatchError,
                 "protocol": ProtocolError,
             }[message.code]
-            phase = "join" if message.code in ("join", "mismatch") else "handshake"
+            phase: Phase = "join" if message.code in ("join", "mismatch") else "handshake"
             raise error(f"the root refused: {message.reason}", rank=self.rank, phase=phase)
         raise ProtocolError(f"expected '{kind.TAG}' from the root, got '{message.TAG}'")
 
@@ -358,7 +359,7 @@ class TcpFollowerChannel:
 
     # -- failure ----------------------------------------------------------------------------
 
-    async def report_failure(self, phase: str, message: str) -> None:
+    async def report_failure(self, phase: Phase, message: str) -> None:
         """See :meth:`FollowerChannel.report_failure`."""
         await anyio.lowlevel.checkpoint()
         self._follower.reported = True
@@ -406,7 +407,9 @@ def tcp_follower(
     """
     key = secret_bytes(secret, insecure=insecure, rank=rank)
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-        raise ConfigError(f"rank must be an integer >= 1, got {rank!r}", rank=None, phase="config")
+        raise ConfigError(
+            f"rank must be an integer >= 1, got {rank!r}", rank=None, phase="configure"
+        )
     settings = check_settings(
         rank=rank,
         ssl_context=ssl_context,
@@ -415,7 +418,7 @@ def tcp_follower(
         handshake_timeout=handshake_timeout,
         max_frame_bytes=max_frame_bytes,
     )
-    resolve_timeout(join_timeout, None, rank=rank, phase="config")
+    resolve_timeout(join_timeout, None, rank=rank, phase="configure")
     return TcpFollowerChannel(
         rank=rank,
         host=host,

@@ -372,7 +372,9 @@ def tcp_root(
     """
     key = secret_bytes(secret, insecure=insecure, rank=0)
     if not isinstance(nranks, int) or isinstance(nranks, bool) or nranks < 1:
-        raise ConfigError(f"nranks must be an integer >= 1, got {nranks!r}", rank=0, phase="config")
+        raise ConfigError(
+            f"nranks must be an integer >= 1, got {nranks!r}", rank=0, phase="configure"
+        )
     settings = check_settings(
         rank=0,
         ssl_context=ssl_context,
@@ -381,7 +383,7 @@ def tcp_root(
         handshake_timeout=handshake_timeout,
         max_frame_bytes=max_frame_bytes,
     )
-    resolve_timeout(broadcast_timeout, None, rank=0, phase="config")
+    resolve_timeout(broadcast_timeout, None, rank=0, phase="configure")
     return TcpRootChannel(
         nranks=nranks,
         host=host,

@@ -27,14 +27,14 @@ import json
 import math
 import struct
 from collections import deque
-from typing import Any, ClassVar, Literal, TypeAlias
+from typing import Any, ClassVar, Literal, TypeAlias, cast
 
 import anyio
 import attrs
 from anyio.abc import ByteStream
 
 from .._clique_id import CliqueId
-from .._errors import ProtocolError
+from .._errors import Phase, ProtocolError
 from ._command import MAX_TEXT_CHARS, Command, clip_text
 
 __all__ = [
@@ -259,7 +259,7 @@ class FailureReport:
     """The follower failed in ``phase``; ``message`` says how."""
 
     TAG: ClassVar[str] = "failure"
-    phase: str
+    phase: Phase
     message: str
 
     def fields(self) -> dict[str, Any]:
@@ -267,7 +267,9 @@ class FailureReport:
 
     @classmethod
     def parse(cls, data: dict[str, Any]) -> FailureReport:
-        return cls(phase=_text(data, "phase"), message=_text(data, "message"))
+        # The peer is an authenticated rank of this protocol version: its phase is a Phase.
+        phase = cast("Phase", _text(data, "phase"))
+        return cls(phase=phase, message=_text(data, "message"))
 
 
 @attrs.frozen(kw_only=True)

@@ -1,0 +1,142 @@
+"""Failure triage: where a rank is (:class:`PhaseTracker`), which of the errors a failure
+raised on the ranks tells the most, and which peer the control channel names as its culprit."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import NoReturn
+
+import anyio
+import attrs
+
+from .._errors import (
+    CliqueTimeout,
+    CollectiveFailed,
+    LampdistError,
+    PeerDisconnected,
+    Phase,
+    RankFailed,
+)
+
+__all__ = [
+    "CULPRIT_TIMEOUT",
+    "DERIVED",
+    "PhaseTracker",
+    "describe",
+    "find_culprit",
+    "most_telling",
+    "single_error",
+    "watch_peers",
+]
+
+CULPRIT_TIMEOUT = 2.0
+"""How long a rank whose collective failed waits for the control channel to name the culprit."""
+
+
+@attrs.define
+class PhaseTracker:
+    """A rank's failure-report tracker: where the rank is, which its error messages and
+    failure reports name, and what has been said about its failure.
+
+    The rank's driver updates it as the run moves on; the tasks beside the run (the peer
+    watch, the stop) read it.
+    """
+
+    current: Phase = "join"
+    """The phase the rank is in ("join", "clique setup", "train", ...)."""
+    epoch: int = 0
+    pass_index: int = 0
+    reported: bool = False
+    """Whether the rank's failure has already gone to its peers (the root's STOP with the
+    error, a follower's report), so that the driver's outer handler does not send it again."""
+    cause: LampdistError | None = None
+    """A peer's failure that cancelled this rank (the root's watch sets it)."""
+
+
+def describe(error: BaseException) -> str:
+    """``"Type: message"`` of the most telling error in ``error`` (see :func:`single_error`)."""
+    leaf = most_telling(error)
+    if isinstance(leaf, anyio.get_cancelled_exc_class()):
+        return "cancelled"  # the backend's message names internals, not a reason
+    return f"{type(leaf).__name__}: {leaf}"
+
+
+def most_telling(error: BaseException) -> BaseException:
+    """``error`` itself, or for an exception group the error :func:`single_error` would raise."""
+    if not isinstance(error, BaseExceptionGroup):
+        return error
+    cancelled = anyio.get_cancelled_exc_class()
+    real = [leaf for leaf in _leaves(error) if not isinstance(leaf, cancelled)]
+    return _most_telling(real) or error
+
+
+async def watch_peers(watch: Callable[[], Awaitable[NoReturn]], tracker: PhaseTracker) -> NoReturn:
+    """``watch()`` of a control channel; a peer that vanished is reported in this rank's
+    current phase, which says more than the channel's (the kind of the last command)."""
+    try:
+        await watch()
+    except PeerDisconnected as exc:
+        raise PeerDisconnected(exc.message, rank=exc.rank, phase=tracker.current) from None
+
+
+async def find_culprit(
+    watch: Callable[[], Awaitable[NoReturn]], tracker: PhaseTracker
+) -> LampdistError | None:
+    """After a collective failed: the control channel's account of which peer failed, if it
+    gives one within :data:`CULPRIT_TIMEOUT` seconds."""
+    with anyio.move_on_after(CULPRIT_TIMEOUT):
+        try:
+            await watch_peers(watch, tracker)
+        except (RankFailed, PeerDisconnected) as exc:
+            return exc
+    return None
+
+
+DERIVED: tuple[type[BaseException], ...] = (
+    RankFailed,
+    PeerDisconnected,
+    CollectiveFailed,
+    CliqueTimeout,
+)
+"""Errors that report another failure, most telling first."""
+
+
+@contextmanager
+def single_error() -> Iterator[None]:
+    """Re-raise an exception group as its most telling error.
+
+    A failure shows up several times: where it happened, as failed collectives elsewhere, and
+    as the control channel's report naming the failed rank. This keeps the original error,
+    else the report; it raises the group itself only when it holds unrelated errors.
+    """
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        chosen = most_telling(group)
+        if chosen is group:
+            raise
+        raise chosen from chosen.__cause__
+
+
+def _most_telling(errors: list[BaseException]) -> BaseException | None:
+    """The original error if there is one kind of it (the lowest rank's), else the most telling
+    report of a failure elsewhere; ``None`` for several unrelated errors."""
+    original = [e for e in errors if not isinstance(e, DERIVED)]
+    if original:
+        if len({type(e) for e in original}) > 1:
+            return None
+        return min(original, key=lambda e: getattr(e, "rank", None) or 0)
+    for kind in DERIVED:
+        for error in errors:
+            if isinstance(error, kind):
+                return error
+    return None
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
