@@ -23,16 +23,7 @@ from .._errors import (
     PeerDisconnected,
     RankFailed,
 )
-from ._abc import (
-    DEFAULT_JOIN_TIMEOUT,
-    USE_CHANNEL_DEFAULT,
-    FollowerChannel,
-    RootChannel,
-    UseChannelDefault,
-    resolve_timeout,
-)
-from ._command import Command, CommandKind
-from ._state import (
+from ._bookkeeping import (
     CLOSE_TIMEOUT,
     ChannelState,
     CommandRelay,
@@ -42,6 +33,15 @@ from ._state import (
     check_open,
     close_tasks,
     copy_error,
+)
+from ._command import Command, CommandKind
+from ._protocols import (
+    DEFAULT_JOIN_TIMEOUT,
+    USE_CHANNEL_DEFAULT,
+    FollowerChannel,
+    RootChannel,
+    UseChannelDefault,
+    resolve_timeout,
 )
 
 __all__ = ["LocalFollowerChannel", "LocalRootChannel", "local_channels"]

@@ -26,18 +26,8 @@ from .._errors import (
     MismatchError,
     ProtocolError,
 )
-from ._abc import DEFAULT_JOIN_TIMEOUT, USE_CHANNEL_DEFAULT, UseChannelDefault, resolve_timeout
 from ._auth import make_proof, new_nonce, secret_bytes, verify_proof
-from ._command import Command, CommandKind
-from ._settings import (
-    DEFAULT_HANDSHAKE_TIMEOUT,
-    DEFAULT_HEARTBEAT_INTERVAL,
-    DEFAULT_HEARTBEAT_TIMEOUT,
-    Liveness,
-    TcpSettings,
-    check_settings,
-)
-from ._state import (
+from ._bookkeeping import (
     CLOSE_TIMEOUT,
     ChannelState,
     CommandRelay,
@@ -47,6 +37,21 @@ from ._state import (
     check_enter,
     check_open,
     close_tasks,
+)
+from ._command import Command, CommandKind
+from ._protocols import (
+    DEFAULT_JOIN_TIMEOUT,
+    USE_CHANNEL_DEFAULT,
+    UseChannelDefault,
+    resolve_timeout,
+)
+from ._settings import (
+    DEFAULT_HANDSHAKE_TIMEOUT,
+    DEFAULT_HEARTBEAT_INTERVAL,
+    DEFAULT_HEARTBEAT_TIMEOUT,
+    Liveness,
+    TcpSettings,
+    check_settings,
 )
 from ._wire import (
     DEFAULT_MAX_FRAME_BYTES,

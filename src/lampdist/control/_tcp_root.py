@@ -24,17 +24,8 @@ from .._errors import (
     PeerDisconnected,
     ProtocolError,
 )
-from ._abc import DEFAULT_BROADCAST_TIMEOUT, USE_CHANNEL_DEFAULT, UseChannelDefault, resolve_timeout
 from ._auth import make_proof, new_nonce, secret_bytes, verify_proof
-from ._command import Command, CommandKind
-from ._settings import (
-    DEFAULT_HANDSHAKE_TIMEOUT,
-    DEFAULT_HEARTBEAT_INTERVAL,
-    DEFAULT_HEARTBEAT_TIMEOUT,
-    TcpSettings,
-    check_settings,
-)
-from ._state import (
+from ._bookkeeping import (
     CLOSE_TIMEOUT,
     ChannelState,
     RootRegistry,
@@ -42,6 +33,20 @@ from ._state import (
     check_open,
     close_tasks,
     copy_error,
+)
+from ._command import Command, CommandKind
+from ._protocols import (
+    DEFAULT_BROADCAST_TIMEOUT,
+    USE_CHANNEL_DEFAULT,
+    UseChannelDefault,
+    resolve_timeout,
+)
+from ._settings import (
+    DEFAULT_HANDSHAKE_TIMEOUT,
+    DEFAULT_HEARTBEAT_INTERVAL,
+    DEFAULT_HEARTBEAT_TIMEOUT,
+    TcpSettings,
+    check_settings,
 )
 from ._tcp_session import AckRound, FollowerSession
 from ._wire import (
