@@ -536,7 +536,7 @@ MUTANTS = [
     Mutant(
         name="reported-follower-warns-of-the-root",
         guarantee="a follower that reported its own failure does not warn that the root left",
-        path="control/_state.py",
+        path="control/_bookkeeping.py",
         old="        level = logging.DEBUG if self.reported else logging.WARNING\n",
         new="        level = logging.WARNING\n",
         tests=("tests/control/test_channels.py",),

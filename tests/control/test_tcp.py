@@ -17,7 +17,7 @@ from anyio.abc import SocketStream, TaskStatus
 import lampdist
 from lampdist import control
 from lampdist.control import Command, CommandKind, TcpRootChannel
-from lampdist.control import _state as control_state
+from lampdist.control import _bookkeeping as control_bookkeeping
 from lampdist.control._auth import make_proof, new_nonce
 from lampdist.control._command import MAX_TEXT_CHARS
 from lampdist.control._wire import (
@@ -511,8 +511,8 @@ async def test_a_tls_follower_refuses_a_plain_root(tls: dict[str, ssl.SSLContext
 @pytest.fixture
 def quick_reports(monkeypatch: pytest.MonkeyPatch) -> None:
     """Progress lines of long waits after 0.2 s, then every 0.3 s (10 s and 20 s in use)."""
-    monkeypatch.setattr(control_state, "FIRST_REPORT", 0.2)
-    monkeypatch.setattr(control_state, "REPORT_EVERY", 0.3)
+    monkeypatch.setattr(control_bookkeeping, "FIRST_REPORT", 0.2)
+    monkeypatch.setattr(control_bookkeeping, "REPORT_EVERY", 0.3)
 
 
 async def test_a_join_timeout_names_the_follower_that_was_refused() -> None:

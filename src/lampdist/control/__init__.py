@@ -7,15 +7,15 @@ streams) and :func:`tcp_root` / :func:`tcp_follower` (over TCP, authenticated wi
 secret, optionally TLS). See ``docs/control.md``.
 """
 
-from ._abc import DEFAULT_BROADCAST_TIMEOUT as DEFAULT_BROADCAST_TIMEOUT
-from ._abc import DEFAULT_JOIN_TIMEOUT as DEFAULT_JOIN_TIMEOUT
-from ._abc import USE_CHANNEL_DEFAULT as USE_CHANNEL_DEFAULT
-from ._abc import FollowerChannel as FollowerChannel
-from ._abc import RootChannel as RootChannel
-from ._abc import UseChannelDefault as UseChannelDefault
 from ._command import Command as Command
 from ._command import CommandKind as CommandKind
 from ._memory import local_channels as local_channels
+from ._protocols import DEFAULT_BROADCAST_TIMEOUT as DEFAULT_BROADCAST_TIMEOUT
+from ._protocols import DEFAULT_JOIN_TIMEOUT as DEFAULT_JOIN_TIMEOUT
+from ._protocols import USE_CHANNEL_DEFAULT as USE_CHANNEL_DEFAULT
+from ._protocols import FollowerChannel as FollowerChannel
+from ._protocols import RootChannel as RootChannel
+from ._protocols import UseChannelDefault as UseChannelDefault
 from ._settings import DEFAULT_HANDSHAKE_TIMEOUT as DEFAULT_HANDSHAKE_TIMEOUT
 from ._settings import DEFAULT_HEARTBEAT_INTERVAL as DEFAULT_HEARTBEAT_INTERVAL
 from ._settings import DEFAULT_HEARTBEAT_TIMEOUT as DEFAULT_HEARTBEAT_TIMEOUT

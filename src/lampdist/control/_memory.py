@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection
-from types import TracebackType
-from typing import NoReturn, Self
+from typing import ClassVar, NoReturn
 
 import anyio
 import anyio.lowlevel
 import attrs
-from anyio.abc import ObjectSendStream, TaskGroup
+from anyio.abc import ObjectSendStream
 
 from .._clique_id import CliqueId
 from .._errors import (
@@ -24,25 +23,16 @@ from .._errors import (
     Phase,
     RankFailed,
 )
-from ._abc import (
+from ._bookkeeping import CommandRelay, FollowerState, RootRegistry, copy_error
+from ._command import Command, CommandKind
+from ._lifecycle import ChannelLifecycle, aclose_shielded
+from ._protocols import (
     DEFAULT_JOIN_TIMEOUT,
     USE_CHANNEL_DEFAULT,
     FollowerChannel,
     RootChannel,
     UseChannelDefault,
     resolve_timeout,
-)
-from ._command import Command, CommandKind
-from ._state import (
-    CLOSE_TIMEOUT,
-    ChannelState,
-    CommandRelay,
-    FollowerState,
-    RootRegistry,
-    check_enter,
-    check_open,
-    close_tasks,
-    copy_error,
 )
 
 __all__ = ["LocalFollowerChannel", "LocalRootChannel", "local_channels"]
@@ -60,29 +50,22 @@ class _Hub:
 
 
 @attrs.define(eq=False)
-class LocalRootChannel:
+class LocalRootChannel(ChannelLifecycle):
     """The root side of :func:`local_channels`; see :class:`RootChannel`."""
 
+    _RUNS_TASKS: ClassVar[bool] = False
+
     _hub: _Hub
-    _state: ChannelState = ChannelState.NEW
 
     @property
     def nranks(self) -> int:
         """The number of ranks of the run, the root included."""
         return self._hub.registry.nranks
 
-    async def __aenter__(self) -> Self:
-        check_enter(self._state, "the root channel", 0)
-        self._state = ChannelState.OPEN
-        return self
+    def _identity(self) -> tuple[str, int]:
+        return "the root channel", 0
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._state = ChannelState.CLOSED
+    def _closing(self) -> None:
         hub = self._hub
         hub.root_closed = True
         hub.registry.closed = True
@@ -92,7 +75,7 @@ class LocalRootChannel:
 
     async def publish_clique_id(self, clique_id: CliqueId) -> None:
         """See :meth:`RootChannel.publish_clique_id`."""
-        check_open(self._state, "the root channel", 0, "publish")
+        self._check_open("publish")
         await anyio.lowlevel.checkpoint()
         self._hub.registry.publish(clique_id)
 
@@ -103,7 +86,7 @@ class LocalRootChannel:
 
     async def wait_for_peers(self, n: int, timeout: float | None) -> None:  # noqa: ASYNC109
         """See :meth:`RootChannel.wait_for_peers`."""
-        check_open(self._state, "the root channel", 0, "join")
+        self._check_open("join")
         await self._hub.registry.wait_for_peers(n, timeout)
 
     async def broadcast(
@@ -113,7 +96,7 @@ class LocalRootChannel:
         timeout: float | UseChannelDefault | None = USE_CHANNEL_DEFAULT,  # noqa: ASYNC109
     ) -> None:
         """See :meth:`RootChannel.broadcast`; in process, delivery is immediate."""
-        check_open(self._state, "the root channel", 0, "broadcast")
+        self._check_open("broadcast")
         resolve_timeout(timeout, None, rank=0, phase="broadcast")
         registry = self._hub.registry
         registry.check_broadcast(command)
@@ -155,15 +138,13 @@ class LocalRootChannel:
 
 
 @attrs.define(eq=False)
-class LocalFollowerChannel:
+class LocalFollowerChannel(ChannelLifecycle):
     """A follower side of :func:`local_channels`; see :class:`FollowerChannel`."""
 
     rank: int
     _hub: _Hub
     _join_timeout: float | None
     _follower: FollowerState = attrs.field(init=False)
-    _state: ChannelState = ChannelState.NEW
-    _task_group: TaskGroup | None = None
     _relay: CommandRelay | None = None
     _commands: ObjectSendStream[Command] | None = None
     _joined: bool = False
@@ -171,21 +152,10 @@ class LocalFollowerChannel:
     def __attrs_post_init__(self) -> None:
         self._follower = FollowerState(rank=self.rank)
 
-    async def __aenter__(self) -> Self:
-        check_enter(self._state, f"the channel of rank {self.rank}", self.rank)
-        task_group = anyio.create_task_group()
-        await task_group.__aenter__()
-        self._task_group = task_group
-        self._state = ChannelState.OPEN
-        return self
+    def _identity(self) -> tuple[str, int]:
+        return f"the channel of rank {self.rank}", self.rank
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None:
-        self._state = ChannelState.CLOSED
+    def _closing(self) -> None:
         if self._joined:  # a leave after STOP is a clean one
             self._hub.registry.fail(
                 self.rank,
@@ -196,15 +166,11 @@ class LocalFollowerChannel:
                 ),
             )
             self._hub.registry.leave(self.rank)
-        assert self._task_group is not None  # set by __aenter__
-        try:
-            return await close_tasks(self._task_group, exc_type, exc, tb)
-        finally:
-            if self._relay is not None:
-                self._relay.shut = True
-            if self._commands is not None:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
-                    await self._commands.aclose()
+
+    async def _closed(self) -> None:
+        if self._relay is not None:
+            self._relay.shut = True
+        await aclose_shielded(self._commands)
 
     async def join(
         self,
@@ -213,7 +179,7 @@ class LocalFollowerChannel:
         timeout: float | UseChannelDefault | None = USE_CHANNEL_DEFAULT,  # noqa: ASYNC109
     ) -> CliqueId:
         """See :meth:`FollowerChannel.join`."""
-        check_open(self._state, f"the channel of rank {self.rank}", self.rank, "join")
+        self._check_open("join")
         if self._joined:
             raise ControlError("join() was already called", rank=self.rank, phase="join")
         limit = resolve_timeout(timeout, self._join_timeout, rank=self.rank, phase="join")

@@ -6,8 +6,7 @@ import logging
 import os
 import random
 import ssl
-from types import TracebackType
-from typing import NoReturn, Self, TypeVar
+from typing import NoReturn, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -27,9 +26,16 @@ from .._errors import (
     Phase,
     ProtocolError,
 )
-from ._abc import DEFAULT_JOIN_TIMEOUT, USE_CHANNEL_DEFAULT, UseChannelDefault, resolve_timeout
 from ._auth import make_proof, new_nonce, secret_bytes, verify_proof
+from ._bookkeeping import CommandRelay, FollowerState, Notifier, Waiting
 from ._command import Command, CommandKind
+from ._lifecycle import ChannelLifecycle, aclose_shielded
+from ._protocols import (
+    DEFAULT_JOIN_TIMEOUT,
+    USE_CHANNEL_DEFAULT,
+    UseChannelDefault,
+    resolve_timeout,
+)
 from ._settings import (
     DEFAULT_HANDSHAKE_TIMEOUT,
     DEFAULT_HEARTBEAT_INTERVAL,
@@ -37,17 +43,6 @@ from ._settings import (
     Liveness,
     TcpSettings,
     check_settings,
-)
-from ._state import (
-    CLOSE_TIMEOUT,
-    ChannelState,
-    CommandRelay,
-    FollowerState,
-    Notifier,
-    Waiting,
-    check_enter,
-    check_open,
-    close_tasks,
 )
 from ._wire import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -76,7 +71,7 @@ _REPORT_TIMEOUT = 1.0
 
 
 @attrs.define(eq=False)
-class TcpFollowerChannel:
+class TcpFollowerChannel(ChannelLifecycle):
     """A follower side of the TCP control channel; see :class:`FollowerChannel` and
     :func:`tcp_follower`."""
 
@@ -87,8 +82,6 @@ class TcpFollowerChannel:
     _settings: TcpSettings
     _join_timeout: float | None
     _follower: FollowerState = attrs.field(init=False)
-    _state: ChannelState = ChannelState.NEW
-    _task_group: TaskGroup | None = None
     _framed: FramedStream | None = None
     _commands: ObjectSendStream[Command] | None = None
     _send_lock: anyio.Lock | None = None
@@ -102,31 +95,14 @@ class TcpFollowerChannel:
     def __attrs_post_init__(self) -> None:
         self._follower = FollowerState(rank=self.rank)
 
-    async def __aenter__(self) -> Self:
-        check_enter(self._state, f"the channel of rank {self.rank}", self.rank)
-        task_group = anyio.create_task_group()
-        await task_group.__aenter__()
-        self._task_group = task_group
-        self._send_lock = anyio.Lock(fast_acquire=True)
-        self._state = ChannelState.OPEN
-        return self
+    def _identity(self) -> tuple[str, int]:
+        return f"the channel of rank {self.rank}", self.rank
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None:
-        self._state = ChannelState.CLOSED
-        assert self._task_group is not None  # set by __aenter__
-        try:
-            return await close_tasks(self._task_group, exc_type, exc, tb)
-        finally:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
-                if self._framed is not None:
-                    await self._framed.aclose()
-                if self._commands is not None:
-                    await self._commands.aclose()
+    async def _prepare(self) -> None:
+        self._send_lock = anyio.Lock(fast_acquire=True)
+
+    async def _closed(self) -> None:
+        await aclose_shielded(self._framed, self._commands)
 
     # -- join -------------------------------------------------------------------------------
 
@@ -138,7 +114,7 @@ class TcpFollowerChannel:
     ) -> CliqueId:
         """See :meth:`FollowerChannel.join`: connects (retrying while the root is not
         listening), authenticates both ways and waits for the clique id."""
-        check_open(self._state, f"the channel of rank {self.rank}", self.rank, "join")
+        self._check_open("join")
         if self._joined:
             raise ControlError("join() was already called", rank=self.rank, phase="join")
         self._joined = True
@@ -172,8 +148,7 @@ class TcpFollowerChannel:
                 with anyio.fail_after(self._settings.handshake_timeout):
                     framed = await self._handshake(stream)
             except BaseException as exc:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
-                    await stream.aclose()
+                await aclose_shielded(stream)
                 if isinstance(exc, TimeoutError) and not isinstance(exc, LampdistError):
                     raise JoinTimeout(
                         f"the root at {self._host}:{self._port} did not finish the handshake "

@@ -6,8 +6,7 @@ import contextlib
 import logging
 import ssl
 from collections.abc import Collection
-from types import TracebackType
-from typing import NoReturn, Self
+from typing import NoReturn
 
 import anyio
 import anyio.lowlevel
@@ -24,24 +23,22 @@ from .._errors import (
     PeerDisconnected,
     ProtocolError,
 )
-from ._abc import DEFAULT_BROADCAST_TIMEOUT, USE_CHANNEL_DEFAULT, UseChannelDefault, resolve_timeout
 from ._auth import make_proof, new_nonce, secret_bytes, verify_proof
+from ._bookkeeping import RootRegistry, copy_error
 from ._command import Command, CommandKind
+from ._lifecycle import ChannelLifecycle, aclose_shielded
+from ._protocols import (
+    DEFAULT_BROADCAST_TIMEOUT,
+    USE_CHANNEL_DEFAULT,
+    UseChannelDefault,
+    resolve_timeout,
+)
 from ._settings import (
     DEFAULT_HANDSHAKE_TIMEOUT,
     DEFAULT_HEARTBEAT_INTERVAL,
     DEFAULT_HEARTBEAT_TIMEOUT,
     TcpSettings,
     check_settings,
-)
-from ._state import (
-    CLOSE_TIMEOUT,
-    ChannelState,
-    RootRegistry,
-    check_enter,
-    check_open,
-    close_tasks,
-    copy_error,
 )
 from ._tcp_session import AckRound, FollowerSession
 from ._wire import (
@@ -75,7 +72,7 @@ class _Refused(Exception):
 
 
 @attrs.define(eq=False)
-class TcpRootChannel:
+class TcpRootChannel(ChannelLifecycle):
     """The root side of the TCP control channel; see :class:`RootChannel` and
     :func:`tcp_root`."""
 
@@ -86,11 +83,10 @@ class TcpRootChannel:
     _settings: TcpSettings
     _broadcast_timeout: float | None
     _registry: RootRegistry = attrs.field(init=False)
-    _state: ChannelState = ChannelState.NEW
     _sessions: dict[int, FollowerSession] = attrs.field(factory=dict)
     _seq: int = 0
     _address: tuple[str, int] | None = None
-    _task_group: TaskGroup | None = None
+    _listener: anyio.abc.Listener[SocketStream] | None = None
 
     def __attrs_post_init__(self) -> None:
         self._registry = RootRegistry(nranks=self.nranks)
@@ -102,37 +98,29 @@ class TcpRootChannel:
             raise ControlError("the root is not listening yet: enter it first", rank=0)
         return self._address
 
-    async def __aenter__(self) -> Self:
-        check_enter(self._state, "the root channel", 0)
-        self._state = ChannelState.OPEN
+    def _identity(self) -> tuple[str, int]:
+        return "the root channel", 0
+
+    async def _prepare(self) -> None:
         try:
             listener = await anyio.create_tcp_listener(local_host=self._host, local_port=self._port)
         except OSError as exc:
-            self._state = ChannelState.CLOSED
             raise ControlError(
                 f"cannot listen on {self._host}:{self._port} ({exc})", rank=0, phase="open"
             ) from exc
         address = listener.listeners[0].extra(SocketAttribute.local_address)
         assert isinstance(address, tuple)  # an IP listener has a (host, port, ...) address
         self._address = (str(address[0]), int(address[1]))
-        task_group = anyio.create_task_group()
-        await task_group.__aenter__()
-        self._task_group = task_group
-        task_group.start_soon(self._serve, listener)
-        logger.info("control root listening on %s:%d", *self._address, extra={"rank": 0})
-        return self
+        self._listener = listener
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None:
-        self._state = ChannelState.CLOSED
+    def _start_tasks(self, task_group: TaskGroup) -> None:
+        assert self._listener is not None  # set by _prepare
+        task_group.start_soon(self._serve, self._listener)
+        logger.info("control root listening on %s:%d", *self.address, extra={"rank": 0})
+
+    def _closing(self) -> None:
         self._registry.closed = True
         self._registry.changed.notify()
-        assert self._task_group is not None  # set by __aenter__
-        return await close_tasks(self._task_group, exc_type, exc, tb)
 
     async def _serve(self, listener: anyio.abc.Listener[SocketStream]) -> None:
         async with listener:
@@ -172,10 +160,7 @@ class TcpRootChannel:
             if session is not None:
                 session.lost("the root's connection handler failed")
         finally:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
-                if framed is not None:
-                    await framed.aclose()
-                await raw.aclose()
+            await aclose_shielded(framed, raw)
             if session is not None:
                 self._registry.leave(session.rank)
 
@@ -224,7 +209,7 @@ class TcpRootChannel:
 
     async def publish_clique_id(self, clique_id: CliqueId) -> None:
         """See :meth:`RootChannel.publish_clique_id`."""
-        check_open(self._state, "the root channel", 0, "publish")
+        self._check_open("publish")
         await anyio.lowlevel.checkpoint()
         if not self._registry.publish(clique_id):
             return
@@ -239,7 +224,7 @@ class TcpRootChannel:
 
     async def wait_for_peers(self, n: int, timeout: float | None) -> None:  # noqa: ASYNC109
         """See :meth:`RootChannel.wait_for_peers`."""
-        check_open(self._state, "the root channel", 0, "join")
+        self._check_open("join")
         await self._registry.wait_for_peers(n, timeout)
 
     async def broadcast(
@@ -249,7 +234,7 @@ class TcpRootChannel:
         timeout: float | UseChannelDefault | None = USE_CHANNEL_DEFAULT,  # noqa: ASYNC109
     ) -> None:
         """See :meth:`RootChannel.broadcast`: returns once every follower acknowledged."""
-        check_open(self._state, "the root channel", 0, "broadcast")
+        self._check_open("broadcast")
         limit = resolve_timeout(timeout, self._broadcast_timeout, rank=0, phase="broadcast")
         registry = self._registry
         registry.check_broadcast(command)

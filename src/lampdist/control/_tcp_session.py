@@ -11,8 +11,8 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._errors import LampdistError, PeerDisconnected, ProtocolError, RankFailed
+from ._bookkeeping import RootRegistry
 from ._settings import Liveness, TcpSettings
-from ._state import RootRegistry
 from ._wire import Ack, FailureReport, FramedStream, Message, Ping, encode_frame
 
 __all__ = ["AckRound", "FollowerSession"]

@@ -1,7 +1,7 @@
 """The two sides of the control channel, as protocols; the in-process and the TCP channels
 implement them with the same semantics.
 
-The ``timeout`` parameters are part of the contract the brief fixed (hence ``noqa: ASYNC109``):
+The ``timeout`` parameters are part of the public contract (hence ``noqa: ASYNC109``):
 a deadline on a peer, with :data:`USE_CHANNEL_DEFAULT` meaning the channel's own setting.
 
 Errors (every one names the rank it concerns and the phase):

@@ -3,17 +3,15 @@ stopped, on the root; whether the root vanished, on a follower."""
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 from collections.abc import Collection
-from types import TracebackType
 from typing import NoReturn
 
 import anyio
 import anyio.lowlevel
 import attrs
-from anyio.abc import ObjectSendStream, TaskGroup
+from anyio.abc import ObjectSendStream
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._clique_id import CliqueId
@@ -27,51 +25,23 @@ from .._errors import (
     Phase,
 )
 from ._command import Command, CommandKind
+from ._lifecycle import aclose_shielded
 
 __all__ = [
-    "ChannelState",
     "CommandRelay",
     "FollowerState",
     "Notifier",
     "RootRegistry",
     "Waiting",
-    "close_tasks",
     "copy_error",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: Bound on shielded cleanup (closing streams) so that it cannot wedge a rank.
-CLOSE_TIMEOUT = 5.0
-
-
-class ChannelState(enum.Enum):
-    """Guards ``__aenter__`` against reuse."""
-
-    NEW = "new"
-    OPEN = "open"
-    CLOSED = "closed"
-
 
 def copy_error(error: LampdistError) -> LampdistError:
     """A fresh exception equal to ``error`` (raising one instance twice tangles tracebacks)."""
     return type(error)(error.message, rank=error.rank, phase=error.phase)
-
-
-def check_enter(state: ChannelState, what: str, rank: int) -> None:
-    """Refuse to enter a channel twice."""
-    if state is not ChannelState.NEW:
-        raise ControlError(
-            f"{what} can be entered only once; create a new channel", rank=rank, phase="open"
-        )
-
-
-def check_open(state: ChannelState, what: str, rank: int, phase: Phase) -> None:
-    """Refuse calls outside ``async with``."""
-    if state is not ChannelState.OPEN:
-        raise ControlError(
-            f"{what} is {state.value}: use it inside 'async with'", rank=rank, phase=phase
-        )
 
 
 @attrs.define(eq=False)
@@ -363,28 +333,7 @@ class CommandRelay:
             self.follower.root_lost("the root closed the control channel without STOP")
         finally:
             self.shut = True
-            with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
-                await self.commands.aclose()
-
-
-async def close_tasks(
-    group: TaskGroup,
-    exc_type: type[BaseException] | None,
-    exc: BaseException | None,
-    tb: TracebackType | None,
-) -> bool | None:
-    """End a channel's own tasks when its ``async with`` block ends.
-
-    An error of the block leaves the block as it is, never wrapped in an exception group:
-    the tasks are cancelled and awaited on their own (errors of theirs chain to it). A
-    cancellation, which may be the tasks' own scope's, goes to the group, which knows
-    whether it is its own.
-    """
-    group.cancel_scope.cancel()
-    if exc is None or isinstance(exc, anyio.get_cancelled_exc_class()):
-        return await group.__aexit__(exc_type, exc, tb)
-    await group.__aexit__(None, None, None)  # its tasks are cancelled: this ends at once
-    return None
+            await aclose_shielded(self.commands)
 
 
 _REFUSALS_KEPT = 5
