@@ -27,7 +27,7 @@ import attrs
 import torch
 
 from .._openmp import release_team
-from .._signal import loop_scheduler
+from .._wakeup import loop_scheduler
 
 __all__ = ["ComputeThread", "open_compute_thread"]
 
