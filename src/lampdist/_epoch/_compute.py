@@ -87,10 +87,6 @@ class ComputeThread:
     _jobs: _Jobs = attrs.field(alias="jobs", repr=False)
     _thread: threading.Thread = attrs.field(alias="thread", repr=False)
 
-    def is_current(self) -> bool:
-        """Whether the caller runs on this compute thread."""
-        return threading.current_thread() is self._thread
-
     async def run(
         self,
         function: Callable[..., T],
