@@ -15,7 +15,7 @@ LAYERS = [
     {"_errors", "_version", "_defaults"},
     {
         "_clique_id",
-        "_signal",
+        "_wakeup",
         "_openmp",
         "_store",
         "_state",

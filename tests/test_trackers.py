@@ -22,7 +22,7 @@ import pytest
 
 import lampdist
 from lampdist import trackers
-from lampdist._signal import on_event_loop_thread
+from lampdist._wakeup import on_event_loop_thread
 
 from .roles.test_local_failures import entries, sgd
 

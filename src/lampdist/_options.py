@@ -12,8 +12,9 @@ Every entry point takes the same objects, so a setting declared once reaches eve
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Iterable
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import attrs
 import torch
@@ -21,11 +22,10 @@ import torch
 from ._defaults import COLLECTIVE_TIMEOUT, JOIN_TIMEOUT, SETUP_TIMEOUT, STOP_TIMEOUT
 from ._effects import BatchSource, CheckpointState, OnPassEvent, PassAwareBatchSource
 from ._errors import ConfigError
-from ._loop import check_epochs_arguments
+from ._loop import check_max_epochs, check_smoothing, check_validation_frequency
 from ._model import SupervisedModel
 from ._monitor import LOSSES, EarlyStopping, Monitor
 from ._source import check_source
-from ._state import LoopState
 from .schedules import LearningRateSchedule, StepSchedule, noop
 
 __all__ = [
@@ -39,34 +39,68 @@ __all__ = [
 
 StepOn = Literal["root", "every_rank", "sharded"]
 
+_Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
+
+
+def _check(rule: Callable[[Any], bool], wants: str, instead: str) -> _Validator:
+    """A validator that refuses a value for which ``rule`` is false with a
+    :class:`ConfigError` (phase ``'configure'``): the field must be ``wants``; ``instead``
+    says what to pass."""
+
+    def validate(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if not rule(value):
+            raise ConfigError(
+                f"{type(instance).__name__}.{attribute.name} must be {wants}, got {value!r}: "
+                f"{instead}",
+                phase="configure",
+            )
+
+    return validate
+
+
+def _by(check: Callable[[object, str], None]) -> _Validator:
+    """A validator from a check that names the value it refuses (shared with
+    :func:`lampdist.epochs`, which takes the same arguments)."""
+
+    def validate(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        check(value, f"{type(instance).__name__}.{attribute.name}")
+
+    return validate
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _positive(value: object) -> bool:
+    """A number (not a bool) > 0; NaN is not."""
+    return _is_number(value) and value > 0
+
+
+def _optional(rule: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: value is None or rule(value)
+
+
+def _is_step_schedule(value: object) -> bool:
+    return callable(getattr(value, "factor", None))
+
+
+def _is_epoch_schedule(value: object) -> bool:
+    return callable(getattr(value, "learning_rate_factor", None))
+
 
 @attrs.frozen(kw_only=True)
 class StepOptions:
     """How every rank steps; all ranks must pass equal ones (checked when they join).
 
-    ``step_on="root"`` (lamp's design) keeps the optimizer on the root: gradients are reduced
-    to it and the parameters broadcast back. ``step_on="every_rank"`` all-reduces the
-    gradients and every rank steps its own optimizer (followers need ``optimizer_factory``
-    too): one collective a step instead of two, the same updates. ``step_on="sharded"``
-    reduce-scatters the gradients, so that each rank steps only the slice of the parameters it
-    owns with ``1/n`` of the optimizer state, and all-gathers the parameters (followers need
-    ``optimizer_factory`` too, and the optimizer must treat each element on its own: SGD,
-    Adam, AdamW, Adagrad, RMSprop and the like; others raise
-    :class:`~lampdist.ConfigError`); checkpoints still hold the whole optimizer state. Under
-    every design lampdist runs the forward and backward passes and calls ``step()`` itself, so
-    an optimizer whose ``step`` needs a closure (``LBFGS``) raises
+    ``step_on`` chooses the design: where the optimizer steps and how the gradients travel.
+    Under every design lampdist runs the forward and backward passes and calls ``step()``
+    itself, so an optimizer whose ``step`` needs a closure (``LBFGS``) raises
     :class:`~lampdist.ConfigError` when it is built.
-    ``accumulate_gradient_over_n_batches`` batches make one step. ``bucket_cap_mb`` cuts the
-    gradients into buckets of about that many megabytes whose exchange starts while backward
-    still runs (``None``: one exchange per flat buffer after backward). ``max_grad_norm``
-    clips the averaged gradients by their global norm; ``non_finite_loss`` says what a step
-    whose summed loss is not finite does (``"raise"`` :class:`~lampdist.NonFiniteLoss`, or
-    ``"skip"`` the step with a warning; either names the ranks whose own loss was not finite,
-    on CUDA only where every rank reads the step's loss at once: see docs/reliability.md).
-    ``autocast_dtype`` runs forward passes under ``torch.autocast`` (bfloat16, or float16
-    with dynamic loss scaling). ``shuffle_seed`` seeds the
-    :class:`~lampdist.PassContext` of every pass, which a batch source that shuffles draws its
-    order from (each rank, epoch and kind of pass gets its own seed).
 
     ``steps_per_epoch`` makes each epoch a window of that many optimizer steps over the
     training data instead of one pass over it: every rank reads its training source as one
@@ -76,83 +110,110 @@ class StepOptions:
     rules. Checkpoints then hold each rank's place in its data (the source's
     ``state_dict()`` when it has one, as torchdata's ``StatefulDataLoader`` does, else the
     batches to skip), and a resumed run goes on with the next batch.
-    ``learning_rate_per_step`` (needs ``steps_per_epoch``) multiplies the learning rate of
-    each step by a :class:`~lampdist.schedules.StepSchedule` of the global step.
 
-    Raises :class:`~lampdist.ConfigError` for values out of range.
+    Raises :class:`~lampdist.ConfigError` (phase ``'configure'``, naming the field) for a
+    value out of range, and for ``learning_rate_per_step`` without ``steps_per_epoch``.
     """
 
-    accumulate_gradient_over_n_batches: int = 1
-    autocast_dtype: torch.dtype | None = None
-    step_on: StepOn = "root"
-    bucket_cap_mb: float | None = None
-    max_grad_norm: float | None = None
-    non_finite_loss: Literal["raise", "skip"] = "raise"
-    shuffle_seed: int = 0
-    steps_per_epoch: int | None = None
-    learning_rate_per_step: StepSchedule | None = None
+    accumulate_gradient_over_n_batches: int = attrs.field(
+        default=1,
+        validator=_check(
+            lambda value: _is_int(value) and value >= 1,
+            "an int >= 1",
+            "pass 1 to step after every batch",
+        ),
+    )
+    """How many batches make one step (an int >= 1): their gradients add up before it."""
+    autocast_dtype: torch.dtype | None = attrs.field(
+        default=None,
+        validator=_check(
+            lambda value: value in (None, torch.bfloat16, torch.float16),
+            "torch.bfloat16, torch.float16 or None",
+            "pass None to run the forward passes in the parameters' dtype",
+        ),
+    )
+    """Run forward passes under ``torch.autocast`` in this dtype: ``torch.bfloat16``, or
+    ``torch.float16`` with dynamic loss scaling (``None``: no autocast)."""
+    step_on: StepOn = attrs.field(
+        default="root",
+        validator=_check(
+            lambda value: value in ("root", "every_rank", "sharded"),
+            "'root', 'every_rank' or 'sharded'",
+            "pass 'root' to step on the root alone (lamp's design)",
+        ),
+    )
+    """Where the optimizer steps. ``"root"`` (lamp's design) keeps the optimizer on the root:
+    gradients are reduced to it and the parameters broadcast back. ``"every_rank"``
+    all-reduces the gradients and every rank steps its own optimizer (followers need
+    ``optimizer_factory`` too): one collective a step instead of two, the same updates.
+    ``"sharded"`` reduce-scatters the gradients, so that each rank steps only the slice of the
+    parameters it owns with ``1/n`` of the optimizer state, and all-gathers the parameters
+    (followers need ``optimizer_factory`` too, and the optimizer must treat each element on
+    its own: SGD, Adam, AdamW, Adagrad, RMSprop and the like; others raise
+    :class:`~lampdist.ConfigError`); checkpoints still hold the whole optimizer state."""
+    bucket_cap_mb: float | None = attrs.field(
+        default=None,
+        validator=_check(
+            _optional(_positive),
+            "> 0 megabytes or None",
+            "pass None to exchange the gradients after backward",
+        ),
+    )
+    """Cut the gradients into buckets of about this many megabytes whose exchange starts while
+    backward still runs (``None``: one exchange per flat buffer after backward)."""
+    max_grad_norm: float | None = attrs.field(
+        default=None,
+        validator=_check(
+            _optional(lambda value: isinstance(value, numbers.Real) and float(value) > 0),
+            "a number > 0 or None",
+            "pass None not to clip",
+        ),
+    )
+    """Clip the averaged gradients by their global norm to at most this (``None``: no
+    clipping)."""
+    non_finite_loss: Literal["raise", "skip"] = attrs.field(
+        default="raise",
+        validator=_check(
+            lambda value: value in ("raise", "skip"),
+            "'raise' or 'skip'",
+            "pass 'skip' to skip such steps with a warning",
+        ),
+    )
+    """What a step whose summed loss is not finite does: ``"raise"``
+    :class:`~lampdist.NonFiniteLoss`, or ``"skip"`` the step with a warning; either names the
+    ranks whose own loss was not finite, on CUDA only where every rank reads the step's loss
+    at once (see docs/reliability.md)."""
+    shuffle_seed: int = attrs.field(
+        default=0, validator=_check(_is_int, "an int", "pass e.g. shuffle_seed=0")
+    )
+    """Seeds the :class:`~lampdist.PassContext` of every pass, which a batch source that
+    shuffles draws its order from (each rank, epoch and kind of pass gets its own seed)."""
+    steps_per_epoch: int | None = attrs.field(
+        default=None,
+        validator=_check(
+            _optional(lambda value: _is_int(value) and value >= 1),
+            "an int >= 1 or None",
+            "pass None for epochs of one pass over the data",
+        ),
+    )
+    """Make each epoch a window of this many optimizer steps over the training data (see
+    above); ``None``: an epoch is one pass over it."""
+    learning_rate_per_step: StepSchedule | None = attrs.field(
+        default=None,
+        validator=_check(
+            _optional(_is_step_schedule),
+            "a schedules.StepSchedule or None",
+            "pass e.g. schedules.warmup_cosine_steps(...)",
+        ),
+    )
+    """Multiply the learning rate of each step by a :class:`~lampdist.schedules.StepSchedule`
+    of the global step (needs ``steps_per_epoch``)."""
 
     def __attrs_post_init__(self) -> None:
-        accumulate = self.accumulate_gradient_over_n_batches
-        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        if self.learning_rate_per_step is not None and self.steps_per_epoch is None:
             raise ConfigError(
-                f"accumulate_gradient_over_n_batches must be an int >= 1, got {accumulate!r}: "
-                "pass 1 to step after every batch",
-                phase="configure",
-            )
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ConfigError(
-                f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}", phase="configure"
-            )
-        if self.autocast_dtype not in (None, torch.bfloat16, torch.float16):
-            raise ConfigError(
-                "autocast_dtype must be torch.bfloat16, torch.float16 or None, "
-                f"got {self.autocast_dtype}",
-                phase="configure",
-            )
-        if self.non_finite_loss not in ("raise", "skip"):
-            raise ConfigError(
-                f"non_finite_loss must be 'raise' or 'skip', got {self.non_finite_loss!r}",
-                phase="configure",
-            )
-        cap = self.bucket_cap_mb
-        if cap is not None and (
-            isinstance(cap, bool) or not isinstance(cap, int | float) or not cap > 0
-        ):
-            raise ConfigError(
-                f"bucket_cap_mb must be > 0 megabytes or None, got {cap!r}: pass None to "
-                "exchange the gradients after backward",
-                phase="configure",
-            )
-        seed = self.shuffle_seed
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ConfigError(f"shuffle_seed must be an int, got {seed!r}", phase="configure")
-        steps = self.steps_per_epoch
-        if steps is not None and (
-            isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
-        ):
-            raise ConfigError(
-                f"steps_per_epoch must be an int >= 1 or None (an epoch is a pass over the "
-                f"data), got {steps!r}",
-                phase="configure",
-            )
-        per_step = self.learning_rate_per_step
-        if per_step is not None:
-            if not callable(getattr(per_step, "factor", None)):
-                raise ConfigError(
-                    "learning_rate_per_step must be a schedules.StepSchedule (e.g. "
-                    f"schedules.warmup_cosine_steps(...)), got {per_step!r}",
-                    phase="configure",
-                )
-            if steps is None:
-                raise ConfigError(
-                    "learning_rate_per_step needs steps_per_epoch: the global step of a "
-                    "step is epoch * steps_per_epoch + the step in the epoch",
-                    phase="configure",
-                )
-        if self.step_on not in ("root", "every_rank", "sharded"):
-            raise ConfigError(
-                f"step_on must be 'root', 'every_rank' or 'sharded', got {self.step_on!r}",
+                "StepOptions.learning_rate_per_step needs steps_per_epoch: the global step of "
+                "a step is epoch * steps_per_epoch + the step in the epoch; pass both",
                 phase="configure",
             )
 
@@ -161,77 +222,109 @@ class StepOptions:
         return [(f.name, repr(getattr(self, f.name))) for f in attrs.fields(StepOptions)]
 
 
-def _epoch_set(value: Iterable[int]) -> frozenset[int]:
-    return frozenset(value)
+def _epoch_set(value: Any) -> Any:
+    """Epochs as a frozenset (what is not iterable is left for the validator to refuse)."""
+    return frozenset(value) if isinstance(value, Iterable) else value
+
+
+def _is_epoch_set(value: object) -> bool:
+    return isinstance(value, frozenset) and all(
+        isinstance(epoch, numbers.Integral) and not isinstance(epoch, bool) for epoch in value
+    )
 
 
 @attrs.frozen(kw_only=True)
 class LoopOptions:
-    """The root's epoch loop; followers ignore it.
+    """The root's epoch loop; followers ignore it. The rules are :func:`lampdist.epochs`'.
 
-    Epochs run up to ``max_epochs``; epoch ``e`` is validated when ``e %
-    validation_frequency == 0``, and the validation loss is smoothed exponentially with
-    ``validation_loss_exponential_smoothing_factor`` (1.0: no smoothing).
-    ``learning_rate_schedule`` sets each epoch's learning-rate factor (see
-    :mod:`lampdist.schedules`). With ``return_min_validation_loss_model`` (a set of epochs),
-    the model of the epoch with the lowest smoothed validation loss among them is kept, and
-    every rank ends holding it; ``best_model_monitor`` chooses it by another value instead
-    (``lampdist.Monitor("validation_accuracy", mode="max")``). ``early_stopping`` ends the
-    loop once a watched value stops improving (:class:`~lampdist.EarlyStopping`).
-    ``checkpoint_state`` is awaited after every epoch
-    (:func:`lampdist.checkpoint.to_directory` builds one), or with ``checkpoint_interval``
-    (seconds of wall time: for preemptible jobs with short epochs) after the first epoch that
-    ends that long after the last checkpoint, and always after the last epoch trained,
-    whatever ends the loop; ``on_event`` receives the root's
-    progress (:class:`~lampdist.PassEvent`). The rules are :func:`lampdist.epochs`'.
-
-    Raises :class:`~lampdist.ConfigError` for values out of range, and for
-    ``checkpoint_interval`` without ``checkpoint_state``.
+    Raises :class:`~lampdist.ConfigError` (phase ``'configure'``, naming the field) for a
+    value out of range, and for ``checkpoint_interval`` without ``checkpoint_state``.
     """
 
-    max_epochs: int
-    validation_frequency: int = 1
-    validation_loss_exponential_smoothing_factor: float = 1.0
-    learning_rate_schedule: LearningRateSchedule[Any] = attrs.field(factory=noop)
-    return_min_validation_loss_model: frozenset[int] = attrs.field(
-        default=frozenset(), converter=_epoch_set
+    max_epochs: int = attrs.field(validator=_by(check_max_epochs))
+    """Epochs run up to this one (an int >= 0), not included."""
+    validation_frequency: int = attrs.field(default=1, validator=_by(check_validation_frequency))
+    """Epoch ``e`` is validated when ``e % validation_frequency == 0`` (an int >= 1)."""
+    validation_loss_exponential_smoothing_factor: float = attrs.field(
+        default=1.0, validator=_by(check_smoothing)
     )
-    checkpoint_state: CheckpointState | None = None
-    checkpoint_interval: float | None = None
-    on_event: OnPassEvent | None = None
-    best_model_monitor: Monitor = attrs.field(factory=Monitor)
-    early_stopping: EarlyStopping | None = None
+    """The validation loss is smoothed exponentially with this factor, in (0, 1] (1.0: no
+    smoothing)."""
+    learning_rate_schedule: LearningRateSchedule[Any] = attrs.field(
+        factory=noop,
+        validator=_check(
+            _is_epoch_schedule,
+            "a learning-rate schedule (with a learning_rate_factor method)",
+            "pass one of lampdist.schedules (e.g. schedules.cosine(...)) or your own",
+        ),
+    )
+    """Sets each epoch's learning-rate factor (see :mod:`lampdist.schedules`)."""
+    return_min_validation_loss_model: frozenset[int] = attrs.field(
+        default=frozenset(),
+        converter=_epoch_set,
+        validator=_check(
+            _is_epoch_set,
+            "an iterable of epochs (ints)",
+            "pass e.g. range(max_epochs) to keep the best model of any epoch",
+        ),
+    )
+    """Keep the model of the epoch with the lowest smoothed validation loss among these
+    epochs (any iterable of ints), or the best by ``best_model_monitor``; every rank ends
+    holding it."""
+    checkpoint_state: CheckpointState | None = attrs.field(
+        default=None,
+        validator=_check(
+            _optional(callable),
+            "an async callable or None",
+            "pass checkpoint.to_directory(...)",
+        ),
+    )
+    """Awaited after every epoch (:func:`lampdist.checkpoint.to_directory` builds one), or as
+    ``checkpoint_interval`` says, and always after the last epoch trained, whatever ends the
+    loop."""
+    checkpoint_interval: float | None = attrs.field(
+        default=None,
+        validator=_check(
+            _optional(_positive), "> 0 seconds or None", "pass None to checkpoint every epoch"
+        ),
+    )
+    """Seconds of wall time (for preemptible jobs with short epochs): checkpoint after the
+    first epoch that ends that long after the last checkpoint (``None``: after every
+    epoch)."""
+    on_event: OnPassEvent | None = attrs.field(
+        default=None,
+        validator=_check(
+            _optional(callable),
+            "an async callable or None",
+            "pass an async function of a lampdist.PassEvent",
+        ),
+    )
+    """Receives the root's progress (:class:`~lampdist.PassEvent`)."""
+    best_model_monitor: Monitor = attrs.field(
+        factory=Monitor,
+        validator=_check(
+            lambda value: isinstance(value, Monitor),
+            "a lampdist.Monitor",
+            'pass e.g. lampdist.Monitor("validation_accuracy", mode="max")',
+        ),
+    )
+    """What chooses the best model (by default the smoothed validation loss, lower is
+    better)."""
+    early_stopping: EarlyStopping | None = attrs.field(
+        default=None,
+        validator=_check(
+            _optional(lambda value: isinstance(value, EarlyStopping)),
+            "a lampdist.EarlyStopping or None",
+            "pass None not to stop early",
+        ),
+    )
+    """Ends the loop once a watched value stops improving (:class:`~lampdist.EarlyStopping`)."""
 
     def __attrs_post_init__(self) -> None:
-        interval = self.checkpoint_interval
-        if interval is not None and (
-            isinstance(interval, bool) or not isinstance(interval, int | float) or not interval > 0
-        ):
+        if self.checkpoint_interval is not None and self.checkpoint_state is None:
             raise ConfigError(
-                f"checkpoint_interval must be > 0 seconds or None (every epoch), got {interval!r}",
-                phase="configure",
-            )
-        if interval is not None and self.checkpoint_state is None:
-            raise ConfigError(
-                "checkpoint_interval says how often to checkpoint, but there is no "
+                "LoopOptions.checkpoint_interval says how often to checkpoint, but there is no "
                 "checkpoint_state to checkpoint with: give both (checkpoint.to_directory(...))",
-                phase="configure",
-            )
-        check_epochs_arguments(
-            self.max_epochs,
-            self.validation_frequency,
-            self.validation_loss_exponential_smoothing_factor,
-            LoopState(),
-        )
-        if not isinstance(self.best_model_monitor, Monitor):
-            raise ConfigError(
-                f"best_model_monitor must be a lampdist.Monitor, got {self.best_model_monitor!r}",
-                phase="configure",
-            )
-        if self.early_stopping is not None and not isinstance(self.early_stopping, EarlyStopping):
-            raise ConfigError(
-                f"early_stopping must be a lampdist.EarlyStopping or None, "
-                f"got {self.early_stopping!r}",
                 phase="configure",
             )
 

@@ -31,7 +31,7 @@ import torch
 
 import lampdist
 from lampdist import checkpoint, schedules
-from lampdist._signal import on_event_loop_thread
+from lampdist._wakeup import on_event_loop_thread
 from lampdist.control import local_channels
 
 from .test_docs_code import blocks

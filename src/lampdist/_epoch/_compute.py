@@ -27,7 +27,7 @@ import attrs
 import torch
 
 from .._openmp import release_team
-from .._signal import loop_scheduler
+from .._wakeup import loop_scheduler
 
 __all__ = ["ComputeThread", "open_compute_thread"]
 
@@ -86,10 +86,6 @@ class ComputeThread:
     """torch's intra-op thread count on this thread: that of the thread that opened it."""
     _jobs: _Jobs = attrs.field(alias="jobs", repr=False)
     _thread: threading.Thread = attrs.field(alias="thread", repr=False)
-
-    def is_current(self) -> bool:
-        """Whether the caller runs on this compute thread."""
-        return threading.current_thread() is self._thread
 
     async def run(
         self,

@@ -25,8 +25,8 @@ import torch
 from .._effects import BatchSource, PassAwareBatchSource
 from .._errors import BadBatch, LampdistError, TrainingError
 from .._model import SupervisedModel, check_batch, move_to_device
-from .._signal import Signal
 from .._source import PassContext, PassKind, call_source
+from .._wakeup import Wakeup
 
 __all__ = [
     "AHEAD",
@@ -94,7 +94,7 @@ class BatchFeed:
     _error: BaseException | None = attrs.field(default=None, init=False, repr=False)
     _stopped: bool = attrs.field(default=False, init=False)
     _peeked: LoadedBatch | None = attrs.field(default=None, init=False, repr=False)
-    _room: Signal | None = attrs.field(default=None, init=False, repr=False)
+    _room: Wakeup | None = attrs.field(default=None, init=False, repr=False)
     _lowered: bool = attrs.field(default=False, init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -143,7 +143,7 @@ class BatchFeed:
                     self._ready.append(batch)
                     self._changed.notify_all()
                     return True
-                room = self._room = Signal()
+                room = self._room = Wakeup()
             await room.wait()
 
     def finish(self, error: BaseException | None = None) -> None:

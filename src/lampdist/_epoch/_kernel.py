@@ -42,9 +42,9 @@ from .._checkpoint import capture_rng_states
 from .._errors import LampdistError, TrainingError
 from .._model import SupervisedModel
 from .._options import StepOptions
-from .._signal import on_event_loop_thread
 from .._source import PassKind
 from .._state import PassEvent
+from .._wakeup import on_event_loop_thread
 from ..clique import Clique, PendingCollective
 from ._blame import NonFiniteSteps, describe_batch, names_every_rank
 from ._buckets import GradientBuckets

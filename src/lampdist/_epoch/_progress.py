@@ -20,8 +20,8 @@ import anyio
 import attrs
 
 from .._effects import OnPassEvent
-from .._signal import loop_scheduler
 from .._state import PassEvent
+from .._wakeup import loop_scheduler
 
 __all__ = ["PROGRESS_INTERVAL", "Progress"]
 

@@ -3,7 +3,9 @@
 Nothing here touches torch.distributed: the driver composes effects it is given.
 """
 
-from ._driver import check_epochs_arguments as check_epochs_arguments
+from ._driver import check_max_epochs as check_max_epochs
+from ._driver import check_smoothing as check_smoothing
+from ._driver import check_validation_frequency as check_validation_frequency
 from ._driver import epochs as epochs
 
-__all__ = ["check_epochs_arguments", "epochs"]
+__all__ = ["check_max_epochs", "check_smoothing", "check_validation_frequency", "epochs"]

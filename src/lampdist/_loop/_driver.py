@@ -38,27 +38,37 @@ def _fail(message: str) -> ConfigError:
     return ConfigError(message, phase="configure")
 
 
-def check_epochs_arguments(
-    max_epochs: object, validation_frequency: object, smoothing: object, state: LoopState
-) -> None:
-    """Raise :class:`ConfigError` for arguments :func:`epochs` would refuse (for callers that
-    check before they set up anything costly)."""
-    if not _is_int(max_epochs) or max_epochs < 0:
-        raise _fail(f"max_epochs must be an int >= 0, got {max_epochs!r}; pass e.g. max_epochs=10")
-    if not _is_int(validation_frequency) or validation_frequency < 1:
+def check_max_epochs(value: object, name: str = "max_epochs") -> None:
+    """Raise :class:`ConfigError` unless ``value`` is an int >= 0; the message calls it
+    ``name`` (so do the other checks of an argument)."""
+    if not _is_int(value) or value < 0:
+        raise _fail(f"{name} must be an int >= 0, got {value!r}; pass e.g. max_epochs=10")
+
+
+def check_validation_frequency(value: object, name: str = "validation_frequency") -> None:
+    """Raise :class:`ConfigError` unless ``value`` is an int >= 1."""
+    if not _is_int(value) or value < 1:
         raise _fail(
-            f"validation_frequency must be an int >= 1, got {validation_frequency!r}; "
+            f"{name} must be an int >= 1, got {value!r}; "
             "pass 1 to validate every epoch, n to validate every n-th"
         )
-    if (
-        not isinstance(smoothing, int | float)
-        or isinstance(smoothing, bool)
-        or not 0.0 < smoothing <= 1.0
-    ):
-        raise _fail(
-            "validation_loss_exponential_smoothing_factor must be in (0, 1], "
-            f"got {smoothing!r}; pass 1.0 for no smoothing"
-        )
+
+
+def check_smoothing(
+    value: object, name: str = "validation_loss_exponential_smoothing_factor"
+) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is a number in (0, 1]."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0.0 < value <= 1.0:
+        raise _fail(f"{name} must be in (0, 1], got {value!r}; pass 1.0 for no smoothing")
+
+
+def _check_arguments(
+    max_epochs: object, validation_frequency: object, smoothing: object, state: LoopState
+) -> None:
+    """Raise :class:`ConfigError` for arguments :func:`epochs` refuses."""
+    check_max_epochs(max_epochs)
+    check_validation_frequency(validation_frequency)
+    check_smoothing(smoothing)
     if not _is_int(state.epoch) or state.epoch < 0:
         raise _fail(
             f"init_state.epoch must be an int >= 0, got {state.epoch!r}; "
@@ -202,7 +212,7 @@ async def epochs(
     it runs.
     """
     state = init_state if init_state is not None else LoopState()
-    check_epochs_arguments(
+    _check_arguments(
         max_epochs, validation_frequency, validation_loss_exponential_smoothing_factor, state
     )
     smoothing = float(validation_loss_exponential_smoothing_factor)

@@ -2,7 +2,7 @@
 
 torch completes a collective on one of its own threads (a Gloo worker, NCCL's watchdog) or,
 when the future is already complete, inline on the thread that adds the callback. The bridge
-turns that into a :class:`~lampdist._signal.Signal`, which an async task awaits without
+turns that into a :class:`~lampdist._wakeup.Wakeup`, which an async task awaits without
 parking the event loop and a plain thread waits for with a timeout.
 """
 
@@ -20,7 +20,7 @@ import anyio.to_thread
 import attrs
 
 from .._errors import CliqueTimeout, Collective, CollectiveFailed, ConfigError, LampdistError, Phase
-from .._signal import Signal, on_event_loop_thread
+from .._wakeup import Wakeup, on_event_loop_thread
 
 __all__ = ["PendingCollective", "Then", "on_event_loop_thread"]
 
@@ -80,8 +80,8 @@ class PendingCollective:
     _stream_sync: bool = attrs.field(default=False, init=False, repr=False)
     _keep_works: bool = attrs.field(default=False, init=False, repr=False)
     _failure: Failure | None = attrs.field(default=None, init=False, repr=False)
-    _ready: Signal = attrs.field(factory=Signal, init=False, repr=False)
-    _final: Signal = attrs.field(factory=Signal, init=False, repr=False)
+    _ready: Wakeup = attrs.field(factory=Wakeup, init=False, repr=False)
+    _final: Wakeup = attrs.field(factory=Wakeup, init=False, repr=False)
 
     def done(self) -> bool:
         """Whether waiting would return (or raise) at once."""

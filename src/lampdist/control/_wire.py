@@ -370,11 +370,6 @@ class FrameDecoder:
     _buffer: bytearray = attrs.field(factory=bytearray, init=False)
     _broken: bool = attrs.field(default=False, init=False)
 
-    @property
-    def buffered(self) -> int:
-        """Bytes held for an incomplete frame."""
-        return len(self._buffer)
-
     def _frame_length(self) -> int:
         (length,) = _HEADER.unpack_from(self._buffer)
         if length > self.max_frame_bytes:

@@ -1,4 +1,5 @@
-"""A one-shot signal set from any thread and awaited on any event loop without parking it.
+"""A cross-thread wake-up: a one-shot flag set from any thread and awaited on any event loop
+without parking it (OS signals are handled in ``_roles/_train.py``).
 
 Setting it schedules ``anyio.Event.set`` on each waiting task's own loop through the loop's
 thread-safe entry point, so it never blocks and never deadlocks when it runs on the loop
@@ -17,7 +18,7 @@ import anyio
 import anyio.lowlevel
 import attrs
 
-__all__ = ["Signal", "loop_scheduler", "on_event_loop_thread"]
+__all__ = ["Wakeup", "loop_scheduler", "on_event_loop_thread"]
 
 
 def on_event_loop_thread() -> bool:
@@ -62,8 +63,8 @@ def _loop_waker(event: anyio.Event) -> Callable[[], None]:
 
 
 @attrs.define(eq=False)
-class Signal:
-    """A one-shot, thread-safe signal: set from any thread, awaited on any event loop."""
+class Wakeup:
+    """A one-shot, thread-safe wake-up: set from any thread, awaited on any event loop."""
 
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
     _flag: threading.Event = attrs.field(factory=threading.Event, init=False)
