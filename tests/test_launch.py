@@ -18,6 +18,7 @@ from torch._C._distributed_c10d import TCPStore
 
 import lampdist
 from lampdist._roles import Interrupted, run_until_signal
+from lampdist._roles._train import _run_until_signal
 from lampdist.launch import LaunchEnv, PortExchange, first_slurm_host, from_env
 
 TORCHRUN = {
@@ -345,6 +346,22 @@ async def test_a_second_signal_cancels_the_work() -> None:
     with anyio.fail_after(10), pytest.raises(Interrupted, match="stopped by SIGTERM"):
         await run_until_signal(work)
     assert cleaned_up.is_set()
+
+
+async def test_a_second_signal_interrupts_a_follower_too() -> None:
+    """A follower (whose run ending normally after a signal is no interruption) that a second
+    signal cancelled is interrupted: it has no result to return."""
+
+    async def work(stop: anyio.Event) -> None:
+        await anyio.wait_all_tasks_blocked()
+        os.kill(os.getpid(), signal.SIGINT)
+        await stop.wait()
+        await anyio.wait_all_tasks_blocked()
+        os.kill(os.getpid(), signal.SIGINT)
+        await anyio.sleep_forever()
+
+    with anyio.fail_after(10), pytest.raises(Interrupted, match="stopped by SIGINT"):
+        await _run_until_signal(work, rank=1, done_is_interrupted=False)
 
 
 async def test_a_failure_is_raised_as_it_is_whatever_signal_follows() -> None:

@@ -200,7 +200,10 @@ async def test_a_follower_that_reported_its_failure_hears_the_root_go_quietly(
     assert bool(warned) is not reported, caplog.text
 
 
-async def test_the_root_waits_until_a_follower_has_left(impl: str) -> None:
+async def test_the_root_waits_until_a_follower_has_left() -> None:
+    """Over TCP: the follower's process ends when its channel closes. (In process, the
+    followers are tasks of the root's process: the wait returns at once.)"""
+    impl = "tcp"
     send, receive = anyio.create_memory_object_stream[Command](10)
     with anyio.fail_after(20):
         async with open_root(impl, 3) as (root, follower):
@@ -214,6 +217,19 @@ async def test_the_root_waits_until_a_follower_has_left(impl: str) -> None:
                 await root.wait_until_left([1], timeout=0.05)  # a timeout never raises
             with anyio.fail_after(5):  # returns at once, not at its timeout: rank 1 has left
                 await root.wait_until_left([1], timeout=60)
+
+
+async def test_in_process_the_root_does_not_wait_for_a_follower_to_leave() -> None:
+    """The in-process followers are tasks of the root's process (their channels may close
+    only after the root returns): no exit order to keep, so no wait."""
+    send, receive = anyio.create_memory_object_stream[Command](10)
+    with anyio.fail_after(20):
+        async with open_root("memory", 2) as (root, follower):
+            await root.publish_clique_id(clique_id(2))
+            async with follower(1) as channel, receive:
+                await channel.join(send)
+                with anyio.fail_after(5):  # not the 60 s of its timeout
+                    await root.wait_until_left([1], timeout=60)
 
 
 async def test_report_failure_surfaces_as_rank_failed(impl: str) -> None:

@@ -52,6 +52,8 @@ class PhaseTracker:
     error, a follower's report), so that the driver's outer handler does not send it again."""
     cause: LampdistError | None = None
     """A peer's failure that cancelled this rank (the root's watch sets it)."""
+    head_start_given: bool = False
+    """Whether the root has let a failed follower exit first (it does so once)."""
 
 
 def describe(error: BaseException) -> str:

@@ -191,46 +191,56 @@ async def drive(
             resume=resume,
             lr_state=lr_state,
         )
-        with single_error():
-            async with anyio.create_task_group() as group:
-                group.start_soon(_watch, control, tracker)
-                if stop is not None:
-                    group.start_soon(stopping.enforce, tracker)
-                try:
-                    with stopping.scope:
-                        state = await root.run()
-                    stopping.check_abandoned()
-                except Exception as exc:
-                    leaf = most_telling(exc)
-                    culprit = None
-                    if isinstance(leaf, CliqueError | CliqueTimeout):
-                        culprit = await find_culprit(control.watch, tracker)
-                    if not tracker.reported:
+        try:
+            with single_error():
+                async with anyio.create_task_group() as group:
+                    group.start_soon(_watch, control, tracker)
+                    if stop is not None:
+                        group.start_soon(stopping.enforce, tracker)
+                    try:
+                        with stopping.scope:
+                            state = await root.run()
+                        stopping.check_abandoned()
+                    except Exception as exc:
+                        leaf = most_telling(exc)
+                        culprit = None
+                        if isinstance(leaf, CliqueError | CliqueTimeout):
+                            culprit = await find_culprit(control.watch, tracker)
                         with anyio.CancelScope(shield=True):
-                            await _abort_followers(control, tracker, culprit or exc)
-                    with anyio.CancelScope(shield=True):
-                        await _let_exit_first(control, culprit or leaf)
-                    if culprit is not None:
-                        raise culprit from leaf
-                    raise
-                except BaseException as exc:
-                    with anyio.CancelScope(shield=True):
-                        if not tracker.reported:
-                            await _abort_followers(control, tracker, _why(exc, tracker, stopping))
-                        await _let_exit_first(control, tracker.cause)
-                    raise
-                group.cancel_scope.cancel()
+                            await _let_exit_first(control, tracker, culprit or leaf)
+                            if not tracker.reported:
+                                await _abort_followers(control, tracker, culprit or exc)
+                        if culprit is not None:
+                            raise culprit from leaf
+                        raise
+                    except BaseException as exc:
+                        with anyio.CancelScope(shield=True):
+                            await _let_exit_first(control, tracker, tracker.cause)
+                            if not tracker.reported:
+                                reason = _why(exc, tracker, stopping)
+                                await _abort_followers(control, tracker, reason)
+                        raise
+                    group.cancel_scope.cancel()
+        except Exception as exc:
+            if stopping.ended_it(exc):
+                raise stopping.timeout_error() from exc
+            raise
     return state
 
 
-async def _let_exit_first(control: RootChannel, failure: BaseException | None) -> None:
+async def _let_exit_first(
+    control: RootChannel, tracker: PhaseTracker, failure: BaseException | None
+) -> None:
     """When ``failure`` is a follower's report of its own error, give that follower a head
-    start: wait until its channel closes (its process is ending), then
-    :data:`EXIT_HEAD_START`, so that it exits before the root and a launcher that reports the
-    first process to fail (torchrun's "Root Cause") names it rather than the root."""
-    if isinstance(failure, RankFailed) and failure.rank:
-        await control.wait_until_left([failure.rank], LEAVE_TIMEOUT)
-        await anyio.sleep(EXIT_HEAD_START)
+    start, once, before the root tells the other followers or ends itself: wait until its
+    channel closes (its process is ending), then :data:`EXIT_HEAD_START`, so that it exits
+    before every other rank and a launcher that reports the first process to fail (torchrun's
+    "Root Cause") names it. The other followers wait for the root's reason meanwhile."""
+    if tracker.head_start_given or not isinstance(failure, RankFailed) or not failure.rank:
+        return
+    tracker.head_start_given = True
+    await control.wait_until_left([failure.rank], LEAVE_TIMEOUT)
+    await anyio.sleep(EXIT_HEAD_START)
 
 
 async def _watch(control: RootChannel, tracker: PhaseTracker) -> None:
@@ -369,6 +379,7 @@ class _Root:
                     # reason rather than see the clique break.
                     if not isinstance(most_telling(exc), CliqueError | CliqueTimeout):
                         with anyio.CancelScope(shield=True):
+                            await _let_exit_first(self.control, self.tracker, self.tracker.cause)
                             reason = _why(exc, self.tracker, self.stopping)
                             await _abort_followers(self.control, self.tracker, reason)
                         self.tracker.reported = True

@@ -9,7 +9,7 @@ import anyio
 import attrs
 
 from .._errors import LampdistTimeout, Phase
-from ._failures import PhaseTracker
+from ._failures import PhaseTracker, most_telling
 
 __all__ = ["BEFORE_TRAINING", "Stopping"]
 
@@ -35,6 +35,8 @@ class Stopping:
     abandoned: str | None = None
     at_once: bool = False
     """Whether the stop came before training and abandoned the run without waiting."""
+    failure_first: bool = False
+    """Whether a peer's failure was known when the stop abandoned the run at once."""
 
     def requested(self) -> bool:
         return self.stop is not None and self.stop.is_set()
@@ -46,6 +48,7 @@ class Stopping:
         if tracker.current in BEFORE_TRAINING:
             self.abandoned = f"{tracker.current!r}, before training began,"
             self.at_once = True
+            self.failure_first = tracker.cause is not None
             logger.info(
                 "stop requested in phase %r, before training began: stopping at once",
                 tracker.current,
@@ -88,6 +91,16 @@ class Stopping:
             rank=self.rank,
             phase="stop",
         )
+
+    def ended_it(self, error: BaseException) -> bool:
+        """Whether ``error`` is what abandoning the run at once, before training, brought
+        about rather than a failure of its own: under torchrun every rank is signalled at
+        once, and a peer that stopped too (its report, its closed channel, the clique it
+        broke) is the stop, not news, unless a failure was known before the stop came."""
+        if not self.at_once or self.failure_first:
+            return False
+        leaf = most_telling(error)
+        return not (isinstance(leaf, LampdistTimeout) and leaf.phase == "stop")
 
     def check_abandoned(self) -> None:
         """Raise the stop timeout if :meth:`enforce` abandoned the run."""

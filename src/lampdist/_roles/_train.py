@@ -50,7 +50,11 @@ class _Signals:
                 name = signal.Signals(signum).name
                 self.received.append(signum)
                 if len(self.received) == 1:
-                    logger.warning("received %s: stopping gracefully (again to stop at once)", name)
+                    logger.warning(
+                        "received %s: stopping after the epoch in progress, or at once before "
+                        "training (again to stop at once)",
+                        name,
+                    )
                     self.stop.set()
                 else:
                     logger.warning("received %s again: stopping at once", name)
@@ -93,7 +97,7 @@ async def _run_until_signal(
         if signals.received and _ended_by_the_stop(exc):
             raise _interrupted(signals.received[0], rank) from exc
         raise  # a failure, whatever signal came after it: the failure is the news
-    if signals.received and done_is_interrupted:
+    if signals.received and (done_is_interrupted or not results):  # none: a second signal
         raise _interrupted(signals.received[0], rank)
     if signals.received:
         name = signal.Signals(signals.received[0]).name

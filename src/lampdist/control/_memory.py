@@ -129,8 +129,10 @@ class LocalRootChannel(ChannelLifecycle):
             raise errors[0]
 
     async def wait_until_left(self, ranks: Collection[int], timeout: float) -> None:  # noqa: ASYNC109
-        """See :meth:`RootChannel.wait_until_left`."""
-        await self._hub.registry.wait_until_left(ranks, timeout)
+        """See :meth:`RootChannel.wait_until_left`: returns at once, as the followers are
+        tasks of this process, which has no order of exits to keep (and whose channels may
+        close only after the root has returned)."""
+        await anyio.lowlevel.checkpoint()
 
     async def watch(self) -> NoReturn:
         """See :meth:`RootChannel.watch`."""
@@ -165,7 +167,6 @@ class LocalFollowerChannel(ChannelLifecycle):
                     phase=self._hub.registry.phase,
                 ),
             )
-            self._hub.registry.leave(self.rank)
 
     async def _closed(self) -> None:
         if self._relay is not None:

@@ -139,7 +139,8 @@ class RootChannel(Protocol):
 
         The root awaits it after a follower reported a failure of its own, so that the failed
         rank's process ends before the root's: a launcher that names the first process to
-        fail (torchrun's "Root Cause") then names the rank that failed, not the root.
+        fail (torchrun's "Root Cause") then names the rank that failed, not the root. The
+        in-process channel returns at once: its followers are tasks of the root's process.
         """
         ...
 
