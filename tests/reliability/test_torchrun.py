@@ -205,6 +205,10 @@ def test_with_three_ranks_the_failed_follower_is_still_the_root_cause(tmp_path: 
     stops: that follower must not exit (with the root's reason) before the culprit."""
     job = run_job(tmp_path, "--fault", "bad-shape", "--fault-rank", "2", nranks=3)
     report("wrong-shape batch on rank 2 of 3", job)
+    for other in (0, 1):
+        if job.exitcodes.get(other) != -15:  # else torchrun saw rank 2 gone and signalled it
+            exited = exit_time(tmp_path, other) - exit_time(tmp_path, 2)
+            assert exited > 0.1, (other, exited, job.explain())
     assert job.root_cause == 2, job.explain()
     assert "TrainingError: rank 2, phase 'train'" in job.last_line(2), job.explain()
 
