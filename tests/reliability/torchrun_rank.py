@@ -139,7 +139,7 @@ atexit.register(lambda: mark(ARGS.out, f"exit-{os.environ.get('RANK')}"))
 logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")  # lampdist's warnings
 try:
     anyio.run(main)
-except lampdist.Interrupted as stopped:  # Ctrl-C or SIGTERM: ended after the epoch in progress
+except lampdist.Interrupted as stopped:  # Ctrl-C or SIGTERM: stopped in order
     raise SystemExit(128 + stopped.signum) from None
 except lampdist.ConfigError as error:  # bad settings, or ranks that disagree (MismatchError)
     print(f"{type(error).__name__}: {error}", file=sys.stderr)
