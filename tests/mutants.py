@@ -527,8 +527,11 @@ MUTANTS = [
         name="failed-follower-exits-last",
         guarantee="a follower that failed on its own exits before the root (torchrun's root cause)",
         path="_roles/_root.py",
-        old="    if isinstance(failure, RankFailed) and failure.rank:\n",
-        new="    if False:\n",
+        old=(
+            "    if tracker.head_start_given or not isinstance(failure, RankFailed) or not "
+            "failure.rank:\n"
+        ),
+        new="    if True:\n",
         tests=(
             TORCHRUN + "::test_a_batch_of_the_wrong_shape_names_the_follower_as_the_root_cause",
         ),
