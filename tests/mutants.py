@@ -508,8 +508,8 @@ MUTANTS = [
         name="signal-hides-the-failure",
         guarantee="a failure is raised as it is, whatever signal follows it (torchrun)",
         path="_roles/_train.py",
-        old='    return isinstance(leaf, LampdistTimeout) and leaf.phase == "stop"\n',
-        new="    return True\n",
+        old="        if signals.received and abandoned_stop(exc):  # else a failure came first\n",
+        new="        if signals.received:\n",
         tests=(
             "tests/test_launch.py",
             TORCHRUN + "::test_a_killed_follower_is_the_roots_error_not_a_graceful_stop",

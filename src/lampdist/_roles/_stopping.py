@@ -11,12 +11,20 @@ import attrs
 from .._errors import LampdistTimeout, Phase
 from ._failures import PhaseTracker, most_telling
 
-__all__ = ["BEFORE_TRAINING", "Stopping"]
+__all__ = ["BEFORE_TRAINING", "Stopping", "abandoned_stop"]
 
 logger = logging.getLogger(__name__)
 
 BEFORE_TRAINING: frozenset[Phase] = frozenset({"join", "clique setup", "agreement"})
 """The phases before the first pass: a stop requested in one of them has nothing to drain."""
+
+
+def abandoned_stop(error: BaseException) -> bool:
+    """Whether ``error`` is a stop's own end: the run abandoned because the stop did not
+    finish within ``Timeouts.stop`` or came before training (a :class:`LampdistTimeout` in
+    phase ``'stop'``, :meth:`Stopping.timeout_error`)."""
+    leaf = most_telling(error)
+    return isinstance(leaf, LampdistTimeout) and leaf.phase == "stop"
 
 
 @attrs.define(eq=False)
@@ -99,8 +107,7 @@ class Stopping:
         broke) is the stop, not news, unless a failure was known before the stop came."""
         if not self.at_once or self.failure_first:
             return False
-        leaf = most_telling(error)
-        return not (isinstance(leaf, LampdistTimeout) and leaf.phase == "stop")
+        return not abandoned_stop(error)
 
     def check_abandoned(self) -> None:
         """Raise the stop timeout if :meth:`enforce` abandoned the run."""

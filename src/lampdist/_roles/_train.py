@@ -14,7 +14,7 @@ import anyio
 import attrs
 
 from .._effects import OptimizerFactory
-from .._errors import Interrupted, LampdistTimeout
+from .._errors import Interrupted
 from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts
 from .._preload import preload
 from .._state import LoopState
@@ -22,10 +22,11 @@ from ..checkpoint import Resumed
 from ..clique import ProcessGroups
 from ..control import FollowerChannel, RootChannel
 from ..launch import LaunchEnv, from_env
-from ._failures import most_telling, single_error
+from ._failures import single_error
 from ._follower import follow
 from ._root import drive
 from ._setup import RunOptions, check_rank
+from ._stopping import abandoned_stop
 
 __all__ = ["Interrupted", "run_until_signal", "train"]
 
@@ -94,7 +95,7 @@ async def _run_until_signal(
                 results.append(await work(signals.stop))
                 group.cancel_scope.cancel()
     except Exception as exc:
-        if signals.received and _ended_by_the_stop(exc):
+        if signals.received and abandoned_stop(exc):  # else a failure came first
             raise _interrupted(signals.received[0], rank) from exc
         raise  # a failure, whatever signal came after it: the failure is the news
     if signals.received and (done_is_interrupted or not results):  # none: a second signal
@@ -103,15 +104,6 @@ async def _run_until_signal(
         name = signal.Signals(signals.received[0]).name
         logger.info("rank %s: the root's STOP ended the run after %s", rank, name)
     return results[0]
-
-
-def _ended_by_the_stop(error: BaseException) -> bool:
-    """Whether ``error`` is the stop's own end: the run abandoned because the stop did not
-    finish within ``Timeouts.stop`` or came before training (:class:`LampdistTimeout` in
-    phase ``'stop'`` of this rank). Any other error is a failure, reported as it is even when
-    a signal followed it (torchrun signals every rank once one of them has failed)."""
-    leaf = most_telling(error)
-    return isinstance(leaf, LampdistTimeout) and leaf.phase == "stop"
 
 
 def _interrupted(signum: int, rank: int | None) -> Interrupted:
