@@ -37,7 +37,8 @@ LAYER = {name: index for index, names in enumerate(LAYERS) for name in names}
 
 ROLES_LAYERS = [
     {"_agreement", "_failures"},
-    {"_resume", "_setup", "_stopping"},
+    {"_resume", "_stopping"},
+    {"_rank"},
     {"_root", "_follower"},
     {"_local", "_train"},
     {"__init__"},

@@ -86,8 +86,8 @@ PUBLIC_NAMES = {
     ],
     "lampdist.clique": [
         "Clique",
+        "CliqueFactory",
         "CliqueId",
-        "Cliques",
         "InProcess",
         "PendingCollective",
         "ProcessGroups",
@@ -270,3 +270,15 @@ def test_every_lampdist_type_in_a_public_signature_is_public() -> None:
             for cls in _classes_in(hint):
                 if cls.__module__.startswith("lampdist"):
                     assert id(cls) in public, f"{name} names {cls.__qualname__}, not public"
+
+
+def test_the_old_name_of_clique_factory_still_works_with_a_warning() -> None:
+    """``lampdist.clique.Cliques`` was renamed ``CliqueFactory`` in 1.x: the old name goes on
+    working until 2.0, with a DeprecationWarning; other missing names still raise."""
+    import lampdist.clique
+
+    with pytest.warns(DeprecationWarning, match="CliqueFactory"):
+        old = lampdist.clique.Cliques  # type: ignore[attr-defined]  # the deprecated name
+    assert old is lampdist.clique.CliqueFactory
+    with pytest.raises(AttributeError, match="Nothing"):
+        lampdist.clique.Nothing  # type: ignore[attr-defined]  # noqa: B018  # the point

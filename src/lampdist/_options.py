@@ -217,6 +217,13 @@ class StepOptions:
                 phase="configure",
             )
 
+    @property
+    def bucket_cap_bytes(self) -> int | None:
+        """``bucket_cap_mb`` in bytes (at least 1), or ``None``: the one reading of it."""
+        if self.bucket_cap_mb is None:
+            return None
+        return max(1, int(self.bucket_cap_mb * 2**20))
+
     def agreed_fields(self) -> list[tuple[str, str]]:
         """Every field as (name, repr of its value): what ranks compare when they join."""
         return [(f.name, repr(getattr(self, f.name))) for f in attrs.fields(StepOptions)]

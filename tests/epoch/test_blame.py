@@ -13,8 +13,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import lampdist
-from lampdist._epoch import check_closure_free
-from lampdist._epoch._blame import describe_batch, describe_losses, names_every_rank
+from lampdist._epoch._blame import describe_batch, describe_losses
+from lampdist._epoch._designs import DESIGNS, Solo
+from lampdist._epoch._flat import FlatParameters
+from lampdist._epoch._shard import check_closure_free
+from lampdist._epoch._stepper import LossScale
 
 LOSSES = st.dictionaries(
     st.integers(min_value=0, max_value=40),
@@ -101,10 +104,16 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 def test_which_runs_gather_every_ranks_own_loss(
     device: torch.device, nranks: int, step_on: str, skips: bool, loss_scaling: bool, names: bool
 ) -> None:
-    got = names_every_rank(
-        device=device, nranks=nranks, step_on=step_on, skips=skips, loss_scaling=loss_scaling
+    design = (Solo if nranks == 1 else DESIGNS[step_on])(
+        rank=0,
+        nranks=nranks,
+        device=device,
+        flat=FlatParameters.create(torch.nn.Linear(2, 1), CPU),
+        options=lampdist.StepOptions(step_on=step_on, non_finite_loss="skip" if skips else "raise"),
+        stepper=None,
+        loss_scale=LossScale(enabled=loss_scaling),
     )
-    assert got == names
+    assert design.names_every_rank() == names
 
 
 class _Positional(torch.optim.SGD):

@@ -98,7 +98,7 @@ async def test_buckets_start_during_backward_in_their_fixed_order(clique: Clique
     recorder = Recorder(clique, flat)
     for parameter in flat.parameters:  # registered first: runs before the buckets' hook
         parameter.register_post_accumulate_grad_hook(recorder.hook)  # type: ignore[no-untyped-call]  # torch: unannotated
-    buckets = GradientBuckets.create(0, flat, recorder.start, bucket_cap_mb=1e-9)
+    buckets = GradientBuckets.create(0, flat, recorder.start, cap_bytes=1)
     with buckets.attached():
         buckets.arm()
         flat_input = torch.randn(5, 4)
@@ -130,7 +130,7 @@ async def test_a_parameter_without_gradient_holds_later_buckets_until_backward_e
     module = mlp([4, 8, 8, 2])
     flat = FlatParameters.create(module, torch.device("cpu"))
     recorder = Recorder(clique, flat)
-    buckets = GradientBuckets.create(0, flat, recorder.start, bucket_cap_mb=1e-9)
+    buckets = GradientBuckets.create(0, flat, recorder.start, cap_bytes=1)
     with buckets.attached():
         buckets.arm()
         # the last layer's bias (started first in the fixed order) gets no gradient
@@ -150,7 +150,7 @@ async def test_a_parameter_without_gradient_holds_later_buckets_until_backward_e
 async def test_a_second_gradient_after_its_bucket_left_is_an_error(clique: Clique) -> None:
     module = mlp([4, 8, 2])
     flat = FlatParameters.create(module, torch.device("cpu"))
-    buckets = GradientBuckets.create(0, flat, clique.start_all_reduce, bucket_cap_mb=1e-9)
+    buckets = GradientBuckets.create(0, flat, clique.start_all_reduce, cap_bytes=1)
     with buckets.attached():
         buckets.arm()
         mse(module(torch.randn(3, 4)), torch.zeros(3, 2)).backward()  # type: ignore[no-untyped-call]  # torch: unannotated
@@ -169,7 +169,7 @@ async def test_hooks_are_removed_when_the_pass_ends(clique: Clique) -> None:
         started.append(tensors[0].numel())
         return clique.start_all_reduce(tensors)
 
-    buckets = GradientBuckets.create(0, flat, start, bucket_cap_mb=1e-9)
+    buckets = GradientBuckets.create(0, flat, start, cap_bytes=1)
     with buckets.attached():
         pass
     buckets.arm()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lampdist import StepOptions, SupervisedModel
-from lampdist._epoch import FlatParameters, StepKernel, open_compute_thread
+from lampdist._epoch import StepKernel, create_design, open_compute_thread
 from lampdist.clique import in_process
 
 
@@ -142,8 +142,14 @@ async def test_the_step_kernel_refuses_to_run_on_the_event_loop() -> None:
             rank=0,
             clique=clique,
             model=model,
-            flat=FlatParameters.create(module, torch.device("cpu")),
-            options=StepOptions(),
+            design=create_design(
+                rank=0,
+                nranks=1,
+                module=module,
+                device=torch.device("cpu"),
+                options=StepOptions(),
+                optimizer_factory=lambda parameters: torch.optim.SGD(parameters, lr=0.1),
+            ),
         )
         with pytest.raises(RuntimeError, match="compute thread, not on an event loop"):
             kernel.sync_parameters()

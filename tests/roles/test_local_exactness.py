@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import typing
 from collections.abc import Callable, Iterable, Sequence
 
 import anyio
@@ -12,6 +13,7 @@ import torch
 
 import lampdist
 import lampdist._options
+from lampdist._epoch import DESIGNS
 
 from .reference import Batch, make_model, make_shards, mse, reference_training
 
@@ -310,7 +312,29 @@ def _assert_weights(
             torch.testing.assert_close(got, expected, rtol=rtol, atol=atol, msg=name)
 
 
-@pytest.mark.parametrize("step_on", ["root", "every_rank", "sharded"])
+def test_every_step_on_value_has_a_design() -> None:
+    """A design added to ``DESIGNS`` is a ``step_on`` value, and the reverse."""
+    assert set(DESIGNS) == set(typing.get_args(lampdist._options.StepOn))
+
+
+@pytest.mark.parametrize("step_on", sorted(DESIGNS))
+@pytest.mark.parametrize("bucket_cap_mb", [None, ONE_PARAMETER_PER_BUCKET])
+async def test_every_design_matches_the_single_process_reference(
+    step_on: lampdist._options.StepOn, bucket_cap_mb: float | None
+) -> None:
+    """Every design, including one added later: uneven ranks, an empty batch, accumulation,
+    AdamW; the update equals one process stepping on the concatenated batches."""
+    train = make_shards([[5, 7, 3], [6, 0, 6, 2]], seed=11)
+    initial = make_model()
+    expected, _, _ = reference_training(initial, adamw, train, None, epochs=2, accumulate=2)
+    options = lampdist.StepOptions(
+        step_on=step_on, bucket_cap_mb=bucket_cap_mb, accumulate_gradient_over_n_batches=2
+    )
+    modules = await _train_in_process(train, initial, adamw, options)
+    _assert_weights(modules, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("step_on", sorted(DESIGNS))
 @pytest.mark.parametrize("sizes", [[[5, 7, 3], [6, 6]], [[5, 7, 3], [6, 6], [4, 0, 8]]])
 async def test_clipping_matches_clip_grad_norm_in_a_plain_loop(
     sizes: list[list[int]], step_on: lampdist._options.StepOn

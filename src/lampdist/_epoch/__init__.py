@@ -2,11 +2,15 @@
 
 The pass runner (:class:`PassRunner`, on the event loop) starts each pass on the rank's
 compute thread (:class:`ComputeThread`), where the step kernel (:class:`StepKernel`) runs it
-as a plain loop over the batches that the loading thread puts into a :class:`BatchFeed`.
+as a plain loop over the batches that the loading thread puts into a :class:`BatchFeed`, each
+training step by the rank's stepping design (:class:`Design`, see ``_designs``).
 """
 
 from ._compute import ComputeThread as ComputeThread
 from ._compute import open_compute_thread as open_compute_thread
+from ._designs import DESIGNS as DESIGNS
+from ._designs import Design as Design
+from ._designs import create_design as create_design
 from ._device import host_to_device as host_to_device
 from ._feed import BatchFeed as BatchFeed
 from ._feed import LoadedBatch as LoadedBatch
@@ -17,25 +21,22 @@ from ._kernel import StepKernel as StepKernel
 from ._pass import PassRunner as PassRunner
 from ._progress import Progress as Progress
 from ._result import PassResult as PassResult
-from ._shard import check_closure_free as check_closure_free
-from ._shard import check_elementwise as check_elementwise
-from ._stepper import LossScale as LossScale
 from ._stepper import Stepper as Stepper
 
 __all__ = [
+    "DESIGNS",
     "BatchFeed",
     "ComputeThread",
+    "Design",
     "FlatParameters",
     "LoadedBatch",
-    "LossScale",
     "PassResult",
     "PassRunner",
     "PassStopped",
     "Progress",
     "StepKernel",
     "Stepper",
-    "check_closure_free",
-    "check_elementwise",
+    "create_design",
     "host_to_device",
     "open_compute_thread",
     "open_feed",

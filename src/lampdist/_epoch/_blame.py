@@ -4,8 +4,8 @@ A step's summed loss says that some rank's loss was not finite, not whose. Every
 own loss of the step before the exchange sums it, so once the summed loss has turned out not
 finite (the rare path, never a normal step) the ranks all-gather their own losses of that step
 in one extra collective, and the error or the skip warning names the ranks. Every rank must
-join that all-gather at the same point of the same step, which :func:`names_every_rank` decides
-from what every rank shares (the device type and the options):
+join that all-gather at the same point of the same step, which the design's
+``names_every_rank`` decides from what every rank shares (the device type and the options):
 
 - on the CPU, every stepping rank reads each step's summed values on the host right after the
   exchange (reading there waits for nothing), and with ``step_on="root"`` the followers read
@@ -35,7 +35,6 @@ __all__ = [
     "NonFiniteSteps",
     "describe_batch",
     "describe_losses",
-    "names_every_rank",
     "non_finite_error",
 ]
 
@@ -45,21 +44,6 @@ _SHOWN_RANKS = 8
 """Ranks a message names one by one; the rest are counted."""
 _SHOWN_ITEMS = 8
 """Items of a batch's list, tuple or dict that its description shows; the rest are counted."""
-
-
-def names_every_rank(
-    *, device: torch.device, nranks: int, step_on: str, skips: bool, loss_scaling: bool
-) -> bool:
-    """Whether every rank learns that a step's summed loss was not finite at the same point of
-    the same step, so that they can all-gather their own losses there (see the module
-    docstring): ``skips`` is the skip policy, ``loss_scaling`` float16 loss scaling."""
-    if nranks == 1:
-        return False  # nothing to gather: the summed loss is the rank's own
-    if device.type != "cuda":
-        return True
-    if step_on == "root":
-        return loss_scaling
-    return skips or loss_scaling
 
 
 def describe_losses(summed: float, losses: Mapping[int, float], *, nranks: int) -> str:
@@ -105,7 +89,7 @@ def _join(items: list[str], more: int) -> str:
 @attrs.define(eq=False)
 class NonFiniteSteps:
     """A stepping rank's handling of a step whose summed loss was not finite: find out whose
-    own loss was not (with every rank, through ``gather``, when :func:`names_every_rank`), then
+    own loss was not (with every rank, through ``gather``, where the design names every rank), then
     raise :class:`NonFiniteLoss` or log that the step is skipped, as ``policy`` says. Runs on
     the rank's compute thread, on the rare path only."""
 

@@ -118,15 +118,12 @@ class GradientBuckets:
         flat: FlatParameters,
         start: StartCollective,
         *,
-        bucket_cap_mb: float,
+        cap_bytes: int,
         whole_buffers: bool = False,
     ) -> GradientBuckets:
-        """Buckets of about ``bucket_cap_mb`` MB over ``flat``'s gradients, or with
-        ``whole_buffers`` (sharded: the buffers were cut to that size), one per buffer."""
-        if whole_buffers:
-            buckets = whole_buffer_buckets(flat)
-        else:
-            buckets = plan_buckets(flat, max(1, int(bucket_cap_mb * 2**20)))
+        """Buckets of about ``cap_bytes`` over ``flat``'s gradients, or with ``whole_buffers``
+        (sharded: the buffers were cut to that size), one per buffer."""
+        buckets = whole_buffer_buckets(flat) if whole_buffers else plan_buckets(flat, cap_bytes)
         return cls(rank=rank, flat=flat, start=start, buckets=buckets)
 
     @contextmanager

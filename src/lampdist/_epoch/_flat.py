@@ -85,13 +85,13 @@ class FlatParameters:
         *,
         gradients: bool = True,
         shards: int = 1,
-        bucket_cap_mb: float | None = None,
+        bucket_cap_bytes: int | None = None,
     ) -> FlatParameters:
         """Move ``module`` to ``device`` and lay its trainable parameters out flat, and their
         gradients too unless ``gradients`` is False (a rank alone exchanges none).
 
         With ``shards`` > 1 the buffers are laid out for that many ranks to own a slice each
-        (see the module docstring), one buffer per bucket of about ``bucket_cap_mb``."""
+        (see the module docstring), one buffer per bucket of about ``bucket_cap_bytes``."""
         module.to(device)
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
@@ -100,9 +100,8 @@ class FlatParameters:
         sharded = shards > 1
         groups: list[tuple[torch.dtype, list[torch.nn.Parameter]]] = []
         for dtype, members in by_dtype.items():
-            if sharded and bucket_cap_mb is not None:
-                cap = max(1, int(bucket_cap_mb * 2**20))
-                groups += [(dtype, bucket) for bucket in _cut(members, cap)]
+            if sharded and bucket_cap_bytes is not None:
+                groups += [(dtype, bucket) for bucket in _cut(members, bucket_cap_bytes)]
             else:
                 groups.append((dtype, members))
         parameters: list[torch.nn.Parameter] = []

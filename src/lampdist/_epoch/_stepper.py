@@ -88,20 +88,23 @@ class Stepper:
 
     @classmethod
     def create(
-        cls, rank: int, optimizer: torch.optim.Optimizer, flat: FlatParameters, options: StepOptions
+        cls,
+        rank: int,
+        optimizer: torch.optim.Optimizer,
+        flat: FlatParameters,
+        options: StepOptions,
+        loss_scale: LossScale,
+        *,
+        shard: ShardedOptimizer | None = None,
     ) -> Stepper:
-        """A stepper for ``optimizer``, whose current learning rates are the base ones; over
-        ``flat``'s slice for rank ``rank`` when ``flat`` is sharded."""
-        shard = None
-        if flat.shards > 1:
-            shard = ShardedOptimizer.create(rank, optimizer, flat)
-            optimizer = shard.optimizer
+        """A stepper for ``optimizer``, whose current learning rates are the base ones (with
+        ``shard``: the rank's slice optimizer, ``shard.optimizer``)."""
         return cls(
             rank=rank,
             optimizer=optimizer,
             flat=flat,
             options=options,
-            loss_scale=LossScale(enabled=options.autocast_dtype == torch.float16),
+            loss_scale=loss_scale,
             base_lrs=[float(group["lr"]) for group in optimizer.param_groups],
             shard=shard,
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from functools import partial
 
 import anyio
 import attrs
@@ -12,13 +13,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from .._device import resolve_device
 from .._effects import OptimizerFactory
-from .._epoch import (
-    ComputeThread,
-    FlatParameters,
-    PassRunner,
-    Stepper,
-    open_compute_thread,
-)
+from .._epoch import PassRunner
 from .._errors import (
     CliqueError,
     CliqueTimeout,
@@ -31,7 +26,7 @@ from .._errors import (
 )
 from .._options import ModelWithData, StepOptions, Timeouts
 from .._preload import preload
-from ..clique import Cliques, ProcessGroups
+from ..clique import CliqueFactory
 from ..control import Command, CommandKind, FollowerChannel
 from ._failures import (
     CULPRIT_TIMEOUT,
@@ -40,18 +35,9 @@ from ._failures import (
     describe,
     find_culprit,
     most_telling,
-    single_error,
     watch_peers,
 )
-from ._setup import (
-    RunOptions,
-    agree_and_sync,
-    check_rank,
-    create_flat,
-    create_stepper,
-    open_runner,
-)
-from ._stopping import Stopping
+from ._rank import RankContext, RunOptions, check_optimizer_factory, check_rank, open_rank
 
 __all__ = ["follow", "follow_distributed_training"]
 
@@ -75,7 +61,7 @@ async def follow_distributed_training(
     step: StepOptions = StepOptions(),
     timeouts: Timeouts = Timeouts(),
     stop: anyio.Event | None = None,
-    cliques: Cliques | None = None,
+    cliques: CliqueFactory | None = None,
 ) -> None:
     """Follow a data-parallel training run as rank ``rank`` (1..nranks-1) until the root stops it.
 
@@ -118,62 +104,14 @@ async def follow(
 ) -> None:
     """Rank ``rank``'s run as :func:`follow_distributed_training` describes it, for this
     package's entry points: the device resolved, the options built once."""
-    optimizer_factory, step, timeouts = run.optimizer_factory, run.step, run.timeouts
-    stop, cliques = run.stop, run.cliques
-    if step.step_on != "root" and optimizer_factory is None:
-        raise ConfigError(
-            f"step_on={step.step_on!r} needs optimizer_factory on the followers too: pass the "
-            "root's",
-            rank=rank,
-            phase="configure",
-        )
-    async with open_compute_thread(rank, torch_device) as compute:
-        # On the compute thread: the control channel must keep answering meanwhile.
-        flat = await compute.run(create_flat, data.model.module, torch_device, nranks, step)
-        stepper = None
-        if step.step_on != "root":
-            assert optimizer_factory is not None
-            stepper = await compute.run(create_stepper, rank, optimizer_factory, flat, step)
-        tracker = PhaseTracker("join")
-        stopping = Stopping(stop, timeouts.stop, rank=rank)
+    check_optimizer_factory(rank, run)
+    async with open_rank(rank, nranks, torch_device, data, run) as context:
+        follower = _Follower(context=context, control=control)
         send, receive = anyio.create_memory_object_stream[Command](math.inf)
-        follower = _Follower(
-            rank=rank,
-            nranks=nranks,
-            device=torch_device,
-            control=control,
-            data=data,
-            step=step,
-            timeouts=timeouts,
-            cliques=cliques or ProcessGroups(),
-            compute=compute,
-            flat=flat,
-            stepper=stepper,
-            tracker=tracker,
-            stopping=stopping,
-        )
-        with single_error():
-            async with anyio.create_task_group() as group, receive:
-                group.start_soon(watch_peers, control.watch, tracker)
-                if stop is not None:
-                    group.start_soon(stopping.enforce, tracker)
-                try:
-                    with stopping.scope:
-                        await follower.run(receive, send)
-                    stopping.check_abandoned()
-                except Exception as exc:
-                    leaf = most_telling(exc)
-                    if isinstance(leaf, CliqueError | CliqueTimeout):
-                        culprit = await _find_culprit(receive, control, tracker)
-                        if culprit is not None:
-                            raise culprit from leaf
-                    if not tracker.reported and _root_must_hear(leaf):
-                        # Only an original error: a failed or timed-out collective here is the
-                        # consequence of a failure elsewhere, and the root must not blame us.
-                        with anyio.CancelScope(shield=True):
-                            await _report(control, tracker.current, exc)
-                    raise
-                group.cancel_scope.cancel()
+        with receive:
+            watch = partial(watch_peers, control.watch, context.tracker)
+            async with context.supervised(watch, partial(follower.tell_root, receive)):
+                await follower.run(receive, send)
 
 
 async def _report(control: FollowerChannel, phase: Phase, error: BaseException) -> None:
@@ -220,27 +158,20 @@ async def _find_culprit(
 class _Follower:
     """One run of a follower, from joining to STOP."""
 
-    rank: int
-    nranks: int
-    device: torch.device
+    context: RankContext
     control: FollowerChannel
-    data: ModelWithData
-    step: StepOptions
-    timeouts: Timeouts
-    cliques: Cliques
-    compute: ComputeThread
-    flat: FlatParameters
-    stepper: Stepper | None
-    tracker: PhaseTracker
-    stopping: Stopping
+
+    @property
+    def tracker(self) -> PhaseTracker:
+        return self.context.tracker
 
     async def run(
         self,
         commands: MemoryObjectReceiveStream[Command],
         send: anyio.abc.ObjectSendStream[Command],
     ) -> None:
-        clique_id = await self.control.join(send, timeout=self.timeouts.join)
-        async with open_runner(self, clique_id, rank=self.rank) as runner:
+        clique_id = await self.control.join(send, timeout=self.context.timeouts.join)
+        async with self.context.open_clique(clique_id) as runner:
             try:
                 await self._follow_commands(runner, commands)
             except Exception as exc:
@@ -252,13 +183,31 @@ class _Follower:
                 self.tracker.reported = True
                 raise
 
+    async def tell_root(
+        self, commands: MemoryObjectReceiveStream[Command], error: BaseException
+    ) -> None:
+        """Whatever ended the run (``error``): after a failed collective, the root's reason
+        or the channel's word that the root vanished (raised instead, chained); else this
+        rank's own error goes to the root, unless it already has it or it is the consequence
+        of a failure elsewhere."""
+        if not isinstance(error, Exception):
+            return
+        leaf = most_telling(error)
+        if isinstance(leaf, CliqueError | CliqueTimeout):
+            culprit = await _find_culprit(commands, self.control, self.tracker)
+            if culprit is not None:
+                raise culprit from leaf
+        if not self.tracker.reported and _root_must_hear(leaf):
+            # Only an original error: a failed or timed-out collective here is the
+            # consequence of a failure elsewhere, and the root must not blame us.
+            with anyio.CancelScope(shield=True):
+                await _report(self.control, self.tracker.current, error)
+
     async def _follow_commands(
         self, runner: PassRunner, commands: MemoryObjectReceiveStream[Command]
     ) -> None:
-        tracker, data = self.tracker, self.data
-        validates = data.validation_batches is not None
-        await agree_and_sync(runner, self.flat, self.step, validates=validates, tracker=tracker)
-        tracker.current = "wait for command"
+        await self.context.agree_and_sync(runner)
+        self.tracker.current = "wait for command"
         try:
             await self._run_commands(runner, commands)
         finally:
@@ -267,13 +216,13 @@ class _Follower:
     async def _run_commands(
         self, runner: PassRunner, commands: MemoryObjectReceiveStream[Command]
     ) -> None:
-        tracker, data = self.tracker, self.data
+        tracker, data = self.tracker, self.context.data
         async for command in commands:
             if command.kind is CommandKind.STOP:
                 if command.error is not None:
                     raise RankFailed(command.error, rank=0, phase="stop")
                 tracker.current = "stop"
-                self.stopping.reached.set()
+                self.context.stopping.reached.set()
                 await runner.sync_parameters()
                 return
             tracker.epoch = command.epoch

@@ -22,8 +22,8 @@ from ..clique import in_process
 from ..control import local_channels
 from ._failures import single_error
 from ._follower import follow
+from ._rank import RunOptions
 from ._root import drive
-from ._setup import RunOptions
 
 __all__ = ["local_data_parallel_training_loop"]
 

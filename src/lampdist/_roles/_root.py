@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from typing import Any
 
 import anyio
@@ -12,31 +13,19 @@ import torch
 
 from .._device import resolve_device
 from .._effects import EpochOutcome, OptimizerFactory
-from .._epoch import (
-    ComputeThread,
-    FlatParameters,
-    PassRunner,
-    Stepper,
-    open_compute_thread,
-)
-from .._errors import (
-    CheckpointError,
-    CliqueError,
-    CliqueTimeout,
-    ConfigError,
-    LampdistError,
-    RankFailed,
-)
+from .._epoch import PassRunner
+from .._errors import CheckpointError, CliqueError, CliqueTimeout, LampdistError, RankFailed
 from .._loop import epochs
 from .._model import original_module
 from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts, check_monitors
 from .._preload import preload
 from .._state import LoopState, TrainingState
 from ..checkpoint import Resumed, check_before_training
-from ..clique import Cliques, ProcessGroups, in_process
+from ..clique import CliqueFactory
 from ..control import Command, CommandKind, RootChannel
 from ..schedules import LearningRateSchedule
-from ._failures import PhaseTracker, describe, find_culprit, most_telling, single_error, watch_peers
+from ._failures import PhaseTracker, describe, find_culprit, most_telling, watch_peers
+from ._rank import RankContext, RunOptions, check_optimizer_factory, check_rank, open_rank
 from ._resume import (
     check_schedule_state,
     fitting_model_state,
@@ -44,14 +33,6 @@ from ._resume import (
     load_optimizer_state,
     restore_rng,
     resumed_schedule_state,
-)
-from ._setup import (
-    RunOptions,
-    agree_and_sync,
-    check_rank,
-    create_flat,
-    create_stepper,
-    open_runner,
 )
 from ._stopping import Stopping
 
@@ -82,7 +63,7 @@ async def drive_distributed_training(
     timeouts: Timeouts = Timeouts(),
     resume: Resumed | None = None,
     stop: anyio.Event | None = None,
-    cliques: Cliques | None = None,
+    cliques: CliqueFactory | None = None,
 ) -> LoopState:
     """Drive a data-parallel training run as the root (rank 0) and return the final loop state.
 
@@ -143,10 +124,7 @@ async def drive(
 ) -> LoopState:
     """The root's run as :func:`drive_distributed_training` describes it, for this package's
     entry points: the device resolved, the options built once."""
-    optimizer_factory, step, timeouts = run.optimizer_factory, run.step, run.timeouts
-    stop, cliques = run.stop, run.cliques
-    if optimizer_factory is None:
-        raise ConfigError("the root needs an optimizer_factory", rank=0, phase="configure")
+    check_optimizer_factory(0, run)
     lr_state = resumed_schedule_state(loop.learning_rate_schedule, resume)
     check_monitors(loop, data)
     if resume is not None and loop.max_epochs <= resume.epoch:
@@ -158,69 +136,12 @@ async def drive(
             extra={"rank": 0},
         )
     await check_before_training(loop.checkpoint_state, resume)
-    if cliques is None:
-        # A root alone has nothing to exchange: an in-process clique of one rank, with no
-        # process group, store or thread behind it.
-        cliques = (
-            in_process([torch_device], collective_timeout=timeouts.collective)
-            if nranks == 1
-            else ProcessGroups()
-        )
-    async with open_compute_thread(0, torch_device) as compute:
-        # On the compute thread, with every other torch operation of this rank: moving the
-        # model and building the optimizer can take seconds, and the control channel must
-        # keep answering meanwhile. A root alone exchanges nothing: no gradient buffers.
-        flat = await compute.run(create_flat, data.model.module, torch_device, nranks, step)
-        stepper = await compute.run(create_stepper, 0, optimizer_factory, flat, step)
-        tracker = PhaseTracker("join")
-        stopping = Stopping(stop, timeouts.stop, rank=0)
-        root = _Root(
-            nranks=nranks,
-            device=torch_device,
-            control=control,
-            data=data,
-            loop=loop,
-            step=step,
-            timeouts=timeouts,
-            cliques=cliques,
-            compute=compute,
-            flat=flat,
-            stepper=stepper,
-            tracker=tracker,
-            stopping=stopping,
-            resume=resume,
-            lr_state=lr_state,
-        )
+    async with open_rank(0, nranks, torch_device, data, run) as context:
+        root = _Root(context=context, control=control, loop=loop, resume=resume, lr_state=lr_state)
+        tracker, stopping = context.tracker, context.stopping
         try:
-            with single_error():
-                async with anyio.create_task_group() as group:
-                    group.start_soon(_watch, control, tracker)
-                    if stop is not None:
-                        group.start_soon(stopping.enforce, tracker)
-                    try:
-                        with stopping.scope:
-                            state = await root.run()
-                        stopping.check_abandoned()
-                    except Exception as exc:
-                        leaf = most_telling(exc)
-                        culprit = None
-                        if isinstance(leaf, CliqueError | CliqueTimeout):
-                            culprit = await find_culprit(control.watch, tracker)
-                        with anyio.CancelScope(shield=True):
-                            await _let_exit_first(control, tracker, culprit or leaf)
-                            if not tracker.reported:
-                                await _abort_followers(control, tracker, culprit or exc)
-                        if culprit is not None:
-                            raise culprit from leaf
-                        raise
-                    except BaseException as exc:
-                        with anyio.CancelScope(shield=True):
-                            await _let_exit_first(control, tracker, tracker.cause)
-                            if not tracker.reported:
-                                reason = _why(exc, tracker, stopping)
-                                await _abort_followers(control, tracker, reason)
-                        raise
-                    group.cancel_scope.cancel()
+            async with context.supervised(partial(_watch, control, tracker), root.tell_followers):
+                state = await root.run()
         except Exception as exc:
             if stopping.ended_it(exc):
                 raise stopping.timeout_error() from exc
@@ -312,19 +233,9 @@ async def _abort_followers(
 class _Root:
     """One run of the root, from the rendezvous to STOP: the effects the epoch loop awaits."""
 
-    nranks: int
-    device: torch.device
+    context: RankContext
     control: RootChannel
-    data: ModelWithData
     loop: LoopOptions
-    step: StepOptions
-    timeouts: Timeouts
-    cliques: Cliques
-    compute: ComputeThread
-    flat: FlatParameters
-    stepper: Stepper
-    tracker: PhaseTracker
-    stopping: Stopping
     resume: Resumed | None
     lr_state: Any
     runner: PassRunner | None = None
@@ -334,41 +245,42 @@ class _Root:
     epoch: int = -1
     unsaved: tuple[LoopState, Any] | None = None  # the last epoch, if the interval skipped it
 
+    @property
+    def tracker(self) -> PhaseTracker:
+        return self.context.tracker
+
+    @property
+    def data(self) -> ModelWithData:
+        return self.context.data
+
     async def run(self) -> LoopState:
         """Restore, rendezvous, open the clique, agree, run the epochs, stop."""
+        context, control = self.context, self.control
         loop_state = None
         if self.resume is not None:
-            self.best_model_state = await self.compute.run(self._restore, self.resume)
+            self.best_model_state = await context.compute.run(self._restore, self.resume)
             loop_state = self.resume.training_state.loop_state
         self.epoch = (loop_state.epoch if loop_state is not None else 0) - 1
-        async with self.cliques.rendezvous(self.nranks) as clique_id:
-            await self.control.publish_clique_id(clique_id)
-            await self.control.wait_for_peers(self.nranks - 1, self.timeouts.join)
-            async with open_runner(self, clique_id, rank=0, on_event=self.loop.on_event) as runner:
+        async with context.cliques.rendezvous(context.nranks) as clique_id:
+            await control.publish_clique_id(clique_id)
+            await control.wait_for_peers(context.nranks - 1, context.timeouts.join)
+            async with context.open_clique(clique_id, on_event=self.loop.on_event) as runner:
                 self.runner = runner
                 try:
-                    validates = self.data.validation_batches is not None
-                    await agree_and_sync(
-                        runner,
-                        self.flat,
-                        self.step,
-                        validates=validates,
-                        tracker=self.tracker,
-                        resume=self.resume,
-                    )
+                    await context.agree_and_sync(runner, resume=self.resume)
                     if self.resume is not None and self.resume.rng_states is not None:
-                        await self.compute.run(restore_rng, self.resume.rng_states)
+                        await context.compute.run(restore_rng, self.resume.rng_states)
                     self.last_checkpoint = time.monotonic()
                     try:
                         final = await self._epochs(loop_state)
                     finally:
                         runner.close()
                     self.tracker.current = "stop"
-                    self.stopping.reached.set()
+                    context.stopping.reached.set()
                     if self.best_model_state is not None:
                         module = original_module(self.data.model.module)
-                        await self.compute.run(module.load_state_dict, self.best_model_state)
-                    await self.control.broadcast(
+                        await context.compute.run(module.load_state_dict, self.best_model_state)
+                    await control.broadcast(
                         Command(
                             kind=CommandKind.STOP, epoch=final.epoch, pass_index=self.pass_index
                         )
@@ -379,12 +291,36 @@ class _Root:
                     # reason rather than see the clique break.
                     if not isinstance(most_telling(exc), CliqueError | CliqueTimeout):
                         with anyio.CancelScope(shield=True):
-                            await _let_exit_first(self.control, self.tracker, self.tracker.cause)
-                            reason = _why(exc, self.tracker, self.stopping)
-                            await _abort_followers(self.control, self.tracker, reason)
+                            await _let_exit_first(control, self.tracker, self.tracker.cause)
+                            reason = _why(exc, self.tracker, context.stopping)
+                            await _abort_followers(control, self.tracker, reason)
                         self.tracker.reported = True
                     raise
         return final
+
+    async def tell_followers(self, error: BaseException) -> None:
+        """Whatever ended the run (``error``): tell the followers that still listen why, unless
+        they know, after letting a follower that failed on its own exit first; a failed
+        collective is blamed on the follower that the control channel names, if one does
+        (raised instead of ``error``, chained)."""
+        control, tracker = self.control, self.tracker
+        if not isinstance(error, Exception):  # a cancellation: the watch's, the stop's, ours
+            with anyio.CancelScope(shield=True):
+                await _let_exit_first(control, tracker, tracker.cause)
+                if not tracker.reported:
+                    reason = _why(error, tracker, self.context.stopping)
+                    await _abort_followers(control, tracker, reason)
+            return
+        leaf = most_telling(error)
+        culprit = None
+        if isinstance(leaf, CliqueError | CliqueTimeout):
+            culprit = await find_culprit(control.watch, tracker)
+        with anyio.CancelScope(shield=True):
+            await _let_exit_first(control, tracker, culprit or leaf)
+            if not tracker.reported:
+                await _abort_followers(control, tracker, culprit or error)
+        if culprit is not None:
+            raise culprit from leaf
 
     async def _epochs(self, loop_state: LoopState | None) -> LoopState:
         loop = self.loop
@@ -397,7 +333,9 @@ class _Root:
             checkpoint_state=self._checkpoint if loop.checkpoint_state is not None else None,
             validation_frequency=loop.validation_frequency,
             return_min_validation_loss_model=loop.return_min_validation_loss_model,
-            learning_rate_schedule=_UntilStopped(loop.learning_rate_schedule, self.stopping),
+            learning_rate_schedule=_UntilStopped(
+                loop.learning_rate_schedule, self.context.stopping
+            ),
             init_state=loop_state,
             learning_rate_schedule_init_state=self.lr_state,
             validation_loss_exponential_smoothing_factor=(
@@ -414,12 +352,14 @@ class _Root:
         """Load the checkpointed model and optimizer (the compute thread); the best model."""
         state, module = resume.training_state, self.data.model.module
         load_model_state(module, state.model_state, path=resume.path)
-        load_optimizer_state(self.stepper, state.optimizer_state, path=resume.path)
+        stepper = self.context.design.stepper
+        assert stepper is not None  # the root steps in every design
+        load_optimizer_state(stepper, state.optimizer_state, path=resume.path)
         if state.best_model_state is None:
             return None
         best = state.best_model_state
         best = fitting_model_state(module, best, path=resume.path, what="best-model")
-        return _snapshot(best, self.device)
+        return _snapshot(best, self.context.device)
 
     async def _train_epoch(self, lr_factor: float) -> EpochOutcome:
         assert self.runner is not None
@@ -454,8 +394,8 @@ class _Root:
 
     async def _save_best(self) -> None:
         module = original_module(self.data.model.module)
-        self.best_model_state = await self.compute.run(
-            lambda: _snapshot(module.state_dict(), self.device)
+        self.best_model_state = await self.context.compute.run(
+            lambda: _snapshot(module.state_dict(), self.context.device)
         )
 
     async def _checkpoint(self, state: LoopState, lr_state: Any) -> None:
@@ -476,7 +416,7 @@ class _Root:
         parts = await runner.checkpoint_parts()
         assert parts is not None  # on the root
         module = original_module(self.data.model.module)
-        model_state = await self.compute.run(module.state_dict)
+        model_state = await self.context.compute.run(module.state_dict)
         training_state = TrainingState(
             loop_state=state,
             model_state=model_state,
@@ -502,7 +442,11 @@ class _Root:
         checkpoint, and always after the last epoch and when a stop was requested (an epoch
         skipped here is still saved if the loop then ends: see :meth:`_epochs`)."""
         interval = self.loop.checkpoint_interval
-        if interval is None or state.epoch >= self.loop.max_epochs or self.stopping.requested():
+        if (
+            interval is None
+            or state.epoch >= self.loop.max_epochs
+            or self.context.stopping.requested()
+        ):
             return True
         return time.monotonic() - self.last_checkpoint >= interval
 

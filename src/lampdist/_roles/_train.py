@@ -24,8 +24,8 @@ from ..control import FollowerChannel, RootChannel
 from ..launch import LaunchEnv, from_env
 from ._failures import single_error
 from ._follower import follow
+from ._rank import RunOptions, check_rank
 from ._root import drive
-from ._setup import RunOptions, check_rank
 from ._stopping import abandoned_stop
 
 __all__ = ["Interrupted", "run_until_signal", "train"]

@@ -12,16 +12,16 @@ from .._clique_id import CliqueId as CliqueId
 from ._bridge import PendingCollective as PendingCollective
 from ._clique import Clique as Clique
 from ._clique import open_clique as open_clique
-from ._cliques import Cliques as Cliques
-from ._cliques import InProcess as InProcess
-from ._cliques import ProcessGroups as ProcessGroups
-from ._cliques import in_process as in_process
+from ._factories import CliqueFactory as CliqueFactory
+from ._factories import InProcess as InProcess
+from ._factories import ProcessGroups as ProcessGroups
+from ._factories import in_process as in_process
 from ._rendezvous import serve_rendezvous as serve_rendezvous
 
 __all__ = [
     "Clique",
+    "CliqueFactory",
     "CliqueId",
-    "Cliques",
     "InProcess",
     "PendingCollective",
     "ProcessGroups",
@@ -29,3 +29,18 @@ __all__ = [
     "open_clique",
     "serve_rendezvous",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``Cliques``, the old name of :class:`CliqueFactory`, with a deprecation warning."""
+    if name == "Cliques":
+        import warnings
+
+        warnings.warn(
+            "lampdist.clique.Cliques is now lampdist.clique.CliqueFactory; the old name goes "
+            "in 2.0",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return CliqueFactory
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import NoReturn
 
 import anyio
@@ -62,6 +62,12 @@ class Notifier:
         if self._event is None:
             self._event = anyio.Event()
         await self._event.wait()
+
+    async def raise_failure(self, failure: Callable[[], LampdistError | None]) -> NoReturn:
+        """Wait until ``failure()`` returns an error, then raise a copy of it."""
+        while (error := failure()) is None:
+            await self.wait()
+        raise copy_error(error)
 
 
 @attrs.define(eq=False)
@@ -226,9 +232,7 @@ class RootRegistry:
 
     async def watch(self) -> NoReturn:
         """See :meth:`RootChannel.watch`."""
-        while self.first_failure is None:
-            await self.changed.wait()
-        raise copy_error(self.first_failure)
+        await self.changed.raise_failure(lambda: self.first_failure)
 
 
 @attrs.define(eq=False)
@@ -255,9 +259,7 @@ class FollowerState:
 
     async def watch(self) -> NoReturn:
         """See :meth:`FollowerChannel.watch`."""
-        while self.failure is None:
-            await self.changed.wait()
-        raise copy_error(self.failure)
+        await self.changed.raise_failure(lambda: self.failure)
 
 
 @attrs.define(eq=False)

@@ -16,13 +16,14 @@ from ._clique import Clique, open_clique
 from ._local import LocalHub
 from ._rendezvous import serve_rendezvous
 
-__all__ = ["Cliques", "InProcess", "ProcessGroups", "in_process"]
+__all__ = ["CliqueFactory", "InProcess", "ProcessGroups", "in_process"]
 
 _SETUP: Phase = "clique setup"
 
 
-class Cliques(Protocol):
-    """Where the ranks of a run get their clique. The root calls :meth:`rendezvous` once and
+class CliqueFactory(Protocol):
+    """Where the ranks of a run get their clique (process groups, or the ranks of one
+    process). The root calls :meth:`rendezvous` once and
     publishes the id on the control channel; every rank then calls :meth:`open`."""
 
     def rendezvous(self, nranks: int) -> AbstractAsyncContextManager[CliqueId]:

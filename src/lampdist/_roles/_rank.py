@@ -1,0 +1,216 @@
+"""One rank's context: what the root and a follower share, built once by :func:`open_rank`.
+
+A :class:`RankContext` holds the rank's place (rank, clique size, device), its data, the one
+:class:`RunOptions` value of the entry point (each component reads its own section of it), the
+compute thread, the stepping design (see ``lampdist._epoch._designs``), where its cliques come
+from, its phase tracker and its graceful stop. The roles are thin on top of it: the root
+rendezvouses and drives the epochs, a follower joins and runs commands; both open their
+clique (:meth:`RankContext.open_clique`), agree and sync (:meth:`RankContext.agree_and_sync`)
+and run under the same supervision (:meth:`RankContext.supervised`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager
+from functools import partial
+
+import anyio
+import attrs
+import torch
+
+from .._effects import OnPassEvent, OptimizerFactory
+from .._epoch import (
+    DESIGNS,
+    ComputeThread,
+    Design,
+    PassRunner,
+    StepKernel,
+    create_design,
+    open_compute_thread,
+)
+from .._errors import ConfigError
+from .._metric import metric_layout
+from .._options import ModelWithData, StepOptions, Timeouts
+from ..checkpoint import Resumed
+from ..clique import CliqueFactory, CliqueId, ProcessGroups, in_process
+from ._agreement import agree
+from ._failures import PhaseTracker, single_error
+from ._stopping import Stopping
+
+__all__ = [
+    "RankContext",
+    "RunOptions",
+    "check_optimizer_factory",
+    "check_rank",
+    "open_rank",
+]
+
+
+@attrs.frozen
+class RunOptions:
+    """What every rank of one entry-point call is given besides its place in the run (rank,
+    device, channel, data): built once by each entry point and handed down whole, so that a
+    setting added here reaches every role. The fields' types differ pairwise, so a
+    positional construction that mixes them up is a type error."""
+
+    optimizer_factory: OptimizerFactory | None
+    step: StepOptions
+    timeouts: Timeouts
+    stop: anyio.Event | None
+    cliques: CliqueFactory | None
+
+
+def check_rank(rank: int, nranks: int) -> None:
+    """Raise :class:`ConfigError` unless ``0 <= rank < nranks``."""
+    if nranks < 1:
+        raise ConfigError(f"nranks must be >= 1 (every rank, the root included), got {nranks}")
+    if not 0 <= rank < nranks:
+        raise ConfigError(f"rank must be in 0..{nranks - 1} for nranks={nranks}, got {rank}")
+
+
+def check_optimizer_factory(rank: int, options: RunOptions) -> None:
+    """Raise :class:`ConfigError` when rank ``rank`` steps (the root; every rank of a design
+    whose followers step) and ``options`` has no optimizer factory."""
+    if options.optimizer_factory is not None:
+        return
+    if rank == 0:
+        raise ConfigError("the root needs an optimizer_factory", rank=0, phase="configure")
+    step_on = options.step.step_on
+    if DESIGNS[step_on].followers_step:
+        raise ConfigError(
+            f"step_on={step_on!r} needs optimizer_factory on the followers too: pass the root's",
+            rank=rank,
+            phase="configure",
+        )
+
+
+@attrs.define(eq=False)
+class RankContext:
+    """What the root and a follower share for one run (see the module docstring)."""
+
+    rank: int
+    nranks: int
+    device: torch.device
+    data: ModelWithData
+    options: RunOptions
+    compute: ComputeThread
+    design: Design
+    cliques: CliqueFactory
+    tracker: PhaseTracker = attrs.field(factory=lambda: PhaseTracker("join"))
+    stopping: Stopping = attrs.field()
+
+    @stopping.default
+    def _default_stopping(self) -> Stopping:
+        return Stopping(self.options.stop, self.options.timeouts.stop, rank=self.rank)
+
+    @property
+    def timeouts(self) -> Timeouts:
+        """The run's deadlines."""
+        return self.options.timeouts
+
+    @asynccontextmanager
+    async def open_clique(
+        self, clique_id: CliqueId, *, on_event: OnPassEvent | None = None
+    ) -> AsyncIterator[PassRunner]:
+        """The rank's clique (phase ``'clique setup'``), within ``timeouts.setup``, and the
+        pass runner over it, both closed with the block. Raises the clique's errors."""
+        self.tracker.current = "clique setup"
+        async with self.cliques.open(
+            rank=self.rank,
+            nranks=self.nranks,
+            device=self.device,
+            clique_id=clique_id,
+            setup_timeout=self.timeouts.setup,
+            collective_timeout=self.timeouts.collective,
+        ) as clique:
+            kernel = StepKernel(
+                rank=self.rank, clique=clique, model=self.data.model, design=self.design
+            )
+            yield PassRunner(kernel=kernel, compute=self.compute, on_event=on_event)
+
+    async def agree_and_sync(self, runner: PassRunner, *, resume: Resumed | None = None) -> None:
+        """What every rank does, in the same order, once its clique is open: :func:`agree`
+        (phase ``'agreement'``), then take the root's parameters and buffers, the optimizer
+        state its design starts from (see :meth:`Design.sync_optimizer_state`), and its part
+        of the checkpoint the root resumes from (``resume``, the root's): its place in its
+        training data and, when the root restores RNG states, its own.
+
+        Raises :class:`MismatchError` as :func:`agree` does, and the clique's errors.
+        """
+        self.tracker.current = "agreement"
+        data, flat, step = self.data, self.design.flat, self.options.step
+        validates = data.validation_batches is not None
+        metrics = metric_layout(data.model.metrics)
+        await runner.run(partial(agree, runner.clique, flat, step, validates, metrics))
+        await runner.sync_parameters()
+        await runner.sync_optimizer_state()
+        rank_states = resume.training_state.rank_states if resume is not None else None
+        restore_rng = resume is not None and resume.rng_states is not None
+        await runner.resume_ranks(rank_states, restore_rng=restore_rng)
+
+    @asynccontextmanager
+    async def supervised(
+        self,
+        watch: Callable[[], Coroutine[object, object, None]],
+        on_error: Callable[[BaseException], Awaitable[None]],
+    ) -> AsyncIterator[None]:
+        """Run the block beside ``watch`` (which raises when a peer fails, cancelling it) and
+        the graceful stop's deadline (:meth:`Stopping.enforce`); raise the stop's timeout when
+        the stop abandoned the run. ``on_error`` is awaited with the block's error, beside the
+        watch still, before the error is raised (a role tells its peers there). One error
+        comes out, not a group (see :func:`single_error`)."""
+        with single_error():
+            async with anyio.create_task_group() as group:
+                group.start_soon(watch)
+                if self.stopping.stop is not None:
+                    group.start_soon(self.stopping.enforce, self.tracker)
+                try:
+                    with self.stopping.scope:
+                        yield
+                    self.stopping.check_abandoned()
+                except BaseException as exc:
+                    await on_error(exc)
+                    raise
+                group.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def open_rank(
+    rank: int, nranks: int, device: torch.device, data: ModelWithData, options: RunOptions
+) -> AsyncIterator[RankContext]:
+    """Rank ``rank``'s context (see :class:`RankContext`): its compute thread, and on it the
+    design for ``options.step`` (the model moved to ``device`` and laid out flat, the
+    optimizer built where the rank steps: that can take seconds, and the control channel
+    must keep answering meanwhile). Without ``options.cliques``, a rank alone gets an in-process
+    clique of one rank (no process group, store or thread behind it), and a clique of
+    several ranks process groups. Raises :class:`ConfigError` as :func:`create_design`
+    does."""
+    cliques = options.cliques
+    if cliques is None:
+        collective = options.timeouts.collective
+        cliques = (
+            in_process([device], collective_timeout=collective) if nranks == 1 else ProcessGroups()
+        )
+    async with open_compute_thread(rank, device) as compute:
+        design = await compute.run(
+            partial(
+                create_design,
+                rank=rank,
+                nranks=nranks,
+                module=data.model.module,
+                device=device,
+                options=options.step,
+                optimizer_factory=options.optimizer_factory,
+            )
+        )
+        yield RankContext(
+            rank=rank,
+            nranks=nranks,
+            device=device,
+            data=data,
+            options=options,
+            compute=compute,
+            design=design,
+            cliques=cliques,
+        )
