@@ -328,9 +328,13 @@ async def run_lampdist(spec: RunSpec, workload: Workload, device: torch.device) 
 
     # The start of the timed steps, taken on the compute thread as the first timed batch's
     # forward begins (after the warm-up steps' device work, as the plain loop does), and the
-    # end, when the pass's last progress event reaches the event loop.
+    # end, when the pass's last progress event reaches the event loop. The hook removes
+    # itself at the start mark: the timed steps run without it, as the plain loop's do (a
+    # module with a forward hook takes nn.Module's slower call path every forward), and the
+    # last event's batch count checks the pass instead.
     marks: list[float] = []
     forwards = 0
+    passed: list[int] = []  # the last event's batches
     profiler = StepProfiler(spec)
 
     def before_forward(module: nn.Module, inputs: Any) -> None:
@@ -339,6 +343,7 @@ async def run_lampdist(spec: RunSpec, workload: Workload, device: torch.device) 
         if forwards == spec.warmup:
             synchronize(device)
             marks.append(time.perf_counter())
+            hook.remove()  # safe here: nn.Module copies its hooks before calling them
         forwards += 1
 
     events = 0
@@ -350,6 +355,7 @@ async def run_lampdist(spec: RunSpec, workload: Workload, device: torch.device) 
         if event.kind == "train" and event.done:
             synchronize(device)  # a no-op: the pass has waited for its last step
             marks.append(time.perf_counter())
+            passed.append(event.batches)
 
     hook = workload.module.register_forward_pre_hook(before_forward)
     try:
@@ -368,10 +374,11 @@ async def run_lampdist(spec: RunSpec, workload: Workload, device: torch.device) 
             )
     finally:
         hook.remove()
-    if len(marks) != 2 or forwards != total:
+    if len(marks) != 2 or forwards != spec.warmup + 1 or passed != [total]:
         raise RuntimeError(
             f"{spec.config}: expected a mark after {spec.warmup} batches and one at the end "
-            f"of the pass, got {len(marks)} after {forwards} forwards; is --steps >= 1?"
+            f"of a pass of {total} batches, got {len(marks)} after {forwards} hooked forwards "
+            f"and passes of {passed} batches; is --steps >= 1?"
         )
     start, end = marks
     return RankResult(

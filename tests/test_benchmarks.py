@@ -197,3 +197,28 @@ def test_the_ratio_to_ddp_is_the_ratio_of_the_medians(throughput: ModuleType) ->
     assert summary["lampdist"]["vs_ddp"] == pytest.approx(250 / 200)
     assert summary["lampdist"]["vs_ddp_paired"] == pytest.approx(250 / 300)  # of 3, 1/2, 5/6
     assert summary["ddp"]["vs_ddp"] is None
+
+
+def test_a_rank_alone_in_one_process_is_compared_with_the_plain_loop_and_another_tree(
+    tmp_path: Path,
+) -> None:
+    """``rank_alone.py``: the plain loop, this lampdist and another source tree (here the same
+    one under another name), each timed once, with the ratio to the plain loop."""
+    source = Path(__file__).resolve().parent.parent / "src"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "rank_alone.py"),
+            *("--steps", "4", "--warmup", "2", "--repeats", "1"),
+            *("--tree", f"again={source}", "--json", str(tmp_path / "alone.json")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    configs = json.loads((tmp_path / "alone.json").read_text())["configs"]
+    assert list(configs) == ["plain", "lampdist", "again"]
+    assert configs["plain"]["of_plain"] == 1.0
+    assert all(config["samples_per_s"] > 0 for config in configs.values())

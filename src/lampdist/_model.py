@@ -73,7 +73,9 @@ class SupervisedModel:
     def forward_loss_and_output(self, inputs: Any, target: Any) -> tuple[torch.Tensor, Any]:
         """The mean loss of one batch and the module's output it came from: one forward for
         the loss and the metrics (the module's mode and grad mode are the caller's)."""
-        if isinstance(inputs, Mapping):
+        if isinstance(inputs, torch.Tensor):  # first: a cheap check, the usual case
+            output = self.module(inputs)
+        elif isinstance(inputs, Mapping):
             output = self.module(**inputs)
         elif isinstance(inputs, tuple | list):
             output = self.module(*inputs)
@@ -86,7 +88,8 @@ class SupervisedModel:
                 f"got {type(loss).__name__}"
                 + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
             )
-        return loss.reshape(()), output
+        # A scalar already (the usual case) is returned as it is: reshaping is an operator.
+        return (loss if loss.dim() == 0 else loss.reshape(())), output
 
 
 def move_to_device(value: Any, device: torch.device) -> Any:
@@ -108,6 +111,9 @@ def move_to_device(value: Any, device: torch.device) -> Any:
 
 def check_batch(batch: object) -> tuple[Any, Any]:
     """``batch`` as ``(inputs, target)``; raises :class:`BadBatch` for anything else."""
+    if type(batch) is tuple and len(batch) == 2:  # the usual case, without the ABC check
+        first, second = batch
+        return first, second
     if not isinstance(batch, Sequence) or isinstance(batch, str | bytes) or len(batch) != 2:
         raise BadBatch(
             "a batch must be an (inputs, target) pair, "

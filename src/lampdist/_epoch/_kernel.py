@@ -41,7 +41,7 @@ from ._device import host_to_device
 from ._feed import BatchFeed, LoadedBatch, PassStopped
 from ._metrics import MetricTally
 from ._objects import gather_objects
-from ._progress import Progress
+from ._progress import Progress, ProgressFields
 from ._result import CheckpointParts, PassResult
 from ._stream import StreamPosition
 from ._tally import ReadBack, Tally
@@ -184,6 +184,7 @@ class StepKernel:
 
         batches = StepBatches(feed=feed, backward=backward, accumulate=accumulate)
         last: PassEvent | None = None
+        pass_fields = ProgressFields(epoch, "train", pass_index, total)
         with design.attached():
             planned = window if window is not None else self._planned_steps(feed)
             step = 0
@@ -205,22 +206,28 @@ class StepKernel:
                     if not more:
                         tally.drain()
                 if progress is not None:
-                    event = PassEvent(
-                        epoch=epoch,
-                        kind="train",
-                        pass_index=pass_index,
-                        step=tally.steps_read,
-                        batches=feed.batches_read - first_batch,
-                        total_batches=total,
-                        examples=tally.examples,
-                        loss=tally.loss,
-                        seconds=time.perf_counter() - started,
-                        done=not more,
-                    )
+                    seconds = time.perf_counter() - started
+                    batches_read = feed.batches_read - first_batch
                     if more:
-                        progress.publish(event)
+                        # The event itself is built on the loop, for the events it takes.
+                        progress.publish_step(
+                            pass_fields,
+                            tally.steps_read,
+                            batches_read,
+                            tally.examples,
+                            tally.loss,
+                            seconds,
+                        )
                     else:
-                        last = event  # with the pass's metrics, once they are summed
+                        # with the pass's metrics, once they are summed
+                        last = pass_fields.event(
+                            tally.steps_read,
+                            batches_read,
+                            tally.examples,
+                            tally.loss,
+                            seconds,
+                            done=True,
+                        )
         design.settle()
         values = self._sum_metrics(metrics)
         if progress is not None and last is not None:
@@ -333,8 +340,11 @@ class StepKernel:
                 with torch.no_grad(), self._autocast():
                     loss, output = self._forward(batch)
             else:
-                with self._autocast():
+                if self.design.options.autocast_dtype is None:
                     loss, output = self._forward(batch)
+                else:
+                    with self._autocast():
+                        loss, output = self._forward(batch)
                 factor = weight * self.design.loss_scale.factor
                 weighted = loss if factor == 1.0 else loss * factor
                 weighted.backward()  # type: ignore[no-untyped-call]  # torch's backward is untyped

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Literal, NamedTuple
 
 import anyio
 import attrs
@@ -29,6 +30,43 @@ PROGRESS_INTERVAL = 0.05
 """Seconds between wake-ups of the event loop for progress within a pass (20 a second)."""
 
 
+class ProgressFields(NamedTuple):
+    """What every event of one pass shares."""
+
+    epoch: int
+    kind: Literal["train", "valid"]
+    pass_index: int
+    total_batches: int | None
+
+    def event(
+        self,
+        step: int,
+        batches: int,
+        examples: int,
+        loss: float,
+        seconds: float,
+        *,
+        done: bool = False,
+    ) -> PassEvent:
+        """The pass's event with these totals so far."""
+        return PassEvent(
+            epoch=self.epoch,
+            kind=self.kind,
+            pass_index=self.pass_index,
+            step=step,
+            batches=batches,
+            total_batches=self.total_batches,
+            examples=examples,
+            loss=loss,
+            seconds=seconds,
+            done=done,
+        )
+
+
+_Step = tuple[ProgressFields, int, int, int, float, float]
+"""An event not built yet: :meth:`Progress.publish_step`'s arguments."""
+
+
 @attrs.define(eq=False)
 class Progress:
     """The newest unread event of one pass (see the module docstring). Create it on the loop.
@@ -41,9 +79,9 @@ class Progress:
 
     _schedule = attrs.field(factory=loop_scheduler, init=False, repr=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
-    _first: PassEvent | None = attrs.field(default=None, init=False)
+    _first: PassEvent | _Step | None = attrs.field(default=None, init=False)
     _published: bool = attrs.field(default=False, init=False)
-    _latest: PassEvent | None = attrs.field(default=None, init=False)
+    _latest: PassEvent | _Step | None = attrs.field(default=None, init=False)
     _wake_pending: bool = attrs.field(default=False, init=False)
     _next_wake: float = attrs.field(default=0.0, init=False)  # monotonic; 0: the first event
     _arrived: anyio.Event = attrs.field(factory=anyio.Event, init=False, repr=False)
@@ -52,13 +90,29 @@ class Progress:
 
     def publish(self, event: PassEvent) -> None:
         """Make ``event`` the newest (the compute thread); never waits for the loop."""
+        self._offer(event, event.done)
+
+    def publish_step(
+        self,
+        fields: ProgressFields,
+        step: int,
+        batches: int,
+        examples: int,
+        loss: float,
+        seconds: float,
+    ) -> None:
+        """:meth:`publish` of ``fields.event(step, batches, examples, loss, seconds)``, an
+        event not done, which is built on the loop if it is delivered (most are coalesced)."""
+        self._offer((fields, step, batches, examples, loss, seconds), False)
+
+    def _offer(self, event: PassEvent | _Step, done: bool) -> None:
         now = time.monotonic()
         with self._lock:
             if self._published:
                 self._latest = event
             else:  # the pass's first event is kept until it is delivered
                 self._first, self._published = event, True
-            if self._wake_pending or (now < self._next_wake and not event.done):
+            if self._wake_pending or (now < self._next_wake and not done):
                 return
             self._wake_pending = True
             self._next_wake = now + PROGRESS_INTERVAL
@@ -72,18 +126,23 @@ class Progress:
         while True:
             await self._arrived.wait()
             self._arrived = anyio.Event()
-            event: PassEvent | None
+            taken: PassEvent | _Step | None
             with self._lock:
                 if self._first is not None:
-                    event, self._first = self._first, None
+                    taken, self._first = self._first, None
                 else:
-                    event, self._latest = self._latest, None
+                    taken, self._latest = self._latest, None
                 if self._latest is not None:
                     self._arrived.set()  # the newest follows the first at once
                 else:
                     self._wake_pending = False
-            if event is None:
+            if taken is None:
                 continue
+            if isinstance(taken, tuple):
+                fields, step, batches, examples, loss, seconds = taken
+                event = fields.event(step, batches, examples, loss, seconds)
+            else:
+                event = taken
             await on_event(event)
             self.delivered += 1
             if event.done:

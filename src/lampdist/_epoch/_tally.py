@@ -60,6 +60,8 @@ class ReadBack:
     device: torch.device
     _ring: torch.Tensor | None = attrs.field(default=None, init=False)
     _free: list[tuple[torch.Tensor, Any]] = attrs.field(factory=list, init=False)
+    _rows: list[torch.Tensor] = attrs.field(factory=list, init=False)
+    _loss_cells: list[torch.Tensor] = attrs.field(factory=list, init=False)
 
     @property
     def ring(self) -> torch.Tensor:
@@ -67,6 +69,20 @@ class ReadBack:
         if self._ring is None:
             self._ring = torch.zeros(RING, 2, dtype=torch.float64, device=self.device)
         return self._ring
+
+    @property
+    def rows(self) -> list[torch.Tensor]:
+        """The ring's rows, as views made once (indexing the ring is an operator a step)."""
+        if not self._rows:
+            self._rows = list(self.ring.unbind())
+        return self._rows
+
+    @property
+    def loss_cells(self) -> list[torch.Tensor]:
+        """The loss sum of each of the ring's rows, as views made once."""
+        if not self._loss_cells:
+            self._loss_cells = [row[1] for row in self.rows]
+        return self._loss_cells
 
     def take(self) -> tuple[torch.Tensor, Any]:
         """A pinned ``RING x 2`` buffer and a CUDA event, reused when one is free."""
@@ -118,7 +134,7 @@ class Tally:
             examples, loss_sum = meta.tolist()[:2]
             self._count(_Entry(step, None, 1.0, own), examples, loss_sum)
             return
-        self._ring_row(meta.device).copy_(meta[:2])
+        self._read_back(meta.device).rows[len(self._entries)].copy_(meta[:2])
         self._entries.append(_Entry(step, None, 1.0, own))
 
     def submit_loss(
@@ -126,10 +142,13 @@ class Tally:
     ) -> None:
         """Count a step's loss sum, ``loss`` times ``factor``, over ``examples`` (a rank alone,
         which stepped), once it has reached the host."""
-        if loss.device.type != "cuda":
+        if not loss.is_cuda:
             self._count(_Entry(step, examples, factor), examples, loss.item())
             return
-        self._ring_row(loss.device)[1].copy_(loss)
+        read_back = self.read_back
+        if read_back is None:
+            read_back = self._read_back(loss.device)
+        read_back.loss_cells[len(self._entries)].copy_(loss)
         self._entries.append(_Entry(step, examples, factor))
 
     def poll(self) -> None:
@@ -155,10 +174,10 @@ class Tally:
             flight.event.synchronize()
             self._take(flight)
 
-    def _ring_row(self, device: torch.device) -> torch.Tensor:
+    def _read_back(self, device: torch.device) -> ReadBack:
         if self.read_back is None:
             self.read_back = ReadBack(device)
-        return self.read_back.ring[len(self._entries)]
+        return self.read_back
 
     def _flush(self) -> None:
         """Copy the ring's gathered rows to pinned memory behind an event (same stream as the

@@ -39,6 +39,16 @@ class Solo(Design):
         """A plain loop's step: the step's batches are taken first (for their example count),
         then each one's forward and backward. Returns whether the source has more batches."""
         feed = batches.feed
+        if batches.accumulate == 1:  # the common case, without the lists of the general one
+            batch = feed.next()
+            if batch is None or not batch.examples > 0:
+                more = feed.has_next()
+                tally.record(0, 0.0, counted=False)
+                return more
+            examples = batch.examples
+            loss_sum = batches.backward(batch, 1.0)  # its share of the step's examples: all
+            more = feed.has_next()  # after the backward: the next batch loaded meanwhile
+            return self._update(epoch, step, tally, more, examples, loss_sum, float(examples))
         taken: list[LoadedBatch] = []
         for _ in range(batches.accumulate):
             batch = feed.next()
@@ -51,8 +61,6 @@ class Solo(Design):
         # float64 sum of several on the device.
         losses = [batches.backward(batch, batch.examples / examples) for batch in taken]
         more = feed.has_next()  # after the backward: the next batch loaded meanwhile
-        stepper = self.stepper
-        assert stepper is not None  # a rank alone is the root
         if not losses:
             tally.record(0, 0.0, counted=False)
             return more
@@ -62,6 +70,22 @@ class Solo(Design):
             loss_sum, factor = losses[0].to(torch.float64) * taken[0].examples, 1.0
             for loss, batch in zip(losses[1:], taken[1:], strict=True):
                 loss_sum = loss_sum + loss.to(torch.float64) * batch.examples
+        return self._update(epoch, step, tally, more, examples, loss_sum, factor)
+
+    def _update(
+        self,
+        epoch: int,
+        step: int,
+        tally: Tally,
+        more: bool,
+        examples: int,
+        loss_sum: torch.Tensor,
+        factor: float,
+    ) -> bool:
+        """The optimizer step on the step's averaged gradients, whose loss sum is ``loss_sum``
+        times ``factor`` over ``examples``; returns ``more``."""
+        stepper = self.stepper
+        assert stepper is not None  # a rank alone is the root
         if stepper.needs_host_values:
             value = loss_sum.item() * factor
             if not math.isfinite(value):
