@@ -10,6 +10,7 @@ import pytest
 
 from lampdist import PassEvent
 from lampdist._epoch import Progress
+from lampdist._epoch._progress import ProgressFields
 
 
 @pytest.fixture
@@ -81,3 +82,37 @@ async def test_a_blocking_on_event_does_not_hold_up_the_publisher() -> None:
             thread.start()
     thread.join()
     assert seen == [1, 500]  # the first, then the newest once the loop was free again
+
+
+async def test_a_step_published_as_numbers_arrives_as_its_event() -> None:
+    """``publish_step`` keeps a step's numbers; the loop builds the event it delivers, each
+    number in its own field, the pass's shared fields from ``ProgressFields``."""
+    progress = Progress()
+    seen: list[PassEvent] = []
+
+    async def on_event(e: PassEvent) -> None:
+        seen.append(e)
+
+    fields = ProgressFields(epoch=3, kind="train", pass_index=7, total_batches=40)
+
+    def publish() -> None:
+        progress.publish_step(fields, 2, 5, 64, 0.25, 1.5)
+        progress.publish(fields.event(9, 40, 512, 0.125, 4.0, done=True))
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as group:
+            group.start_soon(progress.deliver, on_event)
+            await anyio.to_thread.run_sync(publish)
+    assert seen[0] == PassEvent(
+        epoch=3,
+        kind="train",
+        pass_index=7,
+        step=2,
+        batches=5,
+        total_batches=40,
+        examples=64,
+        loss=0.25,
+        seconds=1.5,
+        done=False,
+    )
+    assert seen[-1].step == 9 and seen[-1].done

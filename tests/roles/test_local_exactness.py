@@ -235,6 +235,30 @@ async def test_progress_events_count_the_whole_clique() -> None:
     assert valid.examples == 20 and valid.done
 
 
+async def test_progress_events_count_steps_and_batches_apart() -> None:
+    """With two batches a step, each event's step and the root's batches so far differ."""
+    shards = make_shards([[4, 4, 4, 4], [4, 4, 4, 4]], seed=6)
+    events: list[lampdist.PassEvent] = []
+
+    async def on_event(event: lampdist.PassEvent) -> None:
+        events.append(event)
+
+    await lampdist.local_data_parallel_training_loop(
+        models_with_data_streams=[
+            lampdist.ModelWithData(
+                model=lampdist.SupervisedModel(make_model(), mse), train_batches=source(s)
+            )
+            for s in shards
+        ],
+        optimizer_factory=sgd,
+        loop=lampdist.LoopOptions(max_epochs=1, on_event=on_event),
+        step=lampdist.StepOptions(accumulate_gradient_over_n_batches=2),
+    )
+    assert [(e.step, e.batches, e.examples) for e in events][0] == (1, 2, 16)
+    assert (events[-1].step, events[-1].batches, events[-1].examples) == (2, 4, 32)
+    assert all(e.batches == 2 * e.step and e.total_batches == 4 for e in events)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 async def test_mixed_precision_trains_and_keeps_ranks_equal(
     dtype: torch.dtype, caplog: pytest.LogCaptureFixture
