@@ -254,7 +254,7 @@ async def test_progress_events_count_steps_and_batches_apart() -> None:
         loop=lampdist.LoopOptions(max_epochs=1, on_event=on_event),
         step=lampdist.StepOptions(accumulate_gradient_over_n_batches=2),
     )
-    assert [(e.step, e.batches, e.examples) for e in events][0] == (1, 2, 16)
+    assert (events[0].step, events[0].batches, events[0].examples) == (1, 2, 16)
     assert (events[-1].step, events[-1].batches, events[-1].examples) == (2, 4, 32)
     assert all(e.batches == 2 * e.step and e.total_batches == 4 for e in events)
 
