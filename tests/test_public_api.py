@@ -278,7 +278,7 @@ def test_the_old_name_of_clique_factory_still_works_with_a_warning() -> None:
     import lampdist.clique
 
     with pytest.warns(DeprecationWarning, match="CliqueFactory"):
-        old = lampdist.clique.Cliques  # type: ignore[attr-defined]  # the deprecated name
+        old = lampdist.clique.Cliques  # the deprecated name, through the module's __getattr__
     assert old is lampdist.clique.CliqueFactory
     with pytest.raises(AttributeError, match="Nothing"):
-        lampdist.clique.Nothing  # type: ignore[attr-defined]  # noqa: B018  # the point
+        lampdist.clique.Nothing  # noqa: B018  # the point

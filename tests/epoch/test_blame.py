@@ -18,6 +18,7 @@ from lampdist._epoch._designs import DESIGNS, Solo
 from lampdist._epoch._flat import FlatParameters
 from lampdist._epoch._shard import check_closure_free
 from lampdist._epoch._stepper import LossScale
+from lampdist._options import StepOn
 
 LOSSES = st.dictionaries(
     st.integers(min_value=0, max_value=40),
@@ -102,7 +103,7 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
     ],
 )
 def test_which_runs_gather_every_ranks_own_loss(
-    device: torch.device, nranks: int, step_on: str, skips: bool, loss_scaling: bool, names: bool
+    device: torch.device, nranks: int, step_on: StepOn, skips: bool, loss_scaling: bool, names: bool
 ) -> None:
     design = (Solo if nranks == 1 else DESIGNS[step_on])(
         rank=0,
