@@ -49,6 +49,8 @@ if TYPE_CHECKING:
     from ._errors import ProtocolError as ProtocolError
     from ._errors import RankFailed as RankFailed
     from ._errors import TrainingError as TrainingError
+    from ._fsdp_options import FsdpPolicy as FsdpPolicy
+    from ._fsdp_options import Precision as Precision
     from ._loop import epochs as epochs
     from ._metric import Metric as Metric
     from ._model import SupervisedModel as SupervisedModel
@@ -108,6 +110,7 @@ _FROM: dict[str, tuple[str, ...]] = {
         "RankFailed",
         "TrainingError",
     ),
+    "._fsdp_options": ("FsdpPolicy", "Precision"),
     "._loop": ("epochs",),
     "._metric": ("Metric",),
     "._model": ("SupervisedModel",),
@@ -169,6 +172,7 @@ __all__ = [
     "CurvePoint",
     "EarlyStopping",
     "EarlyStoppingState",
+    "FsdpPolicy",
     "Interrupted",
     "JoinRejected",
     "JoinTimeout",
@@ -187,6 +191,7 @@ __all__ = [
     "PassContext",
     "PassEvent",
     "PeerDisconnected",
+    "Precision",
     "ProtocolError",
     "RankFailed",
     "Resumed",

@@ -22,6 +22,7 @@ import torch
 from ._defaults import COLLECTIVE_TIMEOUT, JOIN_TIMEOUT, SETUP_TIMEOUT, STOP_TIMEOUT
 from ._effects import BatchSource, CheckpointState, OnPassEvent, PassAwareBatchSource
 from ._errors import ConfigError
+from ._fsdp_options import FsdpPolicy
 from ._loop import check_max_epochs, check_smoothing, check_validation_frequency
 from ._model import SupervisedModel
 from ._monitor import LOSSES, EarlyStopping, Monitor
@@ -37,7 +38,7 @@ __all__ = [
     "check_monitors",
 ]
 
-StepOn = Literal["root", "every_rank", "sharded"]
+StepOn = Literal["root", "every_rank", "sharded", "fsdp"]
 
 _Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
@@ -137,8 +138,8 @@ class StepOptions:
     step_on: StepOn = attrs.field(
         default="root",
         validator=_check(
-            lambda value: value in ("root", "every_rank", "sharded"),
-            "'root', 'every_rank' or 'sharded'",
+            lambda value: value in ("root", "every_rank", "sharded", "fsdp"),
+            "'root', 'every_rank', 'sharded' or 'fsdp'",
             "pass 'root' to step on the root alone (lamp's design)",
         ),
     )
@@ -150,7 +151,10 @@ class StepOptions:
     parameters it owns with ``1/n`` of the optimizer state, and all-gathers the parameters
     (followers need ``optimizer_factory`` too, and the optimizer must treat each element on
     its own: SGD, Adam, AdamW, Adagrad, RMSprop and the like; others raise
-    :class:`~lampdist.ConfigError`); checkpoints still hold the whole optimizer state."""
+    :class:`~lampdist.ConfigError`); checkpoints still hold the whole optimizer state.
+    ``"fsdp"`` shards the model itself with FSDP2 (``fully_shard``, as ``fsdp`` says), so that
+    parameters, gradients and optimizer state are each ``1/n`` per rank and a model bigger
+    than one device trains (one rank per process; see docs/howto/big-models.md)."""
     bucket_cap_mb: float | None = attrs.field(
         default=None,
         validator=_check(
@@ -209,7 +213,25 @@ class StepOptions:
     """Multiply the learning rate of each step by a :class:`~lampdist.schedules.StepSchedule`
     of the global step (needs ``steps_per_epoch``)."""
 
+    fsdp: FsdpPolicy = attrs.field(
+        factory=FsdpPolicy,
+        validator=_check(
+            lambda value: isinstance(value, FsdpPolicy),
+            "a lampdist.FsdpPolicy",
+            "pass e.g. FsdpPolicy(shard_modules=(MyBlock,))",
+        ),
+    )
+    """How ``step_on="fsdp"`` shards the model and its precision (ignored by the other
+    designs)."""
+
     def __attrs_post_init__(self) -> None:
+        if self.step_on == "fsdp" and self.bucket_cap_mb is not None:
+            raise ConfigError(
+                "StepOptions.bucket_cap_mb does not apply to step_on='fsdp', which exchanges "
+                "the gradients of each sharded module as its backward ends (choose the "
+                "modules with FsdpPolicy.shard_modules); pass bucket_cap_mb=None",
+                phase="configure",
+            )
         if self.learning_rate_per_step is not None and self.steps_per_epoch is None:
             raise ConfigError(
                 "StepOptions.learning_rate_per_step needs steps_per_epoch: the global step of "

@@ -1,7 +1,8 @@
 """One rank of a multi-process training run over TCP, for the tests.
 
     python -m tests.roles.tcp_rank --rank 0 --nranks 2 --out DIR [--port 0] [--shuffle] [--cuda]
-        [--step-on root|every_rank|sharded] [--metrics]
+        [--step-on root|every_rank|sharded|fsdp] [--metrics] [--accumulate N]
+        [--optimizer sgd|adamw|adafactor] [--clip NORM] [--meta]
 
 The root prints ``PORT <n>`` once it listens; followers take ``--port``. Each rank writes its
 final weights to ``DIR/rank<r>.pt`` and the root writes its learning curve to
@@ -10,6 +11,11 @@ batches come from the shuffled loader of :func:`.reference.shuffled`; with ``--c
 trains on ``cuda:r`` and the clique is NCCL. With ``--metrics`` the model reports
 :data:`METRIC` and a torchmetrics mean squared error, and the root writes its learning curve's
 metrics to ``DIR/metrics.json``.
+
+Under ``--step-on fsdp`` each rank writes its own shards (``DIR/rank<r>.pt``, each parameter's
+local part, in rank order along dimension 0); with ``--meta`` the model is built on the meta
+device (every rank from another seed: the root's weights must win). ``--nranks 3`` trains on
+:data:`SIZES_3`.
 """
 
 from __future__ import annotations
@@ -32,12 +38,38 @@ from .reference import make_model, make_shards, mse, shuffled
 
 SIZES = [[5, 7, 3, 9, 2], [6, 6, 0, 4]]
 VALID_SIZES = [[5, 3], [4]]
+SIZES_3 = [[5, 7, 3, 9, 2], [6, 6, 0, 4], [4, 0, 8]]
+VALID_SIZES_3 = [[5, 3], [4], [2, 2]]
 EPOCHS = 2
 ACCUMULATE = 3
 
 
 def sgd(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def adamw(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
+
+
+def adafactor(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.Adafactor(params, lr=0.05)
+
+
+OPTIMIZERS = {"sgd": sgd, "adamw": adamw, "adafactor": adafactor}
+
+
+def sizes(nranks: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The training and validation batch sizes of each rank."""
+    return (SIZES, VALID_SIZES) if nranks == 2 else (SIZES_3, VALID_SIZES_3)
+
+
+def local_parts(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each parameter's and buffer's part on this rank (an fsdp shard's local tensor)."""
+    return {
+        name: (value.to_local() if hasattr(value, "to_local") else value).detach().cpu()
+        for name, value in module.state_dict().items()
+    }
 
 
 METRIC = lampdist.Metric(lambda out, y: ((out - y).abs().sum(), y.numel()))
@@ -58,15 +90,32 @@ async def main(argv: list[str]) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shuffle", action="store_true")
     parser.add_argument("--cuda", action="store_true", help="rank r on cuda:r, over NCCL")
-    parser.add_argument("--step-on", default="root", choices=["root", "every_rank", "sharded"])
+    parser.add_argument(
+        "--step-on", default="root", choices=["root", "every_rank", "sharded", "fsdp"]
+    )
     parser.add_argument("--metrics", action="store_true")
+    parser.add_argument("--accumulate", type=int, default=ACCUMULATE)
+    parser.add_argument("--optimizer", default="sgd", choices=sorted(OPTIMIZERS))
+    parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--meta", action="store_true")
+    parser.add_argument("--epochs", type=int, default=EPOCHS)
     args = parser.parse_args(argv)
-    step = lampdist.StepOptions(accumulate_gradient_over_n_batches=ACCUMULATE, step_on=args.step_on)
+    step = lampdist.StepOptions(
+        accumulate_gradient_over_n_batches=args.accumulate,
+        step_on=args.step_on,
+        max_grad_norm=args.clip,
+    )
+    optimizer = OPTIMIZERS[args.optimizer]
+    train_sizes, valid_sizes = sizes(args.nranks)
     device = f"cuda:{args.rank}" if args.cuda else "cpu"
     secret = os.environ["LAMPDIST_SECRET"]
-    train = make_shards(SIZES, seed=1)[args.rank]
-    valid = make_shards(VALID_SIZES, seed=2)[args.rank]
-    module = make_model(seed=0 if args.rank == 0 else 10 + args.rank).to(device)
+    train = make_shards(train_sizes, seed=1)[args.rank]
+    valid = make_shards(valid_sizes, seed=2)[args.rank]
+    if args.meta:
+        with torch.device("meta"):
+            module = make_model(seed=0 if args.rank == 0 else 10 + args.rank)
+    else:
+        module = make_model(seed=0 if args.rank == 0 else 10 + args.rank).to(device)
     model = lampdist.SupervisedModel(module, mse, metrics=metrics() if args.metrics else {})
     data = lampdist.ModelWithData(
         model=model,
@@ -83,8 +132,8 @@ async def main(argv: list[str]) -> None:
                 nranks=args.nranks,
                 device=device,
                 control=root,
-                optimizer_factory=sgd,
-                loop=lampdist.LoopOptions(max_epochs=EPOCHS),
+                optimizer_factory=optimizer,
+                loop=lampdist.LoopOptions(max_epochs=args.epochs),
                 step=step,
                 timeouts=lampdist.Timeouts(join=30),
             )
@@ -103,11 +152,11 @@ async def main(argv: list[str]) -> None:
                 nranks=args.nranks,
                 device=device,
                 control=follower,
-                optimizer_factory=sgd,
+                optimizer_factory=optimizer,
                 step=step,
                 timeouts=lampdist.Timeouts(join=30),
             )
-    torch.save(module.state_dict(), args.out / f"rank{args.rank}.pt")
+    torch.save(local_parts(module), args.out / f"rank{args.rank}.pt")
 
 
 if __name__ == "__main__":

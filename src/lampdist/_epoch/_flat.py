@@ -179,6 +179,21 @@ class FlatParameters:
             padded_gradients=padded_gradients,
         )
 
+    @classmethod
+    def described(cls, module: torch.nn.Module) -> FlatParameters:
+        """``module``'s layout without flat buffers: for a design that leaves the parameters
+        where they are (fsdp, whose parameters FSDP2 shards); ``module`` may live on the meta
+        device. The design fills :attr:`parameters` and :attr:`module_buffers` later."""
+        return cls(
+            parameters=[],
+            parameter_buffers=[],
+            gradient_buffers=[],
+            gradient_views=[],
+            module_buffers=[],
+            layout=_layout(module),
+            flat_gradients=False,
+        )
+
     def shard(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank ``rank``'s contiguous slice of ``tensor``, a padded parameter or gradient
         storage of a sharded layout."""

@@ -68,6 +68,8 @@ class StepKernel:
     window (what a checkpoint stores)."""
     _metrics: MetricTally | None = attrs.field(default=None, init=False)
     """The pass's metrics, when the model has some."""
+    _last_batch: LoadedBatch | None = attrs.field(default=None, init=False)
+    """The last batch this rank ran forward (what a padding pass reruns)."""
     _first_batch: int = attrs.field(default=0, init=False)
     """The feed's batches taken before the pass (a batch's index in the pass is its number in
     the feed less these)."""
@@ -105,12 +107,19 @@ class StepKernel:
                 "an event loop; start passes through PassRunner"
             )
 
-    def sync_parameters(self) -> None:
-        """Broadcast the root's parameters and buffers so that every rank holds them."""
+    def prepare(self) -> None:
+        """The design's setup once every rank agreed (see :meth:`Design.prepare`)."""
         self._check_thread()
-        if not self.alone:
-            flat = self.design.flat
-            tensors = [*flat.parameter_buffers, *flat.module_buffers]
+        self.design.prepare()
+
+    def sync_parameters(self) -> None:
+        """Broadcast the root's parameters and buffers so that every rank holds them (the
+        flat buffers, and the module's other buffers: an fsdp model's shards are the root's
+        by construction)."""
+        self._check_thread()
+        flat = self.design.flat
+        tensors = [*flat.parameter_buffers, *flat.module_buffers]
+        if not self.alone and tensors:
             self.clique.start_broadcast(tensors).wait_blocking(None)
 
     def sync_optimizer_state(self) -> None:
@@ -180,9 +189,13 @@ class StepKernel:
         )
 
         def backward(batch: LoadedBatch, weight: float) -> torch.Tensor:
+            self._last_batch = batch
             return self._model_loss(batch, "train", epoch, weight=weight)
 
-        batches = StepBatches(feed=feed, backward=backward, accumulate=accumulate)
+        def pad() -> None:
+            self._padding_pass(epoch, phase="train")
+
+        batches = StepBatches(feed=feed, backward=backward, accumulate=accumulate, pad=pad)
         last: PassEvent | None = None
         pass_fields = ProgressFields(epoch, "train", pass_index, total)
         with design.attached():
@@ -292,11 +305,21 @@ class StepKernel:
         )
         loss_sum: torch.Tensor | None = None
         examples = 0
-        while (batch := feed.next()) is not None:
+        lockstep = self.design.lockstep and not self.alone
+        while True:
+            batch = feed.next()
+            # In lockstep every rank runs a forward while any rank has a batch.
+            if lockstep and not self._anyone([batch is not None])[0]:
+                break
+            if not lockstep and batch is None:
+                break
             if feed.stopped:
                 raise PassStopped
-            if batch.examples == 0:
+            if batch is None or batch.examples == 0:
+                if lockstep:
+                    self._padding_pass(epoch, phase="valid")
                 continue
+            self._last_batch = batch
             loss = self._weighted_loss(batch, "valid", epoch, weight=None)
             loss_sum = loss if loss_sum is None else loss_sum + loss
             examples += batch.examples
@@ -365,6 +388,36 @@ class StepKernel:
                 phase=phase,
             ) from exc
         return loss.detach()
+
+    def _padding_pass(self, epoch: int, *, phase: PassKind) -> None:
+        """A forward of the rank's last batch in eval mode with no metric (training: and its
+        backward of weight 0), where this rank has no batch and a design that shards the model
+        needs the collectives inside the forward and backward to meet the other ranks'."""
+        batch = self._last_batch
+        if batch is None:
+            raise TrainingError(
+                f"epoch {epoch}: this rank has no batch yet and the other ranks run a forward: "
+                f"under step_on={self.options.step_on!r} every rank runs each forward (a rank "
+                "without a batch reruns its last one with weight 0); give every rank a "
+                "non-empty first batch",
+                rank=self.rank,
+                phase=phase,
+            )
+        module = self.model.module
+        training = module.training
+        module.eval()
+        metrics, self._metrics = self._metrics, None
+        try:
+            self._model_loss(batch, phase, epoch, weight=0.0 if phase == "train" else None)
+        finally:
+            self._metrics = metrics
+            module.train(training)
+
+    def _anyone(self, flags: list[bool]) -> list[bool]:
+        """For each flag, whether any rank's is set (one small all-reduce)."""
+        values = host_to_device([float(flag) for flag in flags], torch.float64, self.device)
+        self.clique.start_all_reduce([values]).wait_blocking(None)
+        return [value > 0 for value in values.tolist()]
 
     def _forward(self, batch: LoadedBatch) -> tuple[torch.Tensor, Any]:
         """The batch's mean loss, and its output when the pass has metrics (else ``None``)."""

@@ -68,6 +68,10 @@ class PassRunner:
         """The rank's device."""
         return self.kernel.device
 
+    async def prepare(self) -> None:
+        """The design's setup once every rank agreed (see :meth:`StepKernel.prepare`)."""
+        await self.compute.run(self.kernel.prepare, on_cancel=self._abort_clique)
+
     async def sync_parameters(self) -> None:
         """Broadcast the root's parameters and buffers so that every rank holds them."""
         await self.compute.run(self.kernel.sync_parameters, on_cancel=self._abort_clique)

@@ -7,6 +7,8 @@ skips the step (:meth:`Stepper.skip`) and applies the ``non_finite_loss`` policy
 A sharded stepper (``step_on="sharded"``) steps the rank's slice with its slice optimizer
 (see ``_shard``): the clipping norm and the fp16 overflow check need the whole gradient, so
 their one scalar each is summed over the clique through ``combine`` (see :data:`Combine`).
+So does an fsdp stepper (``step_on="fsdp"``), whose optimizer steps FSDP2's sharded
+parameters: it reads each gradient's local shard (``local_gradients``).
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ class Stepper:
     base_lrs: list[float]
     shard: ShardedOptimizer | None = None
     """The rank's slice optimizer when sharded (``optimizer`` is then its slice optimizer)."""
+    local_gradients: Callable[[], list[torch.Tensor]] | None = None
+    """fsdp: this rank's shard of every gradient (the parameters are sharded by FSDP2)."""
     resumed_state: dict[str, Any] | None = None
     """Sharded: the whole optimizer state the root resumed from, until the followers have
     taken their slices of it."""
@@ -96,6 +100,7 @@ class Stepper:
         loss_scale: LossScale,
         *,
         shard: ShardedOptimizer | None = None,
+        local_gradients: Callable[[], list[torch.Tensor]] | None = None,
     ) -> Stepper:
         """A stepper for ``optimizer``, whose current learning rates are the base ones (with
         ``shard``: the rank's slice optimizer, ``shard.optimizer``)."""
@@ -107,13 +112,27 @@ class Stepper:
             loss_scale=loss_scale,
             base_lrs=[float(group["lr"]) for group in optimizer.param_groups],
             shard=shard,
+            local_gradients=local_gradients,
         )
 
     def gradients(self) -> list[torch.Tensor]:
-        """The gradients this rank steps on: its slices when sharded, else all of them."""
+        """The gradients this rank steps on: its slices when sharded, its shards under fsdp,
+        else all of them."""
         if self.shard is not None:
             return self.shard.gradients()
+        if self.local_gradients is not None:
+            return self.local_gradients()
         return self.flat.gradients()
+
+    @property
+    def flat_device(self) -> torch.device:
+        """The device of the rank's parameters."""
+        return next(iter(self.optimizer.param_groups[0]["params"])).device
+
+    @property
+    def sliced(self) -> bool:
+        """Whether this rank holds a part of each gradient (sharded, fsdp), not all of it."""
+        return self.shard is not None or self.local_gradients is not None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a whole optimizer's state (sharded: this rank's slice of it, kept for the
@@ -162,7 +181,10 @@ class Stepper:
         assert combine is not None
         gradients = self.shard.gradients()
         norms = [torch.linalg.vector_norm(g).to(torch.float64) for g in gradients]
-        squares = torch.stack(norms).square().sum().reshape(1)
+        if norms:
+            squares = torch.stack(norms).square().sum().reshape(1)
+        else:  # this rank holds no element of any gradient
+            squares = torch.zeros(1, dtype=torch.float64, device=self.flat_device)
         combine(squares)
         coefficient = (max_norm / (squares.sqrt() + 1e-6)).clamp(max=1.0)
         for grads in gradients:

@@ -55,7 +55,8 @@ async def local_data_parallel_training_loop(
     Several GPUs get a :class:`RuntimeWarning` (the reliability page says why); for work that
     matters, run one process per GPU (:func:`lampdist.train` under torchrun).
 
-    Raises :class:`~lampdist.ConfigError` for CPU and GPU ranks mixed or two ranks on one GPU,
+    Raises :class:`~lampdist.ConfigError` for ``step_on="fsdp"`` (one process per rank), for
+    CPU and GPU ranks mixed or two ranks on one GPU,
     for a torchmetrics metric object given to two ranks (each rank updates its own), and the
     errors of :func:`drive_distributed_training`.
     """
@@ -63,6 +64,13 @@ async def local_data_parallel_training_loop(
         raise ConfigError(
             "models_with_data_streams is empty: pass one ModelWithData(model, train_batches, "
             "validation_batches) per rank"
+        )
+    if step.step_on == "fsdp":
+        raise ConfigError(
+            "step_on='fsdp' needs one process per rank (torch allows one default process "
+            "group, which FSDP2 shards over, per process): run lampdist.train under torchrun, "
+            "or the root's driver and the followers in processes of their own",
+            phase="configure",
         )
     nranks = len(models_with_data_streams)
     _check_own_metrics(models_with_data_streams)

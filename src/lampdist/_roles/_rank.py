@@ -131,7 +131,8 @@ class RankContext:
 
     async def agree_and_sync(self, runner: PassRunner, *, resume: Resumed | None = None) -> None:
         """What every rank does, in the same order, once its clique is open: :func:`agree`
-        (phase ``'agreement'``), then take the root's parameters and buffers, the optimizer
+        (phase ``'agreement'``), then the design's setup (:meth:`Design.prepare`: fsdp shards the
+    model there), take the root's parameters and buffers, the optimizer
         state its design starts from (see :meth:`Design.sync_optimizer_state`), and its part
         of the checkpoint the root resumes from (``resume``, the root's): its place in its
         training data and, when the root restores RNG states, its own.
@@ -143,6 +144,7 @@ class RankContext:
         validates = data.validation_batches is not None
         metrics = metric_layout(data.model.metrics)
         await runner.run(partial(agree, runner.clique, flat, step, validates, metrics))
+        await runner.prepare()
         await runner.sync_parameters()
         await runner.sync_optimizer_state()
         rank_states = resume.training_state.rank_states if resume is not None else None
@@ -175,6 +177,30 @@ class RankContext:
                 group.cancel_scope.cancel()
 
 
+def _cliques(rank: int, nranks: int, device: torch.device, options: RunOptions) -> CliqueFactory:
+    """Where the rank's cliques come from: ``options.cliques``, or by default an in-process
+    clique for a rank alone and process groups otherwise. fsdp needs process groups that open
+    torch's default group (see :class:`ProcessGroups`), on any number of ranks."""
+    cliques = options.cliques
+    if options.step.step_on == "fsdp":
+        if cliques is None:
+            return ProcessGroups(default_group=True)
+        if isinstance(cliques, ProcessGroups):
+            return attrs.evolve(cliques, default_group=True)
+        raise ConfigError(
+            f"step_on='fsdp' needs one process per rank over process groups, not "
+            f"{type(cliques).__name__} cliques: pass cliques=None or ProcessGroups(...)",
+            rank=rank,
+            phase="configure",
+        )
+    if cliques is None:
+        collective = options.timeouts.collective
+        if nranks == 1:
+            return in_process([device], collective_timeout=collective)
+        return ProcessGroups()
+    return cliques
+
+
 @asynccontextmanager
 async def open_rank(
     rank: int, nranks: int, device: torch.device, data: ModelWithData, options: RunOptions
@@ -186,12 +212,7 @@ async def open_rank(
     clique of one rank (no process group, store or thread behind it), and a clique of
     several ranks process groups. Raises :class:`ConfigError` as :func:`create_design`
     does."""
-    cliques = options.cliques
-    if cliques is None:
-        collective = options.timeouts.collective
-        cliques = (
-            in_process([device], collective_timeout=collective) if nranks == 1 else ProcessGroups()
-        )
+    cliques = _cliques(rank, nranks, device, options)
     async with open_compute_thread(rank, device) as compute:
         design = await compute.run(
             partial(

@@ -125,6 +125,7 @@ async def drive(
     """The root's run as :func:`drive_distributed_training` describes it, for this package's
     entry points: the device resolved, the options built once."""
     check_optimizer_factory(0, run)
+    _check_fsdp_loop(run.step, loop, resume)
     lr_state = resumed_schedule_state(loop.learning_rate_schedule, resume)
     check_monitors(loop, data)
     if resume is not None and loop.max_epochs <= resume.epoch:
@@ -147,6 +148,29 @@ async def drive(
                 raise stopping.timeout_error() from exc
             raise
     return state
+
+
+def _check_fsdp_loop(step: StepOptions, loop: LoopOptions, resume: Resumed | None) -> None:
+    """Raise :class:`ConfigError` for what ``step_on="fsdp"`` does not do yet: checkpoints,
+    resuming and the best model (each needs every rank's shards)."""
+    if step.step_on != "fsdp":
+        return
+    for unsupported, name, instead in (
+        (loop.checkpoint_state is not None, "checkpoint_state", "checkpoint_state=None"),
+        (resume is not None, "resume", "resume=None"),
+        (
+            bool(loop.return_min_validation_loss_model),
+            "return_min_validation_loss_model",
+            "return_min_validation_loss_model=()",
+        ),
+    ):
+        if unsupported:
+            raise ConfigError(
+                f"step_on='fsdp' does not support {name} yet (it needs every rank's shards "
+                f"of the model): pass {instead}",
+                rank=0,
+                phase="configure",
+            )
 
 
 async def _let_exit_first(

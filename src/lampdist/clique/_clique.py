@@ -221,6 +221,7 @@ def open_clique(
     setup_timeout: float | None = SETUP_TIMEOUT,
     collective_timeout: float | None = COLLECTIVE_TIMEOUT,
     limiter: anyio.CapacityLimiter | None = None,
+    default_group: bool = False,
 ) -> AbstractAsyncContextManager[Clique]:
     """Open this rank's side of the clique named by ``clique_id``; close it on exit.
 
@@ -244,6 +245,11 @@ def open_clique(
     an abort notice that makes every other rank's collectives raise
     :class:`~lampdist.CollectiveFailed` within a fraction of a second, and on NCCL aborts the
     communicator.
+
+    With ``default_group`` the clique also opens torch's default process group from the same
+    rendezvous, within the same deadlines (what ``torch.distributed``'s own tools, such as
+    FSDP2's ``DeviceMesh``, need; one rank per process), aborts it with the clique and destroys
+    it when the clique closes.
 
     Raises :class:`~lampdist.MismatchError` at once when ``clique_id.nranks != nranks``,
     :class:`~lampdist.ConfigError` for other bad arguments, :class:`~lampdist.CliqueTimeout`
@@ -277,6 +283,7 @@ def open_clique(
         collective_timeout=collective_timeout,
         limiter=limiter,
         threaded=False,
+        default_group=default_group,
     )
 
 
@@ -291,6 +298,7 @@ async def _open(
     collective_timeout: float | None,
     limiter: anyio.CapacityLimiter | None,
     threaded: bool,
+    default_group: bool = False,
 ) -> AsyncIterator[Clique]:
     """:func:`open_clique` after its checks; ``threaded`` also gives Gloo an enqueue thread
     (NCCL always has one), which lets the CPU tests cover that path."""
@@ -304,6 +312,7 @@ async def _open(
         setup_timeout=setup_timeout,
         collective_timeout=collective_timeout,
         threaded=threaded,
+        default_group=default_group,
         check_cancelled=anyio.from_thread.check_cancelled,
     )
     group = await anyio.to_thread.run_sync(connect, limiter=limiter)

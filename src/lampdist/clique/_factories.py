@@ -52,6 +52,9 @@ class ProcessGroups:
 
     host: str = "127.0.0.1"
     """The address the other ranks dial to reach the root's rendezvous store."""
+    default_group: bool = False
+    """Also open torch's default process group with each clique (see
+    :func:`~lampdist.clique.open_clique`): ``step_on="fsdp"`` sets it."""
 
     def rendezvous(self, nranks: int) -> AbstractAsyncContextManager[CliqueId]:
         return serve_rendezvous(nranks=nranks, host=self.host)
@@ -73,6 +76,7 @@ class ProcessGroups:
             clique_id=clique_id,
             setup_timeout=setup_timeout,
             collective_timeout=collective_timeout,
+            default_group=self.default_group,
         )
 
 

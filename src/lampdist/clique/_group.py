@@ -25,6 +25,7 @@ import anyio
 import anyio.to_thread
 import attrs
 import torch
+import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore
 
 from .._clique_id import CliqueId
@@ -77,6 +78,8 @@ class Group:
     _store: Any = attrs.field(alias="store", repr=False)
     _keys: Any = attrs.field(alias="keys", repr=False)
     _tether: Tether = attrs.field(alias="tether", repr=False)
+    owns_default: bool = attrs.field(default=False, repr=False)
+    """Whether this clique opened torch's default process group (and destroys it)."""
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
     _pg_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
     _pending: set[PendingCollective] = attrs.field(factory=set, init=False, repr=False)
@@ -115,6 +118,7 @@ class Group:
         setup_timeout: float | None,
         collective_timeout: float | None,
         threaded: bool,
+        default_group: bool = False,
         check_cancelled: Callable[[], None] = lambda: None,
     ) -> Group:
         """Build the process group (blocking: run it in a worker thread).
@@ -124,6 +128,9 @@ class Group:
         abort notice. Raises :class:`CliqueTimeout` when the peers do not all arrive within
         ``setup_timeout``, :class:`CollectiveFailed` when a peer abandoned the setup, and
         :class:`CliqueError` on any other setup failure.
+
+        With ``default_group``, torch's default process group is opened next, from the same
+        store and within the same deadline (see :func:`open_default_group`).
         """
         backend = "nccl" if device.type == "cuda" else "gloo"
         setup = Setup.start(rank, setup_timeout, check_cancelled)
@@ -173,6 +180,15 @@ class Group:
                     device=device,
                     op_timeout=op_timeout,
                 )
+            if default_group:
+                open_default_group(
+                    store=PrefixStore("default", keys),
+                    backend=backend,
+                    rank=rank,
+                    nranks=clique_id.nranks,
+                    device=device,
+                    timeout=op_timeout,
+                )
             store.set_timeout(_STORE_OP_TIMEOUT)
             group = cls(
                 rank=rank,
@@ -184,8 +200,11 @@ class Group:
                 store=store,
                 keys=keys,
                 tether=tether,
+                owns_default=default_group,
             )
         except BaseException as exc:
+            if default_group and dist.is_initialized() and not isinstance(exc, _Occupied):
+                dist.destroy_process_group()
             setup.abandon(exc)
             setup.keys = None
             # Drop every partial object here, before the error travels with our frame.
@@ -448,6 +467,8 @@ class Group:
             try:
                 if pg is not None:
                     pg.abort()
+                if self.owns_default and dist.is_initialized():
+                    dist.distributed_c10d._abort_process_group()
             except Exception:
                 logger.exception("rank %d: aborting the NCCL communicator failed", self.rank)
             finally:
@@ -563,6 +584,11 @@ class Group:
             lock=_NCCL_TEARDOWN if self.backend == "nccl" else None,
             rank=self.rank,
         )
+        if self.owns_default and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                logger.exception("rank %d: destroying the default process group failed", self.rank)
         self._tether.close(goodbye=self._goodbye)
         for end in (self._wake_reader, self._wake_writer):
             if end is not None:
@@ -573,6 +599,33 @@ class Group:
             # Every reference above is dropped by reference counting; after a failure, also
             # collect the cycles that tracebacks form, in case one of them reaches a work.
             gc.collect()
+
+
+class _Occupied(CliqueError):
+    """The process has a default process group already (not ours to destroy)."""
+
+
+def open_default_group(
+    *, store: Any, backend: str, rank: int, nranks: int, device: torch.device, timeout: timedelta
+) -> None:
+    """Open torch's default process group over ``store``, whose collectives time out after
+    ``timeout`` as the clique's do. Raises :class:`CliqueError` when the process has one: torch
+    allows one per process, so one rank per process."""
+    if dist.is_initialized():
+        raise _Occupied(
+            "this process already has torch's default process group; step_on='fsdp' needs "
+            "one rank per process, and the process group to itself",
+            rank=rank,
+            phase=SETUP,
+        )
+    dist.init_process_group(
+        backend=backend,
+        store=store,
+        rank=rank,
+        world_size=nranks,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
 
 
 def drop_within(last: list[Any], limit: float, *, lock: threading.Lock | None, rank: int) -> bool:

@@ -9,7 +9,9 @@ the design object that the step kernel calls:
   and broadcasts the parameters;
 - :class:`EveryRankSteps` (``"every_rank"``): gradients all-reduced, every rank steps;
 - :class:`ShardedSteps` (``"sharded"``): gradients reduce-scattered, each rank steps its slice
-  and the parameters are all-gathered.
+  and the parameters are all-gathered;
+- :class:`FsdpSteps` (``"fsdp"``): the model itself sharded with FSDP2, on any number of
+  ranks (one a process).
 
 A design owns the flat buffer layout (:meth:`Design.lay_out`), whether the rank steps and
 which optimizers it accepts (:attr:`Design.followers_step`, :meth:`Design.check_optimizer`,
@@ -45,6 +47,7 @@ from ._base import Design as Design
 from ._base import StepBatches as StepBatches
 from ._every_rank import EveryRankSteps as EveryRankSteps
 from ._exchanging import ExchangingDesign as ExchangingDesign
+from ._fsdp import FsdpSteps as FsdpSteps
 from ._root import RootSteps as RootSteps
 from ._sharded import ShardedSteps as ShardedSteps
 from ._solo import Solo as Solo
@@ -55,6 +58,7 @@ __all__ = [
     "Design",
     "EveryRankSteps",
     "ExchangingDesign",
+    "FsdpSteps",
     "RootSteps",
     "ShardedSteps",
     "Solo",
@@ -66,8 +70,10 @@ DESIGNS: dict[StepOn, type[Design]] = {
     "root": RootSteps,
     "every_rank": EveryRankSteps,
     "sharded": ShardedSteps,
+    "fsdp": FsdpSteps,
 }
-"""The design of each ``step_on`` for two or more ranks (a rank alone runs :class:`Solo`)."""
+"""The design of each ``step_on`` for two or more ranks (a rank alone runs :class:`Solo`,
+except under fsdp, which shards over any number of ranks)."""
 
 
 def create_design(
@@ -83,10 +89,11 @@ def create_design(
     ``module`` laid out on ``device`` and the rank's optimizer built (see
     :meth:`Design.create`). A rank alone runs :class:`Solo`, refusing the optimizers that the
     configured design refuses, so that a configuration fails the same way on any number of
-    ranks. Runs on the rank's compute thread: moving the model and building the optimizer can
+    ranks; fsdp runs :class:`FsdpSteps` on one rank too (a model built on the meta device
+    needs it). Runs on the rank's compute thread: moving the model and building the optimizer can
     take seconds."""
     configured = DESIGNS[options.step_on]
-    design = Solo if nranks == 1 else configured
+    design = Solo if nranks == 1 and configured is not FsdpSteps else configured
     return design.create(
         rank=rank,
         nranks=nranks,

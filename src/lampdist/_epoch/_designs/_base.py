@@ -41,11 +41,14 @@ CheckOptimizer = Callable[[int, torch.optim.Optimizer], None]
 @attrs.frozen
 class StepBatches:
     """What a training step takes its batches from: the pass's feed, the kernel's model code
-    (:data:`Backward`) and how many batches make a step."""
+    (:data:`Backward`), how many batches make a step, and a padding pass (``pad``: a forward
+    and backward of weight 0 on the rank's last batch, with no metric; fsdp runs one where a
+    rank has no batch, so that its collectives meet the other ranks')."""
 
     feed: BatchFeed
     backward: Backward
     accumulate: int
+    pad: Callable[[], None]
 
 
 @attrs.define(eq=False)
@@ -74,6 +77,10 @@ class Design(abc.ABC):
 
     followers_step: ClassVar[bool] = False
     """Whether every rank holds an optimizer (the followers need ``optimizer_factory``)."""
+    lockstep: ClassVar[bool] = False
+    """Whether every rank must run as many forward passes as the others (the design's
+    collectives run inside forward and backward): a validation pass then agrees before each
+    batch whether any rank has one, and a rank without runs a padding forward."""
 
     # -- setup, before the rank joins -----------------------------------------------------------
 
@@ -147,6 +154,12 @@ class Design(abc.ABC):
     ) -> Stepper:
         """The stepper over ``optimizer`` (whole gradients here)."""
         return Stepper.create(rank, optimizer, flat, options, loss_scale)
+
+    def prepare(self) -> None:
+        """What the design does once every rank agreed and before the parameters are synced,
+        on every rank in step (nothing by default; fsdp shards the model and builds the
+        optimizer there)."""
+        return
 
     # -- the clique ---------------------------------------------------------------------------
 

@@ -1,0 +1,424 @@
+"""FSDP2 stepping: the model itself sharded over the ranks with ``fully_shard``.
+
+``step_on="fsdp"``: every rank holds ``1/n`` of each parameter, of its gradient and of the
+optimizer state; a sharded module's forward all-gathers its parameters and its backward
+reduce-scatters its gradients (FSDP2's own collectives, over torch's default process group,
+which the clique opens: see ``lampdist.clique``). The design shards the model once every rank
+has agreed (:meth:`FsdpSteps.prepare`), then builds the optimizer over the sharded parameters,
+so that no optimizer can be built over the whole ones.
+
+A step is exact as for the other designs: each batch's mean loss is weighted by its examples
+before backward, FSDP2 sums the gradients (divide factor 1, sum reductions only), and the
+stepper divides by the clique's examples of the step, which one all-reduce of the meta values
+gives, and clips by the global norm over every rank's shards.
+
+FSDP2's collectives run inside forward and backward, so every rank must run as many forward
+and backward passes in a step: before each of the step's batches the ranks all-reduce whether
+each has a batch for it and for the next one. A rank without a batch runs its last batch again
+with weight 0 (a padding pass: no gradient, no metric, in eval mode), and the gradients are
+reduced in the step's last backward only (``set_requires_gradient_sync``).
+
+A model built on the meta device never exists whole: after sharding each rank allocates its
+shards (``to_empty``) and initializes them module by module from a meta copy of the module,
+one module's parameters at a time, seeded from the root's RNG so that every rank computes the
+same values and keeps its shard of them. A model built on a device has the root's values
+broadcast before it is sharded. Either way the root's weights win, as in every design.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterator
+from typing import Any, Self
+
+import attrs
+import torch
+
+from ..._effects import OptimizerFactory
+from ..._errors import ConfigError, MismatchError
+from ..._fsdp_options import FsdpPolicy
+from ..._model import original_module
+from ..._options import StepOptions
+from ...clique import PendingCollective
+from .._device import host_to_device
+from .._flat import FlatParameters
+from .._shard import check_closure_free
+from .._stepper import Combine, LossScale, Stepper
+from .._tally import Tally
+from .._values import write_meta
+from ._base import CheckOptimizer, StepBatches
+from ._exchanging import ExchangingDesign
+
+__all__ = ["FsdpSteps"]
+
+logger = logging.getLogger(__name__)
+
+_PHASE = "configure"
+
+
+@attrs.define(eq=False)
+class FsdpSteps(ExchangingDesign):
+    """``step_on="fsdp"`` (see the module docstring)."""
+
+    module: torch.nn.Module | None = None
+    """The user's module (sharded in place by :meth:`prepare`)."""
+    optimizer_factory: OptimizerFactory | None = None
+    check: CheckOptimizer | None = None
+    _units: list[Any] = attrs.field(factory=list, init=False)
+    """Every module that ``fully_shard`` made an FSDP unit, the root module last."""
+
+    followers_step = True
+    lockstep = True
+
+    @property
+    def policy(self) -> FsdpPolicy:
+        """How the model is sharded."""
+        return self.options.fsdp
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        rank: int,
+        nranks: int,
+        module: torch.nn.Module,
+        device: torch.device,
+        options: StepOptions,
+        optimizer_factory: OptimizerFactory | None,
+        check_optimizer: CheckOptimizer | None = None,
+    ) -> Self:
+        """Describe ``module`` (which may live on the meta device) and keep it for
+        :meth:`prepare`, which shards it and builds the optimizer once the clique is open."""
+        if optimizer_factory is None:
+            raise ConfigError(
+                "step_on='fsdp' steps on every rank and needs an optimizer_factory",
+                rank=rank,
+                phase=_PHASE,
+            )
+        return cls(
+            rank=rank,
+            nranks=nranks,
+            device=device,
+            flat=FlatParameters.described(module),
+            options=options,
+            stepper=None,
+            loss_scale=LossScale(enabled=options.autocast_dtype == torch.float16),
+            module=module,
+            optimizer_factory=optimizer_factory,
+            check=check_optimizer,
+        )
+
+    # -- setup, once every rank agreed ----------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Shard the model over the default process group's mesh, materialize it when it was
+        built on the meta device (the root's weights win), check the sharding, and build the
+        optimizer over the sharded parameters. Every rank calls it, in step."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        assert self.module is not None and self.optimizer_factory is not None
+        if self.stepper is not None:
+            return
+        if not dist.is_initialized():
+            raise ConfigError(
+                "step_on='fsdp' needs torch's default process group, which the clique opens "
+                "with ProcessGroups(default_group=True) (lampdist.train, the root's driver and "
+                "the follower set it when they build the cliques themselves)",
+                rank=self.rank,
+                phase=_PHASE,
+            )
+        if dist.get_world_size() != self.nranks or dist.get_rank() != self.rank:
+            raise MismatchError(
+                f"the default process group has rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, this clique rank {self.rank} of {self.nranks}: "
+                "open the default group from the clique",
+                rank=self.rank,
+                phase=_PHASE,
+            )
+        module = original_module(self.module)
+        on_meta = any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+        template = copy.deepcopy(module) if on_meta else None
+        if not on_meta:
+            module.to(self.device)
+            tensors = [t.data for t in [*module.parameters(), *module.buffers()]]
+            if tensors:  # the root's values, before each rank keeps its shard of them
+                self.clique.start_broadcast(tensors).wait_blocking(None)
+        mesh = init_device_mesh(self.device.type, (self.nranks,))
+        self._shard(module, mesh)
+        if template is not None:
+            module.to_empty(device=self.device)
+            self._materialize(module, template)
+        self._check_shards(module)
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        self.flat.parameters = trainable
+        self.flat.module_buffers = list(module.buffers())
+        self.stepper = self._build_stepper(trainable)
+        if self.rank == 0:
+            logger.info(
+                "fsdp over %d ranks: %d sharded modules, precision %s",
+                self.nranks,
+                len(self._units),
+                self.policy.precision.describe(),
+                extra={"rank": 0},
+            )
+
+    def _shard(self, module: torch.nn.Module, mesh: Any) -> None:
+        """``fully_shard`` as the policy says; then every unit sums its gradients."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        policy = self.policy
+        if policy.parallelize is not None:
+            policy.parallelize(module, mesh)
+        else:
+            settings: dict[str, Any] = {
+                "mesh": mesh,
+                "mp_policy": policy.precision.to_torch(),
+                "reshard_after_forward": policy.reshard_after_forward,
+            }
+            types = policy.shard_modules
+            for name, child in module.named_modules():
+                if name and types and isinstance(child, types):
+                    fully_shard(child, **settings)
+            fully_shard(module, **settings)
+        if not isinstance(module, FSDPModule):
+            raise ConfigError(
+                "FsdpPolicy.parallelize must call fully_shard on the root module (last), "
+                "with the mesh it is given",
+                rank=self.rank,
+                phase=_PHASE,
+            )
+        self._units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        for unit in self._units:
+            # Sums, never averages: the stepper divides by the clique's examples.
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
+
+    def _materialize(self, module: torch.nn.Module, template: torch.nn.Module) -> None:
+        """Initialize each module's own parameters and buffers on every rank alike (one
+        module's at a time, seeded from the root's RNG) and keep this rank's shards."""
+        from torch.distributed.tensor import DTensor
+
+        seed = self._root_seed()
+        init = self.policy.init_weights
+        devices = [self.device] if self.device.type == "cuda" else []
+        for index, (name, source) in enumerate(template.named_modules()):
+            own = [*source.named_parameters(recurse=False), *source.named_buffers(recurse=False)]
+            if not own:
+                continue
+            if init is None and not callable(getattr(source, "reset_parameters", None)):
+                raise ConfigError(
+                    f"module {name or '(root)'!r} ({type(source).__name__}) was built on the "
+                    "meta device and has no reset_parameters() to initialize it: pass "
+                    "FsdpPolicy(init_weights=...) or build the model on a device",
+                    rank=self.rank,
+                    phase=_PHASE,
+                )
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(seed + index)
+                source.to_empty(device=self.device, recurse=False)
+                with torch.no_grad():
+                    if init is not None:
+                        init(source)
+                    else:
+                        source.reset_parameters()  # type: ignore[operator]
+            target = module.get_submodule(name)
+            for key, value in _own_tensors(source):
+                slot = _own(target, key)
+                with torch.no_grad():
+                    if isinstance(slot, DTensor):
+                        slot.to_local().copy_(_local_part(value, slot))
+                    else:
+                        slot.copy_(value)
+            source.to_empty(device="meta", recurse=False)  # free the whole values
+
+    def _root_seed(self) -> int:
+        """A seed drawn from the root's RNG, the same on every rank."""
+        drawn = int(torch.randint(0, 2**62, (1,)).item()) if self.rank == 0 else 0
+        seed = host_to_device([drawn], torch.int64, self.device)
+        self.clique.start_broadcast([seed]).wait_blocking(None)
+        return int(seed.item())
+
+    def _check_shards(self, module: torch.nn.Module) -> None:
+        """Every trainable parameter sharded, and every unit holding some element on every
+        rank (one all-gather of the counts); raise naming the rank and the module."""
+        from torch.distributed.tensor import DTensor
+
+        loose = [
+            name
+            for name, p in module.named_parameters()
+            if p.requires_grad and not isinstance(p, DTensor)
+        ]
+        if loose:
+            raise ConfigError(
+                f"parameters {loose[:3]} are not sharded: FsdpPolicy.parallelize must shard "
+                "every module with parameters (fully_shard on the root module takes those left)",
+                rank=self.rank,
+                phase=_PHASE,
+            )
+        names = {id(m): name or "(root)" for name, m in module.named_modules()}
+        counts = [
+            sum(p.to_local().numel() for p in _managed(unit, self._units)) for unit in self._units
+        ]
+        mine = host_to_device(counts, torch.int64, self.device)
+        gathered = torch.zeros(self.nranks * len(counts), dtype=torch.int64, device=self.device)
+        self.all_gather(gathered, mine)
+        rows = gathered.view(self.nranks, len(counts)).tolist()
+        for unit_index, unit in enumerate(self._units):
+            total = sum(row[unit_index] for row in rows)
+            empty = [r for r, row in enumerate(rows) if row[unit_index] == 0]
+            if total and empty:
+                raise ConfigError(
+                    f"ranks {empty} hold no element of the parameters of sharded module "
+                    f"{names[id(unit)]!r} ({total} elements over {self.nranks} ranks): shard "
+                    "bigger modules (FsdpPolicy.shard_modules) or use fewer ranks",
+                    rank=self.rank,
+                    phase=_PHASE,
+                )
+
+    def _build_stepper(self, trainable: list[torch.nn.Parameter]) -> Stepper:
+        """The optimizer over the sharded parameters, checked as every design checks it."""
+        assert self.optimizer_factory is not None
+        optimizer = self.optimizer_factory(trainable)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                "optimizer_factory must return a torch.optim.Optimizer, "
+                f"got {type(optimizer).__name__}",
+                rank=self.rank,
+                phase=_PHASE,
+            )
+        check_closure_free(self.rank, optimizer)
+        (self.check or self.check_optimizer)(self.rank, optimizer)
+        return Stepper.create(
+            self.rank,
+            optimizer,
+            self.flat,
+            self.options,
+            self.loss_scale,
+            local_gradients=self._local_gradients,
+        )
+
+    def _local_gradients(self) -> list[torch.Tensor]:
+        """This rank's shard of every gradient (FSDP2 leaves sharded gradients)."""
+        return [p.grad.to_local() for p in self.flat.parameters if p.grad is not None]
+
+    # -- the step --------------------------------------------------------------------------------
+
+    @property
+    def combine(self) -> Combine:
+        return self._sum_over_clique
+
+    def _sum_over_clique(self, tensor: torch.Tensor) -> None:
+        """Sum a small tensor over the clique in place, and wait (the step's scalars)."""
+        self.clique.start_all_reduce([tensor]).wait_blocking(None)
+
+    def start_exchange(self, tensors: Any) -> PendingCollective:
+        """The meta values' all-reduce (FSDP2 exchanges the gradients itself)."""
+        return self.clique.start_all_reduce(list(tensors))
+
+    def train_step(
+        self, batches: StepBatches, *, epoch: int, step: int, tally: Tally, planned: int | None
+    ) -> bool:
+        """Up to ``accumulate`` forward and backward passes, as many on every rank (padding
+        passes where a rank has no batch), the gradients reduced in the last; then the meta
+        values' all-reduce and the update."""
+        feed, accumulate = batches.feed, batches.accumulate
+        loss_sum: torch.Tensor | None = None
+        examples = 0
+        batch = feed.next()
+        for index in range(accumulate):
+            ahead = index < accumulate - 1 and feed.has_next()
+            anyone_here, anyone_ahead = self._agree_on_batches(batch is not None, ahead)
+            if not anyone_here:
+                break
+            self._set_gradient_sync(not anyone_ahead)
+            if batch is None or batch.examples == 0:
+                batches.pad()
+            else:
+                loss = batches.backward(batch, batch.examples).to(torch.float64) * batch.examples
+                loss_sum = loss if loss_sum is None else loss_sum + loss
+                examples += batch.examples
+            if not anyone_ahead:
+                break
+            batch = feed.next()
+        more = feed.has_next()
+        if loss_sum is None:
+            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        meta = write_meta(self.flat, examples, loss_sum, more, tail=False)
+        assert meta is not None
+        self.start_exchange([meta]).wait_blocking(None)
+        return self.update(
+            meta,
+            own_loss=loss_sum,
+            examples=examples,
+            learn_more=planned is None and not more,
+            epoch=epoch,
+            step=step,
+            tally=tally,
+        )
+
+    def _agree_on_batches(self, here: bool, ahead: bool) -> tuple[bool, bool]:
+        """Whether any rank has a batch for this forward, and for the next one."""
+        flags = host_to_device([float(here), float(ahead)], torch.float64, self.device)
+        self.clique.start_all_reduce([flags]).wait_blocking(None)
+        anyone_here, anyone_ahead = flags.tolist()
+        return anyone_here > 0, anyone_ahead > 0
+
+    def _set_gradient_sync(self, sync: bool) -> None:
+        """Reduce the gradients in this backward (the step's last) or keep accumulating."""
+        self._units[-1].set_requires_gradient_sync(sync)
+
+    def publish(
+        self, more: bool, non_finite: float | None, *, own_loss: torch.Tensor, epoch: int, step: int
+    ) -> bool:
+        if non_finite is not None:
+            self.non_finite.settle(epoch=epoch, step=step, summed=non_finite, own=own_loss)
+        self.broadcast_module_buffers()
+        return more
+
+    # -- between passes --------------------------------------------------------------------------
+
+    def sync_optimizer_state(self) -> None:
+        """Nothing to share: each rank's optimizer holds the state of its own shards."""
+        return
+
+    def checkpoint_optimizer_state(self) -> dict[str, Any] | None:
+        raise ConfigError(
+            "step_on='fsdp' does not write checkpoints yet: pass checkpoint_state=None",
+            rank=self.rank,
+            phase="checkpoint",
+        )
+
+
+def _own_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from module.named_parameters(recurse=False)
+    yield from module.named_buffers(recurse=False)
+
+
+def _own(module: torch.nn.Module, key: str) -> torch.Tensor:
+    """The module's own parameter or buffer ``key``."""
+    value = module._parameters.get(key)
+    if value is None:
+        value = module._buffers[key]
+    assert value is not None
+    return value
+
+
+def _local_part(full: torch.Tensor, shard: Any) -> torch.Tensor:
+    """The part of ``full`` that the DTensor ``shard`` holds on this rank."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(
+        full.shape, shard.device_mesh, shard.placements
+    )
+    index = tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
+    return full[index]
+
+
+def _managed(unit: Any, units: list[Any]) -> list[torch.nn.Parameter]:
+    """The trainable parameters that ``unit`` itself shards (not those of the units nested in
+    it)."""
+    nested = [o for o in units if o is not unit and any(o is m for m in unit.modules())]
+    inside = {id(p) for o in nested for p in o.parameters()}
+    return [p for p in unit.parameters() if id(p) not in inside and p.requires_grad]

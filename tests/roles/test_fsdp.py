@@ -1,0 +1,144 @@
+"""``step_on="fsdp"``: FSDP2 in processes of their own over Gloo trains exactly like one process
+on the concatenated batches, from a model built whole or on the meta device."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import lampdist
+
+from . import tcp_rank
+from .reference import make_model, make_shards, reference_training
+
+ROOT_DIR = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(torch.distributed, "init_process_group"), reason="torch without distributed"
+)
+
+
+def spawn(rank: int, nranks: int, out: Path, port: int, *extra: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "LAMPDIST_SECRET": "test-secret", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.roles.tcp_rank", "--rank", str(rank)]
+        + ["--nranks", str(nranks), "--port", str(port), "--out", str(out), *extra],
+        cwd=ROOT_DIR,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def run_ranks(out: Path, nranks: int, *extra: str) -> list[str]:
+    """Every rank of :mod:`.tcp_rank` under fsdp to the end; returns their stderr (each must
+    exit 0)."""
+    extra = ("--step-on", "fsdp", *extra)
+    root = spawn(0, nranks, out, 0, *extra)
+    followers: list[subprocess.Popen[str]] = []
+    try:
+        assert root.stdout is not None
+        line = root.stdout.readline()
+        assert line.startswith("PORT "), line + (root.stderr.read() if root.stderr else "")
+        port = int(line.split()[1])
+        followers = [spawn(rank, nranks, out, port, *extra) for rank in range(1, nranks)]
+        results = [process.communicate(timeout=120) for process in [root, *followers]]
+    finally:
+        for process in [root, *followers]:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    errors = [err for _, err in results]
+    for rank, process in enumerate([root, *followers]):
+        assert process.returncode == 0, f"rank {rank}: {errors[rank]}"
+    return errors
+
+
+def assembled(out: Path, nranks: int) -> dict[str, torch.Tensor]:
+    """The whole model from every rank's shards (FSDP2 shards dimension 0, in rank order)."""
+    parts = [
+        torch.load(out / f"rank{rank}.pt", weights_only=True, map_location="cpu")
+        for rank in range(nranks)
+    ]
+    return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
+
+
+def reference(
+    nranks: int,
+    *,
+    optimizer: str = "sgd",
+    accumulate: int = tcp_rank.ACCUMULATE,
+    clip: float | None = None,
+    start: torch.nn.Module | None = None,
+    epochs: int = tcp_rank.EPOCHS,
+) -> tuple[torch.nn.Module, list[float], list[float]]:
+    train_sizes, valid_sizes = tcp_rank.sizes(nranks)
+    return reference_training(
+        start if start is not None else make_model(seed=0),
+        tcp_rank.OPTIMIZERS[optimizer],
+        make_shards(train_sizes, seed=1),
+        make_shards(valid_sizes, seed=2),
+        epochs=epochs,
+        accumulate=accumulate,
+        max_grad_norm=clip,
+    )
+
+
+def assert_matches(out: Path, nranks: int, expected: torch.nn.Module, curve: list[list[float]]):
+    got = assembled(out, nranks)
+    for name, want in expected.state_dict().items():
+        torch.testing.assert_close(got[name], want, rtol=0, atol=1e-9, msg=name)
+    written = json.loads((out / "curve.json").read_text())
+    assert [c[0] for c in written] == pytest.approx([c[0] for c in curve], rel=1e-9)
+    assert [c[1] for c in written] == pytest.approx([c[1] for c in curve], rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("nranks", "accumulate", "optimizer", "clip"),
+    [
+        (2, 1, "sgd", None),
+        (2, 3, "adamw", 0.05),
+        (3, 3, "sgd", None),
+        (3, 1, "adamw", 0.05),
+    ],
+)
+def test_fsdp_matches_one_process(
+    tmp_path: Path, nranks: int, accumulate: int, optimizer: str, clip: float | None
+) -> None:
+    """Uneven and empty batches (a rank runs padding passes where it has none), accumulation
+    with one gradient reduce per step, clipping by the norm over every rank's shards: the
+    weights and the learning curve of one float64 process on the concatenated batches."""
+    extra = ["--accumulate", str(accumulate), "--optimizer", optimizer]
+    if clip is not None:
+        extra += ["--clip", str(clip)]
+    run_ranks(tmp_path, nranks, *extra)
+    expected, train, valid = reference(nranks, optimizer=optimizer, accumulate=accumulate, clip=clip)
+    assert_matches(tmp_path, nranks, expected, [[a, b] for a, b in zip(train, valid, strict=True)])
+
+
+def test_the_in_process_loop_refuses_fsdp() -> None:
+    import anyio
+
+    async def main() -> None:
+        await lampdist.local_data_parallel_training_loop(
+            models_with_data_streams=[
+                lampdist.ModelWithData(
+                    model=lampdist.SupervisedModel(make_model(), torch.nn.functional.mse_loss),
+                    train_batches=list,
+                )
+                for _ in range(2)
+            ],
+            optimizer_factory=tcp_rank.sgd,
+            loop=lampdist.LoopOptions(max_epochs=1),
+            step=lampdist.StepOptions(step_on="fsdp"),
+        )
+
+    with pytest.raises(lampdist.ConfigError, match="one process per rank"):
+        anyio.run(main)
