@@ -52,11 +52,26 @@ def adamw(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
 
 
-def adafactor(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.Adafactor(params, lr=0.05)
+class NormalizedSGD(torch.optim.Optimizer):
+    """Steps each tensor by its gradient over the gradient's norm: not elementwise (the norm
+    spans the whole tensor, every rank's shard of it under fsdp)."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / (p.grad.norm() + 1e-3), alpha=-group["lr"])
 
 
-OPTIMIZERS = {"sgd": sgd, "adamw": adamw, "adafactor": adafactor}
+def normalized(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return NormalizedSGD(params, lr=0.05)
+
+
+OPTIMIZERS = {"sgd": sgd, "adamw": adamw, "normalized": normalized}
 
 
 def sizes(nranks: int) -> tuple[list[list[int]], list[list[int]]]:

@@ -107,13 +107,15 @@ def assert_matches(out: Path, nranks: int, expected: torch.nn.Module, curve: lis
         (2, 3, "adamw", 0.05),
         (3, 3, "sgd", None),
         (3, 1, "adamw", 0.05),
+        (2, 3, "normalized", None),
     ],
 )
 def test_fsdp_matches_one_process(
     tmp_path: Path, nranks: int, accumulate: int, optimizer: str, clip: float | None
 ) -> None:
     """Uneven and empty batches (a rank runs padding passes where it has none), accumulation
-    with one gradient reduce per step, clipping by the norm over every rank's shards: the
+    with one gradient reduce per step, clipping by the norm over every rank's shards, and an
+    optimizer that is not elementwise (each tensor's norm spans every rank's shard): the
     weights and the learning curve of one float64 process on the concatenated batches."""
     extra = ["--accumulate", str(accumulate), "--optimizer", optimizer]
     if clip is not None:
@@ -142,3 +144,27 @@ def test_the_in_process_loop_refuses_fsdp() -> None:
 
     with pytest.raises(lampdist.ConfigError, match="one process per rank"):
         anyio.run(main)
+
+
+def test_a_model_built_on_the_meta_device_starts_from_the_roots_weights(tmp_path: Path) -> None:
+    """Each rank builds the model on the meta device after seeding its RNG differently; each
+    allocates and initializes its own shards only. On 1, 2 and 3 ranks the whole model is the
+    same (every rank computed the root's values), a real initialization, and training from it
+    matches one process that starts from it."""
+    inits = {}
+    for nranks in (1, 2, 3):
+        out = tmp_path / f"init{nranks}"
+        out.mkdir()
+        run_ranks(out, nranks, "--meta", "--epochs", "0")
+        inits[nranks] = assembled(out, nranks)
+    for nranks in (2, 3):
+        for name, want in inits[1].items():
+            assert torch.equal(inits[nranks][name], want), (nranks, name)
+    weight = inits[1]["0.weight"]
+    assert 0 < weight.abs().max() <= 3**-0.5  # Linear(3, 6)'s own uniform bound
+    assert len(set(weight.flatten().tolist())) == weight.numel()
+    start = make_model(seed=0)
+    start.load_state_dict(inits[1])
+    run_ranks(tmp_path, 2, "--meta")
+    expected, train, valid = reference(2, start=start)
+    assert_matches(tmp_path, 2, expected, [[a, b] for a, b in zip(train, valid, strict=True)])
