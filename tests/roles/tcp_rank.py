@@ -114,11 +114,13 @@ async def main(argv: list[str]) -> None:
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--meta", action="store_true")
     parser.add_argument("--epochs", type=int, default=EPOCHS)
+    parser.add_argument("--shard-linear", action="store_true", help="fsdp: each Linear a unit")
     args = parser.parse_args(argv)
     step = lampdist.StepOptions(
         accumulate_gradient_over_n_batches=args.accumulate,
         step_on=args.step_on,
         max_grad_norm=args.clip,
+        fsdp=lampdist.FsdpPolicy(shard_modules=(torch.nn.Linear,) if args.shard_linear else ()),
     )
     optimizer = OPTIMIZERS[args.optimizer]
     train_sizes, valid_sizes = sizes(args.nranks)

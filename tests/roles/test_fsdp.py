@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -168,3 +169,67 @@ def test_a_model_built_on_the_meta_device_starts_from_the_roots_weights(tmp_path
     run_ranks(tmp_path, 2, "--meta")
     expected, train, valid = reference(2, start=start)
     assert_matches(tmp_path, 2, expected, [[a, b] for a, b in zip(train, valid, strict=True)])
+
+
+def test_a_sharded_module_with_nothing_on_a_rank_fails_before_training(tmp_path: Path) -> None:
+    """Linear(6, 1) as a unit of its own over 3 ranks leaves ranks 1 and 2 without an element
+    of it: every rank fails at setup, naming the ranks and the module."""
+    root = spawn(0, 3, tmp_path, 0, "--step-on", "fsdp", "--shard-linear")
+    followers: list[subprocess.Popen[str]] = []
+    try:
+        assert root.stdout is not None
+        port = int(root.stdout.readline().split()[1])
+        followers = [
+            spawn(rank, 3, tmp_path, port, "--step-on", "fsdp", "--shard-linear")
+            for rank in (1, 2)
+        ]
+        errors = [process.communicate(timeout=120)[1] for process in [root, *followers]]
+    finally:
+        for process in [root, *followers]:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert root.returncode != 0
+    assert "ranks [1, 2] hold no element of the parameters of sharded module '2'" in errors[0]
+    assert "phase 'configure'" in errors[0]
+    assert not (tmp_path / "curve.json").exists()
+
+
+def test_the_policy_reads_the_same_in_every_process_and_names_what_differs() -> None:
+    """The agreement check compares FsdpPolicy's text: the same in another process for the
+    same policy (no addresses in it), different for another parallelize or precision."""
+    code = (
+        "import lampdist, torch; from tests.roles import tcp_rank; "
+        "print(repr(lampdist.FsdpPolicy(shard_modules=(torch.nn.Linear,), "
+        "parallelize=tcp_rank.sgd, precision=lampdist.Precision(param_dtype=torch.bfloat16))))"
+    )
+    printed = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT_DIR, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    here = lampdist.FsdpPolicy(
+        shard_modules=(torch.nn.Linear,),
+        parallelize=tcp_rank.sgd,
+        precision=lampdist.Precision(param_dtype=torch.bfloat16),
+    )
+    assert printed == repr(here)
+    assert "tests.roles.tcp_rank.sgd" in printed and "param bfloat16" in printed
+    other = lampdist.FsdpPolicy(shard_modules=(torch.nn.Linear,), parallelize=tcp_rank.adamw)
+    fields = dict(lampdist.StepOptions(step_on="fsdp", fsdp=here).agreed_fields())
+    assert fields["fsdp"] != dict(
+        lampdist.StepOptions(step_on="fsdp", fsdp=other).agreed_fields()
+    )["fsdp"]
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: lampdist.StepOptions(step_on="fsdp", bucket_cap_mb=25), "bucket_cap_mb"),
+        (lambda: lampdist.StepOptions(step_on="fsdp", fsdp="blocks"), "FsdpPolicy"),
+        (lambda: lampdist.FsdpPolicy(shard_modules=("Block",)), "module classes"),
+        (lambda: lampdist.Precision(param_dtype=torch.int8), "floating torch.dtype"),
+        (lambda: lampdist.FsdpPolicy(parallelize=3), "callable"),
+    ],
+)
+def test_bad_fsdp_options_fail_when_built(make: Any, match: str) -> None:
+    with pytest.raises(lampdist.ConfigError, match=match):
+        make()

@@ -257,6 +257,16 @@ class FsdpSteps(ExchangingDesign):
                 rank=self.rank,
                 phase=_PHASE,
             )
+        meshes = {
+            p.device_mesh.size() for p in module.parameters() if isinstance(p, DTensor)
+        }
+        if meshes != {self.nranks}:
+            raise MismatchError(
+                f"the model is sharded over meshes of {sorted(meshes)} ranks, the clique has "
+                f"{self.nranks}: FsdpPolicy.parallelize must shard over the mesh it is given",
+                rank=self.rank,
+                phase=_PHASE,
+            )
         names = {id(m): name or "(root)" for name, m in module.named_modules()}
         counts = [
             sum(p.to_local().numel() for p in _managed(unit, self._units)) for unit in self._units
