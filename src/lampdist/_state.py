@@ -71,7 +71,8 @@ class TrainingState:
     when no best model has been saved. ``rank_states`` holds, per rank in rank order, what it
     needs to go on exactly where it stopped: its place in its training data
     (``"position"``, with ``StepOptions.steps_per_epoch``) and its RNG states; ``None`` in
-    checkpoints that predate them.
+    checkpoints that predate them. Under ``step_on="fsdp"`` no rank holds the whole model: each
+    rank's shards are in the checkpoint directory (``shards``).
     """
 
     loop_state: LoopState
@@ -79,6 +80,10 @@ class TrainingState:
     optimizer_state: Mapping[str, Any]
     best_model_state: Mapping[str, Any] | None = None
     rank_states: tuple[Mapping[str, Any], ...] | None = None
+    shards: Any = None
+    """``step_on="fsdp"``: where every rank's shards of the model and optimizer state are (a
+    ``lampdist._checkpoint.ShardedState``); ``model_state`` and ``optimizer_state`` are then
+    empty. ``None`` for a checkpoint of whole state dicts."""
 
 
 @attrs.frozen(kw_only=True)

@@ -134,6 +134,12 @@ class _DirectoryCheckpoint:
         await anyio.to_thread.run_sync(write)
 
 
+def directory_of(effect: CheckpointState | None) -> Path | None:
+    """The directory of an effect of :func:`to_directory` (``None`` for any other effect): where
+    ``step_on="fsdp"`` has every rank write its shards."""
+    return effect.directory if isinstance(effect, _DirectoryCheckpoint) else None
+
+
 async def check_before_training(effect: CheckpointState | None, resume: Resumed | None) -> None:
     """What the root awaits before training: an effect of :func:`to_directory` checks its
     directory (any other effect is the caller's own)."""

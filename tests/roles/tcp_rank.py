@@ -32,7 +32,7 @@ import anyio
 import torch
 
 import lampdist
-from lampdist import control
+from lampdist import checkpoint, control
 
 from .reference import make_model, make_shards, mse, shuffled
 
@@ -79,6 +79,21 @@ def sizes(nranks: int) -> tuple[list[list[int]], list[list[int]]]:
     return (SIZES, VALID_SIZES) if nranks == 2 else (SIZES_3, VALID_SIZES_3)
 
 
+def optimizer_parts(
+    optimizer: torch.optim.Optimizer, module: torch.nn.Module
+) -> dict[str, dict[str, torch.Tensor]]:
+    """The optimizer's state on this rank by parameter name (an fsdp shard's local part)."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    return {
+        names[id(p)]: {
+            key: (v.to_local() if hasattr(v, "to_local") else v).detach().cpu()
+            for key, v in state.items()
+            if isinstance(v, torch.Tensor)
+        }
+        for p, state in optimizer.state.items()
+    }
+
+
 def local_parts(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Each parameter's and buffer's part on this rank (an fsdp shard's local tensor)."""
     return {
@@ -114,6 +129,8 @@ async def main(argv: list[str]) -> None:
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--meta", action="store_true")
     parser.add_argument("--epochs", type=int, default=EPOCHS)
+    parser.add_argument("--checkpoint", type=Path, default=None, help="to_directory(DIR)")
+    parser.add_argument("--resume", type=Path, default=None, help="load_latest(DIR)")
     parser.add_argument("--shard-linear", action="store_true", help="fsdp: each Linear a unit")
     args = parser.parse_args(argv)
     step = lampdist.StepOptions(
@@ -122,7 +139,14 @@ async def main(argv: list[str]) -> None:
         max_grad_norm=args.clip,
         fsdp=lampdist.FsdpPolicy(shard_modules=(torch.nn.Linear,) if args.shard_linear else ()),
     )
-    optimizer = OPTIMIZERS[args.optimizer]
+    built: list[torch.optim.Optimizer] = []
+
+    def optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        built.append(OPTIMIZERS[args.optimizer](params))
+        return built[-1]
+
+    checkpoint_state = None if args.checkpoint is None else checkpoint.to_directory(args.checkpoint)
+    resume = None if args.resume is None else checkpoint.load_latest(args.resume)
     train_sizes, valid_sizes = sizes(args.nranks)
     device = f"cuda:{args.rank}" if args.cuda else "cpu"
     secret = os.environ["LAMPDIST_SECRET"]
@@ -150,7 +174,10 @@ async def main(argv: list[str]) -> None:
                 device=device,
                 control=root,
                 optimizer_factory=optimizer,
-                loop=lampdist.LoopOptions(max_epochs=args.epochs),
+                loop=lampdist.LoopOptions(
+                    max_epochs=args.epochs, checkpoint_state=checkpoint_state
+                ),
+                resume=resume,
                 step=step,
                 timeouts=lampdist.Timeouts(join=30),
             )
@@ -174,6 +201,8 @@ async def main(argv: list[str]) -> None:
                 timeouts=lampdist.Timeouts(join=30),
             )
     torch.save(local_parts(module), args.out / f"rank{args.rank}.pt")
+    if built:
+        torch.save(optimizer_parts(built[0], module), args.out / f"optim{args.rank}.pt")
 
 
 if __name__ == "__main__":

@@ -122,7 +122,9 @@ def test_fsdp_matches_one_process(
     if clip is not None:
         extra += ["--clip", str(clip)]
     run_ranks(tmp_path, nranks, *extra)
-    expected, train, valid = reference(nranks, optimizer=optimizer, accumulate=accumulate, clip=clip)
+    expected, train, valid = reference(
+        nranks, optimizer=optimizer, accumulate=accumulate, clip=clip
+    )
     assert_matches(tmp_path, nranks, expected, [[a, b] for a, b in zip(train, valid, strict=True)])
 
 
@@ -180,8 +182,7 @@ def test_a_sharded_module_with_nothing_on_a_rank_fails_before_training(tmp_path:
         assert root.stdout is not None
         port = int(root.stdout.readline().split()[1])
         followers = [
-            spawn(rank, 3, tmp_path, port, "--step-on", "fsdp", "--shard-linear")
-            for rank in (1, 2)
+            spawn(rank, 3, tmp_path, port, "--step-on", "fsdp", "--shard-linear") for rank in (1, 2)
         ]
         errors = [process.communicate(timeout=120)[1] for process in [root, *followers]]
     finally:
@@ -215,9 +216,10 @@ def test_the_policy_reads_the_same_in_every_process_and_names_what_differs() -> 
     assert "tests.roles.tcp_rank.sgd" in printed and "param bfloat16" in printed
     other = lampdist.FsdpPolicy(shard_modules=(torch.nn.Linear,), parallelize=tcp_rank.adamw)
     fields = dict(lampdist.StepOptions(step_on="fsdp", fsdp=here).agreed_fields())
-    assert fields["fsdp"] != dict(
-        lampdist.StepOptions(step_on="fsdp", fsdp=other).agreed_fields()
-    )["fsdp"]
+    assert (
+        fields["fsdp"]
+        != dict(lampdist.StepOptions(step_on="fsdp", fsdp=other).agreed_fields())["fsdp"]
+    )
 
 
 @pytest.mark.parametrize(
@@ -233,3 +235,93 @@ def test_the_policy_reads_the_same_in_every_process_and_names_what_differs() -> 
 def test_bad_fsdp_options_fail_when_built(make: Any, match: str) -> None:
     with pytest.raises(lampdist.ConfigError, match=match):
         make()
+
+
+def _parts(out: Path, nranks: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The whole model and the whole optimizer state (``name/key``) from every rank's part;
+    each rank's part of an fsdp run is dimension 0's chunk, of a whole run the whole."""
+    model = assembled(out, nranks)
+    optims = [
+        torch.load(out / f"optim{rank}.pt", weights_only=True, map_location="cpu")
+        for rank in range(nranks)
+    ]
+    optimizer = {}
+    for name, state in optims[0].items():
+        for key, value in state.items():
+            pieces = [part[name][key] for part in optims]
+            whole = value if value.dim() == 0 else torch.cat(pieces)
+            optimizer[f"{name}/{key}"] = whole
+    return model, optimizer
+
+
+def _whole(out: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The root's whole model and optimizer state of a run under a whole-model design."""
+    model = torch.load(out / "rank0.pt", weights_only=True)
+    optim = torch.load(out / "optim0.pt", weights_only=True)
+    return model, {f"{n}/{k}": v for n, state in optim.items() for k, v in state.items()}
+
+
+def _assert_bitwise(got: tuple[dict, dict], want: tuple[dict, dict]) -> None:
+    for held, saved in zip(got, want, strict=True):
+        assert sorted(held) == sorted(saved)
+        for name, value in saved.items():
+            assert torch.equal(held[name], value), name
+
+
+def test_checkpoints_reshard_between_rank_counts_and_designs(tmp_path: Path) -> None:
+    """Every rank writes its own shards; the checkpoint loads on another number of ranks and
+    under another design, each rank then holding exactly (bitwise) its part of what was
+    saved, model and optimizer state: fsdp 2 -> fsdp 3 -> (trains, saves) -> fsdp 2,
+    fsdp 2 -> root on 1 rank, root on 2 ranks -> fsdp 2. A resumed run ends where one
+    uninterrupted process on the same data ends."""
+    saved2, saved3, saved_root = tmp_path / "c2", tmp_path / "c3", tmp_path / "croot"
+    runs = {name: tmp_path / name for name in ("a", "b", "c", "d", "e", "f", "g")}
+    for out in runs.values():
+        out.mkdir()
+    # fsdp on 2 ranks, one epoch, checkpointed.
+    run_ranks(runs["a"], 2, "--epochs", "1", "--optimizer", "adamw", "--checkpoint", str(saved2))
+    written = _parts(runs["a"], 2)
+    # fsdp on 3 ranks resumes from it (nothing to train): its shards are the saved ones.
+    run_ranks(runs["b"], 3, "--epochs", "1", "--optimizer", "adamw", "--resume", str(saved2))
+    _assert_bitwise(_parts(runs["b"], 3), written)
+    # fsdp on 3 ranks trains an epoch on and saves; fsdp on 2 ranks resumes from that.
+    extra = ("--epochs", "2", "--optimizer", "adamw")
+    run_ranks(runs["c"], 3, *extra, "--resume", str(saved2), "--checkpoint", str(saved3))
+    run_ranks(runs["d"], 2, *extra, "--resume", str(saved3))
+    _assert_bitwise(_parts(runs["d"], 2), _parts(runs["c"], 3))
+    # The root design on one rank reads the sharded checkpoint whole.
+    run_whole(runs["e"], 1, "--epochs", "1", "--optimizer", "adamw", "--resume", str(saved2))
+    _assert_bitwise(_whole(runs["e"]), written)
+    # A checkpoint of the root design (whole state dicts) loads into fsdp on 2 ranks.
+    run_whole(
+        runs["f"], 2, "--epochs", "1", "--optimizer", "adamw", "--checkpoint", str(saved_root)
+    )
+    run_ranks(runs["g"], 2, "--epochs", "1", "--optimizer", "adamw", "--resume", str(saved_root))
+    _assert_bitwise(_parts(runs["g"], 2), _whole(runs["f"]))
+    # And the resumed fsdp run of the same data ends where one process ends.
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    run_ranks(resumed, 2, "--epochs", "2", "--optimizer", "adamw", "--resume", str(saved2))
+    expected, train, valid = reference(2, optimizer="adamw", epochs=2)
+    assert_matches(resumed, 2, expected, [[a, b] for a, b in zip(train, valid, strict=True)])
+
+
+def run_whole(out: Path, nranks: int, *extra: str) -> None:
+    """:mod:`.tcp_rank` under the root design (whole state dicts) on ``nranks`` ranks."""
+    root = spawn(0, nranks, out, 0, "--step-on", "root", *extra)
+    followers: list[subprocess.Popen[str]] = []
+    try:
+        assert root.stdout is not None
+        port = int(root.stdout.readline().split()[1])
+        followers = [
+            spawn(rank, nranks, out, port, "--step-on", "root", *extra)
+            for rank in range(1, nranks)
+        ]
+        errors = [process.communicate(timeout=120)[1] for process in [root, *followers]]
+    finally:
+        for process in [root, *followers]:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    for rank, process in enumerate([root, *followers]):
+        assert process.returncode == 0, f"rank {rank}: {errors[rank]}"

@@ -150,6 +150,15 @@ def manifest_to_bytes(files: list[FileRecord]) -> bytes:
     return dump_json({"format_version": FORMAT_VERSION, "files": body, "checksum": checksum})
 
 
+def _is_file_name(name: str) -> bool:
+    """Whether a manifest entry names a file inside the checkpoint: a plain name, or one in
+    its ``shards`` directory (a sharded checkpoint's; DCP names its metadata ``.metadata``)."""
+    head, _, tail = name.partition("/")
+    if not tail:
+        return bool(head) and not head.startswith(".")
+    return head == "shards" and "/" not in tail and tail not in (".", "..") and bool(tail)
+
+
 def parse_manifest(data: bytes, *, where: str) -> Manifest:
     """A manifest read from its bytes.
 
@@ -193,7 +202,7 @@ def parse_manifest(data: bytes, *, where: str) -> Manifest:
         )
     except (TypeError, KeyError, ValueError, AttributeError) as exc:
         raise Damaged(f"malformed manifest entry ({exc!r})") from exc
-    if any("/" in r.name or r.name.startswith(".") or r.size < 0 for r in records):
+    if any(not _is_file_name(r.name) or r.size < 0 for r in records):
         raise Damaged("a manifest entry names no file of the checkpoint")
     return Manifest(version=version, checksum=checksum_name, files=records)
 

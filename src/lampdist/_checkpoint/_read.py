@@ -31,6 +31,7 @@ from ._format import (
     parse_manifest,
 )
 from ._rng import RngStates
+from ._shards import SHARDS, ShardedState
 from ._tensor_read import read_tensor_file
 from ._write import committed_checkpoints
 
@@ -130,6 +131,16 @@ def _read_files(path: Path, *, map_location: Any) -> Loaded:
         has_ranks = bool(state.get("has_rank_states", False))  # absent before they existed
         rng_json = state["rng"]
         lr_state_json = state["lr_state"]
+        sharded = state.get("sharded")
+        shards = (
+            None
+            if sharded is None
+            else ShardedState(
+                path=path / SHARDS,
+                nranks=int(sharded["nranks"]),
+                precision=dict(sharded["precision"]),
+            )
+        )
     except (ValueError, TypeError, KeyError, RecursionError) as exc:
         raise Damaged(f"malformed state.json ({exc!r})") from exc
     if has_best != (BEST_MODEL in stems):
@@ -150,6 +161,7 @@ def _read_files(path: Path, *, map_location: Any) -> Loaded:
         optimizer_state=load(OPTIMIZER, map_location),
         best_model_state=load(BEST_MODEL, map_location) if has_best else None,
         rank_states=tuple(load(RANKS, "cpu")) if has_ranks else None,
+        shards=shards,
     )
     try:
         rng = RngStates.from_stored(rng_tensors, rng_json)

@@ -26,7 +26,7 @@ from .._errors import CheckpointError, ConfigError
 from .._state import TrainingState
 from ..schedules import state_to_json
 from ._block_writer import PlannedFile, Source, write_planned
-from ._files import fsync_directory, write_file, writer_lock
+from ._files import fsync_directory, hash_file, write_file, writer_lock
 from ._format import (
     BEST_MODEL,
     FORMAT_VERSION,
@@ -47,10 +47,17 @@ from ._format import (
     manifest_to_bytes,
 )
 from ._rng import RngStates
+from ._shards import SHARDS, ShardedState
 from ._tensor_file import encode
 from ._torch_io import check_weights_only_loadable, save_tensors
 
-__all__ = ["check_writable", "committed_checkpoints", "write_checkpoint"]
+__all__ = [
+    "check_writable",
+    "committed_checkpoints",
+    "new_shards_directory",
+    "verify_shards",
+    "write_checkpoint",
+]
 
 _log = logging.getLogger("lampdist.checkpoint")
 
@@ -96,13 +103,19 @@ def write_checkpoint(
     state_json = _state_json(training_state, lr_state, rng)
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        shards: ShardedState | None = training_state.shards
         with writer_lock(directory):
-            _remove_scratch(directory)
+            _remove_scratch(directory, keep=None if shards is None else shards.path.parent)
             name = _next_name(directory, epoch)
-            temp = directory / f"{TEMP_PREFIX}{name.name}-{secrets.token_hex(4)}"
-            temp.mkdir()
+            if shards is None:
+                temp = directory / f"{TEMP_PREFIX}{name.name}-{secrets.token_hex(4)}"
+                temp.mkdir()
+            else:  # the ranks wrote their shards into it
+                temp = shards.path.parent
             committed = False
             try:
+                if shards is not None:
+                    verify_shards(temp, shards)
                 records = _write_files(temp, state_json, training_state, rng, check)
                 fsync_directory(temp)
                 check()  # the last point at which a cancellation aborts the write
@@ -180,6 +193,8 @@ def _write_files(
             records.append(
                 write_file(temp / filename, save, check=check, pool=pool, algorithm=WRITE_CHECKSUM)
             )
+        if training_state.shards is not None:
+            records.extend(training_state.shards.records)
         manifest = manifest_to_bytes(records)
         manifest_plan = PlannedFile(name=MANIFEST, size=len(manifest), parts=((0, manifest),))
         write_planned(
@@ -204,18 +219,55 @@ def _state_json(training_state: TrainingState, lr_state: Any, rng: RngStates) ->
             "has_best_model": training_state.best_model_state is not None,
             "has_rank_states": training_state.rank_states is not None,
             "rng": rng.to_json(),
+            **_sharded_json(training_state.shards),
         }
     )
+
+
+def _sharded_json(shards: ShardedState | None) -> dict[str, Any]:
+    """What state.json says of a sharded checkpoint (nothing for whole state dicts)."""
+    if shards is None:
+        return {}
+    return {"sharded": {"nranks": shards.nranks, "precision": dict(shards.precision)}}
+
+
+def new_shards_directory(
+    directory: Path, nranks: int, precision: Mapping[str, Any]
+) -> ShardedState:
+    """A scratch directory in ``directory`` for the ranks' shards of the next checkpoint,
+    which :func:`write_checkpoint` commits (or the next write removes)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    scratch = directory / f"{TEMP_PREFIX}shards-{secrets.token_hex(4)}"
+    scratch.mkdir()
+    return ShardedState(path=scratch / SHARDS, nranks=nranks, precision=precision)
+
+
+def verify_shards(temp: Path, shards: ShardedState) -> None:
+    """Raise :class:`CheckpointError` unless every rank's files are there, as its records say
+    (every rank wrote its part before the checkpoint is committed)."""
+    files = {record.name for record in shards.records}
+    if f"{SHARDS}/.metadata" not in files:
+        raise CheckpointError("the shards' metadata is missing", phase="checkpoint")
+    for rank in range(shards.nranks):
+        if not any(name.startswith(f"{SHARDS}/__{rank}_") for name in files):
+            raise CheckpointError(f"rank {rank} wrote no shard", phase="checkpoint")
+    for record in shards.records:
+        size, digests = hash_file(temp / record.name, WRITE_CHECKSUM)
+        if size != record.size or digests != record.digests:
+            raise CheckpointError(
+                f"{record.name} does not match what its rank wrote", phase="checkpoint"
+            )
 
 
 def _type_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _remove_scratch(directory: Path) -> None:
-    """Remove what crashed writers left behind (we hold the lock: nobody is writing)."""
+def _remove_scratch(directory: Path, *, keep: Path | None = None) -> None:
+    """Remove what crashed writers left behind (we hold the lock: nobody is writing), except
+    ``keep`` (the scratch directory the ranks' shards of this checkpoint are in)."""
     for entry in os.scandir(directory):
-        if entry.name.startswith(TEMP_PREFIX):
+        if entry.name.startswith(TEMP_PREFIX) and (keep is None or entry.name != keep.name):
             _log.info("removing leftover %s from an interrupted checkpoint", entry.path)
             if entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path, ignore_errors=True)

@@ -17,6 +17,7 @@ from ._feed import LoadedBatch as LoadedBatch
 from ._feed import PassStopped as PassStopped
 from ._feed import open_feed as open_feed
 from ._flat import FlatParameters as FlatParameters
+from ._flat import flat_order as flat_order
 from ._kernel import StepKernel as StepKernel
 from ._pass import PassRunner as PassRunner
 from ._progress import Progress as Progress
@@ -37,6 +38,7 @@ __all__ = [
     "StepKernel",
     "Stepper",
     "create_design",
+    "flat_order",
     "host_to_device",
     "open_compute_thread",
     "open_feed",

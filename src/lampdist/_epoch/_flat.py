@@ -33,7 +33,7 @@ import torch
 
 from .._model import original_module
 
-__all__ = ["META_SLOTS", "ROOT_VALUES_BYTES", "FlatParameters"]
+__all__ = ["META_SLOTS", "ROOT_VALUES_BYTES", "FlatParameters", "flat_order"]
 
 META_SLOTS = 4
 """Elements of the gradient tail: examples (high and low parts), loss sum, more batches."""
@@ -233,6 +233,17 @@ class FlatParameters:
             else:
                 view.copy_(grad)
             parameter.grad = view
+
+
+def flat_order(module: torch.nn.Module) -> list[str]:
+    """The names of ``module``'s trainable parameters in the order of a flat layout's
+    :attr:`FlatParameters.parameters` (by dtype, the dtypes in the order they first appear):
+    the order of a whole optimizer state's keys in a checkpoint."""
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name, parameter in module.named_parameters():
+        if parameter.requires_grad:
+            by_dtype.setdefault(parameter.dtype, []).append(name)
+    return [name for names in by_dtype.values() for name in names]
 
 
 def _cut(parameters: list[torch.nn.Parameter], cap_bytes: int) -> list[list[torch.nn.Parameter]]:

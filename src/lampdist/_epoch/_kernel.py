@@ -27,12 +27,13 @@ from typing import Any
 import attrs
 import torch
 
-from .._checkpoint import capture_rng_states
+from .._checkpoint import ShardedState, capture_rng_states
+from .._checkpoint._format import FileRecord
 from .._errors import LampdistError, TrainingError
 from .._model import SupervisedModel
 from .._options import StepOptions
 from .._source import PassKind
-from .._state import PassEvent
+from .._state import PassEvent, TrainingState
 from .._wakeup import on_event_loop_thread
 from ..clique import Clique
 from ._blame import describe_batch
@@ -107,10 +108,10 @@ class StepKernel:
                 "an event loop; start passes through PassRunner"
             )
 
-    def prepare(self) -> None:
+    def prepare(self, resume: TrainingState | None) -> None:
         """The design's setup once every rank agreed (see :meth:`Design.prepare`)."""
         self._check_thread()
-        self.design.prepare()
+        self.design.prepare(resume)
 
     def sync_parameters(self) -> None:
         """Broadcast the root's parameters and buffers so that every rank holds them (the
@@ -128,24 +129,34 @@ class StepKernel:
         self._check_thread()
         self.design.sync_optimizer_state()
 
-    def checkpoint_parts(self) -> CheckpointParts | None:
+    def checkpoint_parts(self, shards: ShardedState | None = None) -> CheckpointParts | None:
         """What each rank holds of a checkpoint, gathered on the root (``None`` elsewhere):
-        the whole optimizer state (see :meth:`Design.checkpoint_optimizer_state`); and every
-        rank's place in its training stream and RNG states. Every rank calls it, between
-        passes."""
+        the whole optimizer state (see :meth:`Design.checkpoint_optimizer_state`), or where
+        the design writes shards (fsdp) into the root's ``shards``, every rank's files; and
+        every rank's place in its training stream and RNG states. Every rank calls it,
+        between passes."""
         self._check_thread()
         optimizer_state = self.design.checkpoint_optimizer_state()
+        records = self.design.checkpoint_shards(shards)
         rng = capture_rng_states()
         mine = {
             "position": None if self.position is None else self.position.to_plain(),
             "rng_tensors": rng.tensors(),
             "rng_json": rng.to_json(),
         }
-        ranks = gather_objects(self.clique, mine, rank=self.rank)
+        ranks = gather_objects(self.clique, [mine, records], rank=self.rank)
         if ranks is None:
             return None
         assert optimizer_state is not None
-        return CheckpointParts(optimizer_state=optimizer_state, rank_states=tuple(ranks))
+        return CheckpointParts(
+            optimizer_state=optimizer_state,
+            rank_states=tuple(state for state, _ in ranks),
+            shard_records=tuple(
+                FileRecord(name=name, size=size, digests=tuple(digests))
+                for _, files in ranks
+                for name, size, digests in files
+            ),
+        )
 
     # -- the training pass -------------------------------------------------------------------
 

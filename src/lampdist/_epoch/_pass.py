@@ -20,11 +20,11 @@ import anyio
 import attrs
 import torch
 
-from .._checkpoint import RngStates, restore_rng_states
+from .._checkpoint import RngStates, ShardedState, restore_rng_states
 from .._effects import BatchSource, OnPassEvent, PassAwareBatchSource
 from .._openmp import release_team
 from .._source import PassContext, PassKind, pass_seed
-from .._state import PassEvent
+from .._state import PassEvent, TrainingState
 from ..clique import Clique
 from ._compute import ComputeThread
 from ._feed import BatchFeed, open_feed
@@ -68,9 +68,10 @@ class PassRunner:
         """The rank's device."""
         return self.kernel.device
 
-    async def prepare(self) -> None:
-        """The design's setup once every rank agreed (see :meth:`StepKernel.prepare`)."""
-        await self.compute.run(self.kernel.prepare, on_cancel=self._abort_clique)
+    async def prepare(self, resume: TrainingState | None = None) -> None:
+        """The design's setup once every rank agreed, with the root's checkpoint to resume
+        from (see :meth:`StepKernel.prepare`)."""
+        await self.compute.run(partial(self.kernel.prepare, resume), on_cancel=self._abort_clique)
 
     async def sync_parameters(self) -> None:
         """Broadcast the root's parameters and buffers so that every rank holds them."""
@@ -81,10 +82,13 @@ class PassRunner:
         slice of the resumed state (``"sharded"``)."""
         await self.compute.run(self.kernel.sync_optimizer_state, on_cancel=self._abort_clique)
 
-    async def checkpoint_parts(self) -> CheckpointParts | None:
-        """Gather what every rank holds of a checkpoint on the root (see
+    async def checkpoint_parts(self, shards: ShardedState | None = None) -> CheckpointParts | None:
+        """Gather what every rank holds of a checkpoint on the root, every rank writing its
+        shards into the root's ``shards`` where the design writes shards (see
         :meth:`StepKernel.checkpoint_parts`)."""
-        return await self.compute.run(self.kernel.checkpoint_parts, on_cancel=self._abort_clique)
+        return await self.compute.run(
+            partial(self.kernel.checkpoint_parts, shards), on_cancel=self._abort_clique
+        )
 
     async def resume_ranks(
         self, rank_states: tuple[Mapping[str, Any], ...] | None, *, restore_rng: bool

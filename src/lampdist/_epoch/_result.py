@@ -32,3 +32,5 @@ class CheckpointParts:
 
     optimizer_state: Mapping[str, Any]
     rank_states: tuple[dict[str, Any], ...]
+    shard_records: tuple[Any, ...] = ()
+    """Sharded checkpoints (fsdp): every rank's files and their checksums (``FileRecord``)."""

@@ -131,11 +131,12 @@ class RankContext:
 
     async def agree_and_sync(self, runner: PassRunner, *, resume: Resumed | None = None) -> None:
         """What every rank does, in the same order, once its clique is open: :func:`agree`
-        (phase ``'agreement'``), then the design's setup (:meth:`Design.prepare`: fsdp shards the
-    model there), take the root's parameters and buffers, the optimizer
-        state its design starts from (see :meth:`Design.sync_optimizer_state`), and its part
-        of the checkpoint the root resumes from (``resume``, the root's): its place in its
-        training data and, when the root restores RNG states, its own.
+        (phase ``'agreement'``), then the design's setup with the root's checkpoint
+        (:meth:`Design.prepare`: fsdp shards the model and loads its shards there), then take
+        the root's parameters and buffers, the optimizer state its design starts from (see
+        :meth:`Design.sync_optimizer_state`), and its part of the checkpoint the root resumes
+        from (``resume``, the root's): its place in its training data and, when the root
+        restores RNG states, its own.
 
         Raises :class:`MismatchError` as :func:`agree` does, and the clique's errors.
         """
@@ -144,7 +145,7 @@ class RankContext:
         validates = data.validation_batches is not None
         metrics = metric_layout(data.model.metrics)
         await runner.run(partial(agree, runner.clique, flat, step, validates, metrics))
-        await runner.prepare()
+        await runner.prepare(resume.training_state if resume is not None else None)
         await runner.sync_parameters()
         await runner.sync_optimizer_state()
         rank_states = resume.training_state.rank_states if resume is not None else None

@@ -11,16 +11,24 @@ import anyio
 import attrs
 import torch
 
+from .._checkpoint import by_index, new_shards_directory, read_whole
 from .._device import resolve_device
 from .._effects import EpochOutcome, OptimizerFactory
-from .._epoch import PassRunner
-from .._errors import CheckpointError, CliqueError, CliqueTimeout, LampdistError, RankFailed
+from .._epoch import PassRunner, flat_order
+from .._errors import (
+    CheckpointError,
+    CliqueError,
+    CliqueTimeout,
+    ConfigError,
+    LampdistError,
+    RankFailed,
+)
 from .._loop import epochs
 from .._model import original_module
 from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts, check_monitors
 from .._preload import preload
 from .._state import LoopState, TrainingState
-from ..checkpoint import Resumed, check_before_training
+from ..checkpoint import Resumed, check_before_training, directory_of
 from ..clique import CliqueFactory
 from ..control import Command, CommandKind, RootChannel
 from ..schedules import LearningRateSchedule
@@ -125,7 +133,7 @@ async def drive(
     """The root's run as :func:`drive_distributed_training` describes it, for this package's
     entry points: the device resolved, the options built once."""
     check_optimizer_factory(0, run)
-    _check_fsdp_loop(run.step, loop, resume)
+    _check_fsdp_loop(run.step, loop)
     lr_state = resumed_schedule_state(loop.learning_rate_schedule, resume)
     check_monitors(loop, data)
     if resume is not None and loop.max_epochs <= resume.epoch:
@@ -150,14 +158,19 @@ async def drive(
     return state
 
 
-def _check_fsdp_loop(step: StepOptions, loop: LoopOptions, resume: Resumed | None) -> None:
-    """Raise :class:`ConfigError` for what ``step_on="fsdp"`` does not do yet: checkpoints,
-    resuming and the best model (each needs every rank's shards)."""
+def _check_fsdp_loop(step: StepOptions, loop: LoopOptions) -> None:
+    """Raise :class:`ConfigError` for what ``step_on="fsdp"`` does not do: checkpoints by
+    another effect than :func:`lampdist.checkpoint.to_directory` (every rank writes its shards
+    into its directory) and the best model (it would need every rank's shards)."""
     if step.step_on != "fsdp":
         return
+    effect = loop.checkpoint_state
     for unsupported, name, instead in (
-        (loop.checkpoint_state is not None, "checkpoint_state", "checkpoint_state=None"),
-        (resume is not None, "resume", "resume=None"),
+        (
+            effect is not None and directory_of(effect) is None,
+            "checkpoint_state other than checkpoint.to_directory(...)",
+            "checkpoint_state=checkpoint.to_directory(path)",
+        ),
         (
             bool(loop.return_min_validation_loss_model),
             "return_min_validation_loss_model",
@@ -166,8 +179,8 @@ def _check_fsdp_loop(step: StepOptions, loop: LoopOptions, resume: Resumed | Non
     ):
         if unsupported:
             raise ConfigError(
-                f"step_on='fsdp' does not support {name} yet (it needs every rank's shards "
-                f"of the model): pass {instead}",
+                f"step_on='fsdp' does not support {name} (every rank holds shards of the "
+                f"model): pass {instead}",
                 rank=0,
                 phase="configure",
             )
@@ -373,12 +386,25 @@ class _Root:
         return final
 
     def _restore(self, resume: Resumed) -> dict[str, torch.Tensor] | None:
-        """Load the checkpointed model and optimizer (the compute thread); the best model."""
+        """Load the checkpointed model and optimizer (the compute thread); the best model.
+        A design that loads checkpoints itself (fsdp) gets ``self.resume`` checked and
+        loads it once sharded (see :meth:`Design.prepare`)."""
         state, module = resume.training_state, self.data.model.module
-        load_model_state(module, state.model_state, path=resume.path)
-        stepper = self.context.design.stepper
-        assert stepper is not None  # the root steps in every design
-        load_optimizer_state(stepper, state.optimizer_state, path=resume.path)
+        design = self.context.design
+        if design.loads_checkpoints:  # fsdp: every rank loads its shards once sharded
+            if state.shards is None:
+                fitted = fitting_model_state(module, state.model_state, path=resume.path)
+                state = attrs.evolve(state, model_state=fitted)
+                self.resume = attrs.evolve(resume, training_state=state)
+            return None
+        model_state, optimizer_state = state.model_state, state.optimizer_state
+        if state.shards is not None:  # written by fsdp: read whole here
+            model_state, named = read_whole(state.shards.path)
+            optimizer_state = by_index(named, flat_order(original_module(module)))
+        load_model_state(module, model_state, path=resume.path)
+        stepper = design.stepper
+        assert stepper is not None  # the root steps in every design but fsdp
+        load_optimizer_state(stepper, optimizer_state, path=resume.path)
         if state.best_model_state is None:
             return None
         best = state.best_model_state
@@ -437,16 +463,29 @@ class _Root:
         await self.control.broadcast(
             Command(kind=CommandKind.CHECKPOINT, epoch=state.epoch - 1, pass_index=self.pass_index)
         )
-        parts = await runner.checkpoint_parts()
+        shards = None
+        if self.context.design.loads_checkpoints:  # fsdp: every rank writes its shards
+            directory = directory_of(checkpoint_state)
+            assert directory is not None  # _check_fsdp_loop
+            precision = self.context.options.step.fsdp.precision.to_plain()
+            shards = await anyio.to_thread.run_sync(
+                partial(new_shards_directory, directory, self.context.nranks, precision)
+            )
+        parts = await runner.checkpoint_parts(shards)
         assert parts is not None  # on the root
-        module = original_module(self.data.model.module)
-        model_state = await self.context.compute.run(module.state_dict)
+        if shards is None:
+            module = original_module(self.data.model.module)
+            model_state = await self.context.compute.run(module.state_dict)
+        else:
+            model_state = {}
+            shards = attrs.evolve(shards, records=parts.shard_records)
         training_state = TrainingState(
             loop_state=state,
             model_state=model_state,
             optimizer_state=parts.optimizer_state,
             best_model_state=self.best_model_state,
             rank_states=parts.rank_states,
+            shards=shards,
         )
         self.last_checkpoint = time.monotonic()
         try:

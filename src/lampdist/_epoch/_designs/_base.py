@@ -17,9 +17,11 @@ from typing import Any, ClassVar, Self
 import attrs
 import torch
 
+from ..._checkpoint import ShardedState
 from ..._effects import OptimizerFactory
 from ..._errors import ConfigError
 from ..._options import StepOptions
+from ..._state import TrainingState
 from ...clique import Clique
 from .._blame import NonFiniteSteps
 from .._feed import BatchFeed, LoadedBatch
@@ -155,11 +157,18 @@ class Design(abc.ABC):
         """The stepper over ``optimizer`` (whole gradients here)."""
         return Stepper.create(rank, optimizer, flat, options, loss_scale)
 
-    def prepare(self) -> None:
+    def prepare(self, resume: TrainingState | None) -> None:
         """What the design does once every rank agreed and before the parameters are synced,
-        on every rank in step (nothing by default; fsdp shards the model and builds the
-        optimizer there)."""
+        on every rank in step, with the root's checkpoint to resume from (``None`` on the
+        followers and for a new run). Nothing by default (the root loaded the checkpoint
+        before; fsdp shards the model, builds the optimizer and loads the checkpoint here)."""
         return
+
+    @property
+    def loads_checkpoints(self) -> bool:
+        """Whether the design loads the model and optimizer state it resumes from itself, in
+        :meth:`prepare` (fsdp), rather than the root before the clique opens."""
+        return False
 
     # -- the clique ---------------------------------------------------------------------------
 
@@ -216,6 +225,12 @@ class Design(abc.ABC):
         """Give every stepping rank the optimizer state it starts from (nothing by default:
         the root's optimizer is the only one)."""
         return
+
+    def checkpoint_shards(self, shards: ShardedState | None) -> list[tuple[str, int, list[str]]]:
+        """Where the design writes each rank's shards of a checkpoint (fsdp): write this
+        rank's into the root's ``shards`` (a collective) and return its files as (name, size,
+        block checksums). Nothing by default: the root holds the whole state."""
+        return []
 
     def checkpoint_optimizer_state(self) -> dict[str, Any] | None:
         """The whole optimizer state a checkpoint holds, on the root (``None`` elsewhere).

@@ -30,19 +30,28 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Self
 
 import attrs
 import torch
 
+from ..._checkpoint import (
+    ShardedState,
+    by_name,
+    load_rank_shards,
+    write_rank_shards,
+)
 from ..._effects import OptimizerFactory
-from ..._errors import ConfigError, MismatchError
+from ..._errors import CheckpointError, ConfigError, MismatchError
 from ..._fsdp_options import FsdpPolicy
 from ..._model import original_module
 from ..._options import StepOptions
+from ..._state import TrainingState
 from ...clique import PendingCollective
 from .._device import host_to_device
-from .._flat import FlatParameters
+from .._flat import FlatParameters, flat_order
+from .._objects import broadcast_object
 from .._shard import check_closure_free
 from .._stepper import Combine, LossScale, Stepper
 from .._tally import Tally
@@ -111,10 +120,15 @@ class FsdpSteps(ExchangingDesign):
 
     # -- setup, once every rank agreed ----------------------------------------------------------
 
-    def prepare(self) -> None:
+    @property
+    def loads_checkpoints(self) -> bool:
+        return True
+
+    def prepare(self, resume: TrainingState | None) -> None:
         """Shard the model over the default process group's mesh, materialize it when it was
-        built on the meta device (the root's weights win), check the sharding, and build the
-        optimizer over the sharded parameters. Every rank calls it, in step."""
+        built on the meta device (the root's weights win), check the sharding, build the
+        optimizer over the sharded parameters, and load the root's checkpoint ``resume``
+        (each rank its shards). Every rank calls it, in step."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -155,6 +169,7 @@ class FsdpSteps(ExchangingDesign):
         self.flat.parameters = trainable
         self.flat.module_buffers = list(module.buffers())
         self.stepper = self._build_stepper(trainable)
+        self._resume(module, resume)
         if self.rank == 0:
             logger.info(
                 "fsdp over %d ranks: %d sharded modules, precision %s",
@@ -257,9 +272,7 @@ class FsdpSteps(ExchangingDesign):
                 rank=self.rank,
                 phase=_PHASE,
             )
-        meshes = {
-            p.device_mesh.size() for p in module.parameters() if isinstance(p, DTensor)
-        }
+        meshes = {p.device_mesh.size() for p in module.parameters() if isinstance(p, DTensor)}
         if meshes != {self.nranks}:
             raise MismatchError(
                 f"the model is sharded over meshes of {sorted(meshes)} ranks, the clique has "
@@ -286,6 +299,45 @@ class FsdpSteps(ExchangingDesign):
                     rank=self.rank,
                     phase=_PHASE,
                 )
+
+    def _resume(self, module: torch.nn.Module, resume: TrainingState | None) -> None:
+        """Load the checkpoint the root resumes from: a sharded one, each rank the parts its
+        shards cover; one of whole state dicts (another design's), broadcast from the root,
+        each rank keeping its shards."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        plan = None
+        if resume is not None:
+            shards = resume.shards
+            plan = {"shards": str(shards.path)} if shards is not None else {"whole": True}
+        plan = broadcast_object(self.clique, plan, rank=self.rank)
+        if plan is None:
+            return
+        assert self.stepper is not None
+        optimizer = self.stepper.optimizer
+        if "shards" in plan:
+            load_rank_shards(Path(plan["shards"]), module, optimizer, rank=self.rank)
+            return
+        model_state: dict[str, Any] = {}
+        optimizer_state: dict[str, Any] = {}
+        if resume is not None:  # the root (which checked that the state fits the model)
+            model_state = dict(resume.model_state)
+            optimizer_state = by_name(resume.optimizer_state, flat_order(module))
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        try:
+            set_model_state_dict(module, model_state, options=options)
+            set_optimizer_state_dict(module, optimizer, optimizer_state, options=options)
+        except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(
+                f"the checkpoint does not load into this run's sharded model and optimizer "
+                f"({type(exc).__name__}: {exc})",
+                rank=self.rank,
+                phase="resume",
+            ) from exc
 
     def _build_stepper(self, trainable: list[torch.nn.Parameter]) -> Stepper:
         """The optimizer over the sharded parameters, checked as every design checks it."""
@@ -393,12 +445,24 @@ class FsdpSteps(ExchangingDesign):
         """Nothing to share: each rank's optimizer holds the state of its own shards."""
         return
 
-    def checkpoint_optimizer_state(self) -> dict[str, Any] | None:
-        raise ConfigError(
-            "step_on='fsdp' does not write checkpoints yet: pass checkpoint_state=None",
-            rank=self.rank,
-            phase="checkpoint",
+    def checkpoint_shards(self, shards: ShardedState | None) -> list[tuple[str, int, list[str]]]:
+        """Write this rank's shards of the model and optimizer state into the root's
+        ``shards`` directory (every rank at once); its files and their checksums."""
+        assert self.module is not None and self.stepper is not None
+        where = broadcast_object(
+            self.clique, None if shards is None else str(shards.path), rank=self.rank
         )
+        if where is None:
+            raise AssertionError("the root gave no directory for the shards")
+        module = original_module(self.module)
+        records = write_rank_shards(
+            Path(where).parent, module, self.stepper.optimizer, rank=self.rank
+        )
+        return [(r.name, r.size, list(r.digests)) for r in records]
+
+    def checkpoint_optimizer_state(self) -> dict[str, Any] | None:
+        """Nothing whole: every rank writes its shards (:meth:`checkpoint_shards`)."""
+        return {} if self.rank == 0 else None
 
 
 def _own_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
