@@ -41,10 +41,10 @@ from ._checkpoint import (
     write_checkpoint,
 )
 from ._effects import CheckpointState
-from ._errors import ConfigError
+from ._errors import CheckpointError, ConfigError
 from ._state import TrainingState
 
-__all__ = ["FORMAT_VERSION", "Resumed", "load_latest", "to_directory"]
+__all__ = ["FORMAT_VERSION", "Resumed", "consolidate", "load_latest", "to_directory"]
 
 
 @attrs.frozen(kw_only=True)
@@ -184,3 +184,35 @@ def load_latest(
         rng_states=loaded.rng if restore_rng else None,
         path=loaded.path,
     )
+
+
+def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+    """Write the model of the newest intact checkpoint in ``path`` to ``out`` as one plain
+    ``state_dict`` (``torch.load(out, weights_only=True)`` reads it back; load it into the
+    model for inference), whether every rank wrote its own shards (``step_on="fsdp"``) or
+    the root the whole model. ``out`` appears complete or not at all. Returns the checkpoint
+    it was read from. This call blocks and holds the whole model in host memory.
+
+    Raises CheckpointError when ``path`` holds no checkpoint or none is intact, and the
+    errors of :func:`load_latest`.
+    """
+    import torch
+
+    from ._checkpoint import read_whole
+
+    loaded = load_latest(path, map_location="cpu")
+    if loaded is None:
+        raise CheckpointError(f"{path} holds no checkpoint to consolidate", phase="resume")
+    state = loaded.training_state
+    model = dict(state.model_state)
+    if state.shards is not None:
+        model, _ = read_whole(state.shards.path)
+    target = Path(out)
+    scratch = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        torch.save(model, scratch)
+        os.replace(scratch, target)
+    finally:
+        scratch.unlink(missing_ok=True)
+    assert loaded.path is not None
+    return loaded.path

@@ -131,6 +131,7 @@ async def main(argv: list[str]) -> None:
     parser.add_argument("--epochs", type=int, default=EPOCHS)
     parser.add_argument("--checkpoint", type=Path, default=None, help="to_directory(DIR)")
     parser.add_argument("--resume", type=Path, default=None, help="load_latest(DIR)")
+    parser.add_argument("--width", type=int, default=6, help="the model's hidden width")
     parser.add_argument("--shard-linear", action="store_true", help="fsdp: each Linear a unit")
     args = parser.parse_args(argv)
     step = lampdist.StepOptions(
@@ -154,9 +155,10 @@ async def main(argv: list[str]) -> None:
     valid = make_shards(valid_sizes, seed=2)[args.rank]
     if args.meta:
         with torch.device("meta"):
-            module = make_model(seed=0 if args.rank == 0 else 10 + args.rank)
+            module = make_model(seed=0 if args.rank == 0 else 10 + args.rank, width=args.width)
     else:
-        module = make_model(seed=0 if args.rank == 0 else 10 + args.rank).to(device)
+        module = make_model(seed=0 if args.rank == 0 else 10 + args.rank, width=args.width)
+        module = module.to(device)
     model = lampdist.SupervisedModel(module, mse, metrics=metrics() if args.metrics else {})
     data = lampdist.ModelWithData(
         model=model,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -314,8 +315,7 @@ def run_whole(out: Path, nranks: int, *extra: str) -> None:
         assert root.stdout is not None
         port = int(root.stdout.readline().split()[1])
         followers = [
-            spawn(rank, nranks, out, port, "--step-on", "root", *extra)
-            for rank in range(1, nranks)
+            spawn(rank, nranks, out, port, "--step-on", "root", *extra) for rank in range(1, nranks)
         ]
         errors = [process.communicate(timeout=120)[1] for process in [root, *followers]]
     finally:
@@ -325,3 +325,83 @@ def run_whole(out: Path, nranks: int, *extra: str) -> None:
                 process.wait()
     for rank, process in enumerate([root, *followers]):
         assert process.returncode == 0, f"rank {rank}: {errors[rank]}"
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """An fsdp run on 2 ranks checkpointed after each of its 2 epochs: (its output, the
+    checkpoint directory)."""
+    base = tmp_path_factory.mktemp("fsdp-checkpoints")
+    out, saved = base / "out", base / "saved"
+    out.mkdir()
+    run_ranks(out, 2, "--epochs", "2", "--checkpoint", str(saved))
+    return out, saved
+
+
+def test_consolidate_writes_the_whole_model(two_checkpoints: tuple[Path, Path], tmp_path: Path):
+    """``lampdist checkpoint consolidate DIR OUT`` writes the newest checkpoint's model as one
+    plain state_dict: the run's final weights, which no rank held whole."""
+    out, saved = two_checkpoints
+    target = tmp_path / "model.pt"
+    done = subprocess.run(
+        [sys.executable, "-m", "lampdist", "checkpoint", "consolidate", str(saved), str(target)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "epoch-000002" in done.stdout
+    model = torch.load(target, weights_only=True)
+    final = assembled(out, 2)
+    assert sorted(model) == sorted(final)
+    for name, value in final.items():
+        assert torch.equal(model[name], value), name
+    module = make_model()
+    module.load_state_dict(model)  # a plain state_dict of the model
+
+
+@pytest.mark.parametrize("damage", ["flip", "remove"])
+def test_a_damaged_or_missing_shard_falls_back_to_the_previous_checkpoint(
+    two_checkpoints: tuple[Path, Path], tmp_path: Path, damage: str, caplog: Any
+) -> None:
+    _, saved = two_checkpoints
+    copy = tmp_path / "saved"
+    shutil.copytree(saved, copy)
+    shard = copy / "epoch-000002" / "shards" / "__1_0.distcp"
+    if damage == "flip":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    else:
+        shard.unlink()
+    resumed = lampdist.checkpoint.load_latest(copy)
+    assert resumed is not None and resumed.epoch == 1
+    assert resumed.training_state.shards is not None
+    assert resumed.training_state.shards.path == copy / "epoch-000001" / "shards"
+    assert "skipping damaged checkpoint" in caplog.text and "__1_0.distcp" in caplog.text
+
+
+def test_a_checkpoint_of_another_model_fails_at_load_naming_rank_and_phase(
+    two_checkpoints: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Resuming a wider model from the checkpoint fails on every rank before training, the
+    checkpoint left as it was."""
+    _, saved = two_checkpoints
+    before = sorted(p.name for p in saved.iterdir())
+    root = spawn(0, 2, tmp_path, 0, "--step-on", "fsdp", "--width", "8", "--resume", str(saved))
+    follower = None
+    try:
+        assert root.stdout is not None
+        port = int(root.stdout.readline().split()[1])
+        follower = spawn(1, 2, tmp_path, port, "--step-on", "fsdp", "--width", "8")
+        _, root_err = root.communicate(timeout=120)
+        _, follower_err = follower.communicate(timeout=120)
+    finally:
+        for process in (root, follower):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+    assert root.returncode != 0 and follower is not None and follower.returncode != 0
+    assert "CheckpointError" in root_err and "phase 'resume'" in root_err
+    assert "does not load into this run's model" in root_err
+    assert sorted(p.name for p in saved.iterdir()) == before
+    assert not (tmp_path / "curve.json").exists()

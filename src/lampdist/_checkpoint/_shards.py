@@ -73,6 +73,7 @@ def write_rank_shards(
     (a collective: every rank calls it) and return its own files' records, named relative to
     the checkpoint directory."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -89,9 +90,9 @@ def write_rank_shards(
         for path in _own_files(target, rank):
             size, digests = hash_file(path, WRITE_CHECKSUM)
             records.append(FileRecord(name=f"{SHARDS}/{path.name}", size=size, digests=digests))
-    except OSError as exc:
+    except (OSError, CheckpointException) as exc:
         raise CheckpointError(
-            f"could not write this rank's shards into {target} ({exc})",
+            f"could not write this rank's shards into {target} ({_first_failure(exc)})",
             rank=rank,
             phase="checkpoint",
         ) from exc
@@ -106,6 +107,7 @@ def load_rank_shards(
     (a collective: every rank calls it). Raises :class:`CheckpointError` naming the rank when
     the checkpoint was written by another model or optimizer."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -121,19 +123,32 @@ def load_rank_shards(
         dcp.load(state, storage_reader=dcp.FileSystemReader(path))
         set_model_state_dict(module, state["model"])
         set_optimizer_state_dict(module, optimizer, state["optimizer"])
-    except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+    except (RuntimeError, ValueError, KeyError, TypeError, CheckpointException) as exc:
+        # DCP gathers every rank's planning errors into a CheckpointException (a
+        # BaseException): name the first.
         raise CheckpointError(
             f"the sharded checkpoint {path.parent} does not load into this run's model and "
-            f"optimizer ({type(exc).__name__}: {exc}); was it written by another model?",
+            f"optimizer ({_first_failure(exc)}); was it written by another model?",
             rank=rank,
             phase="resume",
         ) from exc
+
+
+def _first_failure(exc: BaseException) -> str:
+    """``Kind: message`` of ``exc``, or of the first rank's failure that DCP gathered in it."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        if isinstance(first, BaseException):
+            return f"{type(first).__name__}: {first}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def read_whole(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """The whole model state dict and the name-keyed optimizer state of the sharded
     checkpoint at ``path``, read in this process alone (no process group)."""
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
@@ -145,9 +160,9 @@ def read_whole(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
             planner=_EmptyStateDictLoadPlanner(),
             no_dist=True,
         )
-    except (RuntimeError, ValueError, KeyError, OSError) as exc:
+    except (RuntimeError, ValueError, KeyError, OSError, CheckpointException) as exc:
         raise CheckpointError(
-            f"cannot read the sharded checkpoint {path.parent} ({type(exc).__name__}: {exc})",
+            f"cannot read the sharded checkpoint {path.parent} ({_first_failure(exc)})",
             phase="resume",
         ) from exc
     return dict(state.get("model", {})), dict(state.get("optimizer", {}))

@@ -49,6 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if args.command == "checkpoint":
+        return _checkpoint(args, commands["checkpoint"])
     try:
         from rich.console import Console
     except ImportError:
@@ -74,6 +76,24 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    saved = commands.add_parser(
+        "checkpoint",
+        help="work with checkpoint directories",
+        description="Work with the checkpoint directories of checkpoint.to_directory.",
+    )
+    actions = saved.add_subparsers(dest="action", metavar="ACTION")
+    consolidate = actions.add_parser(
+        "consolidate",
+        help="write the newest checkpoint's model as one plain state_dict",
+        description=(
+            "Write the model of the newest intact checkpoint in DIR as one plain state_dict\n"
+            "to OUT (torch.load(OUT, weights_only=True) reads it), whether every rank wrote\n"
+            "its shards (step_on='fsdp') or the root the whole model."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    consolidate.add_argument("directory", metavar="DIR", type=Path, help="a checkpoint directory")
+    consolidate.add_argument("out", metavar="OUT", type=Path, help="the state_dict file to write")
     demo.add_argument("-v", "--verbose", action="store_true", help="log lampdist's INFO lines")
     demo.add_argument("--ranks", type=int, help="ranks in this process (default: 2; GPUs)")
     demo.add_argument("--epochs", type=int, default=10, help="epochs to train (default: 10)")
@@ -99,7 +119,23 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     ranks.add_argument("--nranks", type=int, help="ranks in the run")
     ranks.add_argument("--host", default="127.0.0.1", help="the root's address")
     ranks.add_argument("--port", type=int, help="the root's control port")
-    return parser, {"demo": demo}
+    return parser, {"demo": demo, "checkpoint": saved}
+
+
+def _checkpoint(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``lampdist checkpoint ACTION``."""
+    if args.action != "consolidate":
+        parser.print_help()
+        return 2
+    from ..checkpoint import consolidate
+
+    try:
+        source = consolidate(args.directory, args.out)
+    except LampdistError as exc:
+        print(f"lampdist checkpoint consolidate: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out} from {source}")
+    return 0
 
 
 def _configure_logging(console: Console, *, verbose: bool) -> None:
