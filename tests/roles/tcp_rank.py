@@ -94,6 +94,16 @@ def optimizer_parts(
     }
 
 
+def concatenated(shards: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> list[Any]:
+    """Each step's batches of every rank as one batch (one batch a step)."""
+    steps = max(len(batches) for batches in shards)
+    joined = []
+    for step in range(steps):
+        parts = [batches[step] for batches in shards if step < len(batches)]
+        joined.append((torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])))
+    return joined
+
+
 def local_parts(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Each parameter's and buffer's part on this rank (an fsdp shard's local tensor)."""
     return {
@@ -132,13 +142,20 @@ async def main(argv: list[str]) -> None:
     parser.add_argument("--checkpoint", type=Path, default=None, help="to_directory(DIR)")
     parser.add_argument("--resume", type=Path, default=None, help="load_latest(DIR)")
     parser.add_argument("--width", type=int, default=6, help="the model's hidden width")
+    parser.add_argument("--bf16", action="store_true", help="fsdp: gather in bfloat16")
+    parser.add_argument(
+        "--concatenated", action="store_true", help="one rank: each step the 2 ranks' batches"
+    )
     parser.add_argument("--shard-linear", action="store_true", help="fsdp: each Linear a unit")
     args = parser.parse_args(argv)
     step = lampdist.StepOptions(
         accumulate_gradient_over_n_batches=args.accumulate,
         step_on=args.step_on,
         max_grad_norm=args.clip,
-        fsdp=lampdist.FsdpPolicy(shard_modules=(torch.nn.Linear,) if args.shard_linear else ()),
+        fsdp=lampdist.FsdpPolicy(
+            shard_modules=(torch.nn.Linear,) if args.shard_linear else (),
+            precision=lampdist.Precision(param_dtype=torch.bfloat16 if args.bf16 else None),
+        ),
     )
     built: list[torch.optim.Optimizer] = []
 
@@ -153,6 +170,11 @@ async def main(argv: list[str]) -> None:
     secret = os.environ["LAMPDIST_SECRET"]
     train = make_shards(train_sizes, seed=1)[args.rank]
     valid = make_shards(valid_sizes, seed=2)[args.rank]
+    if args.concatenated:  # one rank, each batch the two ranks' batches of its step
+        train, valid = (
+            concatenated(make_shards(SIZES, seed=1)),
+            concatenated(make_shards(VALID_SIZES, seed=2)),
+        )
     if args.meta:
         with torch.device("meta"):
             module = make_model(seed=0 if args.rank == 0 else 10 + args.rank, width=args.width)
