@@ -94,6 +94,26 @@ def optimizer_parts(
     }
 
 
+def count_reduce_scatters() -> list[int]:
+    """Count torch.distributed's reduce-scatters in this process (FSDP2 reduces its gradients
+    with them: ``reduce_scatter_single`` in newer torch, ``reduce_scatter_tensor`` before)
+    into the list returned; each call still runs."""
+    import torch.distributed as dist
+
+    count = [0]
+    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+        real = getattr(dist, name, None)
+        if real is None:
+            continue
+
+        def counting(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            count[0] += 1
+            return _real(*args, **kwargs)
+
+        setattr(dist, name, counting)
+    return count
+
+
 def concatenated(shards: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> list[Any]:
     """Each step's batches of every rank as one batch (one batch a step)."""
     steps = max(len(batches) for batches in shards)
@@ -146,6 +166,9 @@ async def main(argv: list[str]) -> None:
     parser.add_argument(
         "--concatenated", action="store_true", help="one rank: each step the 2 ranks' batches"
     )
+    parser.add_argument(
+        "--count-reduces", action="store_true", help="write DIR/reduces<r>.json: reduce-scatters"
+    )
     parser.add_argument("--shard-linear", action="store_true", help="fsdp: each Linear a unit")
     args = parser.parse_args(argv)
     step = lampdist.StepOptions(
@@ -158,6 +181,7 @@ async def main(argv: list[str]) -> None:
         ),
     )
     built: list[torch.optim.Optimizer] = []
+    reduces = count_reduce_scatters() if args.count_reduces else None
 
     def optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
         built.append(OPTIMIZERS[args.optimizer](params))
@@ -225,6 +249,8 @@ async def main(argv: list[str]) -> None:
                 timeouts=lampdist.Timeouts(join=30),
             )
     torch.save(local_parts(module), args.out / f"rank{args.rank}.pt")
+    if reduces is not None:
+        (args.out / f"reduces{args.rank}.json").write_text(json.dumps(reduces))
     if built:
         torch.save(optimizer_parts(built[0], module), args.out / f"optim{args.rank}.pt")
 

@@ -454,3 +454,12 @@ def test_bf16_precision_trains_like_one_process_with_the_same_policy(tmp_path: P
     for name, value in two.items():
         torch.testing.assert_close(value, one[name], rtol=0, atol=1e-2, msg=name)
     assert max((two[name] - exact[name]).abs().max().item() for name in two) > 1e-4
+
+
+def test_accumulation_reduces_the_gradients_once_a_step(tmp_path: Path) -> None:
+    """With accumulation over 3 batches each rank runs 2 steps an epoch (5 and 4 batches,
+    padding passes included) and FSDP2 reduce-scatters the gradients in each step's last
+    backward only: 4 reduce-scatters in 2 epochs, not one per backward."""
+    run_ranks(tmp_path, 2, "--accumulate", "3", "--count-reduces")
+    for rank in range(2):
+        assert json.loads((tmp_path / f"reduces{rank}.json").read_text()) == [4], rank
