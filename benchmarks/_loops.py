@@ -7,7 +7,9 @@ configuration's loop (warm-up steps, then timed steps) and writes a :class:`Rank
 to ``spec.result_file``. Timing marks are taken after ``torch.cuda.synchronize`` at the
 boundaries of the timed steps only. Every configuration runs in fresh processes, so peak
 memory (``torch.cuda.max_memory_allocated`` on a GPU, the RSS high-water mark of
-``resource.getrusage`` on CPU) belongs to that configuration alone.
+``resource.getrusage`` on CPU) belongs to that configuration alone. Each rank also reports the
+bytes of the parameters, gradients and optimizer state it holds (of a sharded tensor, its local
+shard).
 """
 
 from __future__ import annotations
@@ -29,16 +31,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from _models import Batch, Workload, build_workload
+from _models import Batch, Workload, build_workload, original_module
 
 SECRET_ENV = "LAMPDIST_BENCH_SECRET"
 PROFILE_ENV = "LAMPDIST_BENCH_PROFILE"  # a directory: trace PROFILE_STEPS steps after warm-up
 COMPILE_ENV = "LAMPDIST_BENCH_COMPILE"  # "1": every configuration trains torch.compile(module)
 PROFILE_STEPS = 3
 SIZED_KEY = "sized"  # a lampdist variant key of the benchmark's own: false for a bare generator
+# A lampdist variant key of the benchmark's own: true for FsdpPolicy(shard_modules=<the model's
+# blocks>), false for FsdpPolicy() (the root module alone); absent: StepOptions' default policy.
+FSDP_BLOCKS_KEY = "fsdp_blocks"
+# An fsdp variant key of the benchmark's own: false to fully_shard the root module alone.
+BLOCKS_KEY = "blocks"
 SETUP_TIMEOUT = timedelta(seconds=120)
 
-Kind = Literal["single", "independent", "ddp", "lampdist"]
+Kind = Literal["single", "independent", "ddp", "fsdp", "lampdist"]
 
 
 @attrs.frozen(kw_only=True)
@@ -57,8 +64,9 @@ class RunSpec:
     port: int
     ready_file: str
     result_file: str
-    # A variant's keywords: DistributedDataParallel's constructor's, or lampdist's StepOptions
-    # (and the benchmark's own key ``sized``).
+    # A variant's keywords: DistributedDataParallel's constructor's, fully_shard's (and the
+    # benchmark's own key ``blocks``), or lampdist's StepOptions (and the benchmark's own keys
+    # ``sized`` and ``fsdp_blocks``).
     kwargs: dict[str, Any] = attrs.field(factory=dict)
 
 
@@ -74,28 +82,78 @@ class RankResult:
     peak_memory_bytes: int
     optimizer_state_bytes: int = 0
     """The bytes of the state of every optimizer that stepped in this process (the slice
-    optimizer of a sharded lampdist rank: what the rank holds)."""
+    optimizer of a sharded lampdist rank: what the rank holds; of a DTensor, its local
+    shard)."""
+    parameter_bytes: int = 0
+    """The bytes of the model's parameters on this rank at the end (of a DTensor parameter,
+    its local shard)."""
+    gradient_bytes: int = 0
+    """The bytes of the model's parameters' gradients on this rank (of a DTensor, its local
+    shard): the larger of what they held as the first optimizer step of the process ended
+    and at the end (gradients kept in flat buffers stay allocated; a plain loop's are set to
+    None after each step). Buffers of DDP's own and FSDP2's transient unsharded gradients are
+    not counted (peak memory includes them)."""
     progress_events: int | None = None
     """How many progress events reached lampdist's ``on_event`` (coalesced when the loop
     falls behind); None for the other configurations."""
 
 
 _STEPPED: dict[int, torch.optim.Optimizer] = {}
+_MODULES: list[nn.Module] = []  # the module whose parameters and gradients are counted
+_GRADIENT_BYTES: list[int] = []  # the gradients' bytes as the first step ended
 
 
 def _remember_stepped(optimizer: torch.optim.Optimizer, *_: Any) -> None:
     _STEPPED[id(optimizer)] = optimizer
+    if not _GRADIENT_BYTES and _MODULES:
+        # once, outside the timed steps (the first step is a warm-up step)
+        _GRADIENT_BYTES.append(gradient_bytes(_MODULES[0]))
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """The bytes ``tensor`` holds on this rank: a DTensor's local shard, else the tensor."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    return tensor.numel() * tensor.element_size()
 
 
 def optimizer_state_bytes() -> int:
     """The bytes of the state tensors of every optimizer that has stepped in this process."""
     return sum(
-        value.numel() * value.element_size()
+        local_bytes(value)
         for optimizer in _STEPPED.values()
         for state in optimizer.state.values()
         for value in state.values()
         if torch.is_tensor(value)
     )
+
+
+def parameter_bytes(module: nn.Module) -> int:
+    """The bytes of ``module``'s parameters on this rank."""
+    return sum(local_bytes(parameter) for parameter in module.parameters())
+
+
+def gradient_bytes(module: nn.Module) -> int:
+    """The bytes of ``module``'s parameters' gradients on this rank now."""
+    return sum(
+        local_bytes(parameter.grad)
+        for parameter in module.parameters()
+        if parameter.grad is not None
+    )
+
+
+def held_bytes(device: torch.device) -> dict[str, int]:
+    """A rank's result's memory fields: peak memory and the bytes of the parameters,
+    gradients and optimizer state it holds."""
+    module = _MODULES[0]
+    return {
+        "peak_memory_bytes": peak_memory(device),
+        "parameter_bytes": parameter_bytes(module),
+        "gradient_bytes": max([gradient_bytes(module), *_GRADIENT_BYTES]),
+        "optimizer_state_bytes": optimizer_state_bytes(),
+    }
 
 
 def synchronize(device: torch.device) -> None:
@@ -152,16 +210,26 @@ def create_optimizer(params: Any, device: torch.device) -> torch.optim.Optimizer
 
 
 def training_step(
-    module: nn.Module, workload: Workload, optimizer: torch.optim.Optimizer, device: torch.device
+    module: nn.Module,
+    workload: Workload,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    *,
+    loss_scale: float = 1.0,
 ) -> Callable[[Batch], None]:
-    """One plain step: forward under autocast, backward, optimizer step, zero the gradients."""
+    """One plain step: forward under autocast, backward, optimizer step, zero the gradients.
+    ``loss_scale`` multiplies the batch's mean loss before backward (``1 / nranks`` where the
+    gradients are summed over the ranks)."""
     dtype = workload.spec.autocast_dtype
     loss_fn = workload.spec.loss_fn
+    scaled = loss_scale != 1.0
 
     def step(batch: Batch) -> None:
         inputs, target = batch
         with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             loss = loss_fn(module(inputs), target)
+        if scaled:
+            loss = loss * loss_scale
         loss.backward()  # type: ignore[no-untyped-call]  # torch: Tensor.backward is unannotated
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -223,8 +291,7 @@ def run_plain(spec: RunSpec, workload: Workload, device: torch.device) -> RankRe
         seconds=seconds,
         timed_steps=spec.steps,
         samples=spec.steps * workload.spec.batch_size,
-        peak_memory_bytes=peak_memory(device),
-        optimizer_state_bytes=optimizer_state_bytes(),
+        **held_bytes(device),
     )
 
 
@@ -249,8 +316,54 @@ def run_ddp(spec: RunSpec, workload: Workload, device: torch.device) -> RankResu
         seconds=seconds if spec.rank == 0 else None,
         timed_steps=spec.steps if spec.rank == 0 else None,
         samples=spec.steps * workload.spec.batch_size * spec.nranks if spec.rank == 0 else None,
-        peak_memory_bytes=peak_memory(device),
-        optimizer_state_bytes=optimizer_state_bytes(),
+        **held_bytes(device),
+    )
+
+
+def shard_model(module: nn.Module, blocks: tuple[type[nn.Module], ...], **settings: Any) -> None:
+    """FSDP2 as lampdist's ``step_on="fsdp"`` applies it: ``fully_shard`` each child module
+    whose type is in ``blocks``, then the root module (with ``settings``: mesh and the
+    variant's keywords); every unit then sums its gradients over the ranks (divide factor 1,
+    sum reductions only)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    for name, child in module.named_modules():
+        if name and blocks and isinstance(child, blocks):
+            fully_shard(child, **settings)
+    fully_shard(module, **settings)
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
+
+
+def run_fsdp(spec: RunSpec, workload: Workload, device: torch.device) -> RankResult:
+    """torch FSDP2 over every rank (NCCL on GPUs, Gloo on CPU), the model's blocks sharded
+    then the root, the gradients summed as lampdist's ``step_on="fsdp"`` sums them and each
+    batch's mean loss divided by the ranks (every rank's batch has the same size), so an
+    update is the mean over the global batch, as DDP's is; rank 0 times it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    kwargs = dict(spec.kwargs)
+    blocks = workload.spec.blocks if kwargs.pop(BLOCKS_KEY, True) else ()
+    init_default_group(spec, device, "nccl" if device.type == "cuda" else "gloo")
+    try:
+        mesh = init_device_mesh(device.type, (spec.nranks,))
+        shard_model(original_module(workload.module), blocks, mesh=mesh, **kwargs)
+        optimizer = create_optimizer(workload.module.parameters(), device)
+        step = training_step(
+            workload.module, workload, optimizer, device, loss_scale=1.0 / spec.nranks
+        )
+        seconds = timed_loop(step, workload, spec, device)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return RankResult(
+        rank=spec.rank,
+        seconds=seconds if spec.rank == 0 else None,
+        timed_steps=spec.steps if spec.rank == 0 else None,
+        samples=spec.steps * workload.spec.batch_size * spec.nranks if spec.rank == 0 else None,
+        **held_bytes(device),
     )
 
 
@@ -302,6 +415,9 @@ async def run_lampdist(spec: RunSpec, workload: Workload, device: torch.device) 
     model = lampdist.SupervisedModel(workload.module, workload.spec.loss_fn)
     kwargs = dict(spec.kwargs)
     source = batch_source(workload, total, sized=bool(kwargs.pop(SIZED_KEY, True)))
+    if FSDP_BLOCKS_KEY in kwargs:  # a policy holds classes: no JSON value can name it
+        blocks = workload.spec.blocks if kwargs.pop(FSDP_BLOCKS_KEY) else ()
+        kwargs["fsdp"] = lampdist.FsdpPolicy(shard_modules=blocks)
     # Every other variant key is a step option (step_on, bucket_cap_mb, ...).
     step = lampdist.StepOptions(autocast_dtype=workload.spec.autocast_dtype, **kwargs)
     if spec.rank > 0:
@@ -322,8 +438,7 @@ async def run_lampdist(spec: RunSpec, workload: Workload, device: torch.device) 
             seconds=None,
             timed_steps=None,
             samples=None,
-            peak_memory_bytes=peak_memory(device),
-            optimizer_state_bytes=optimizer_state_bytes(),
+            **held_bytes(device),
         )
 
     # The start of the timed steps, taken on the compute thread as the first timed batch's
@@ -387,8 +502,7 @@ async def run_lampdist(spec: RunSpec, workload: Workload, device: torch.device) 
         timed_steps=spec.steps,
         # every rank takes a batch of the same size at every step
         samples=spec.steps * workload.spec.batch_size * spec.nranks,
-        peak_memory_bytes=peak_memory(device),
-        optimizer_state_bytes=optimizer_state_bytes(),
+        **held_bytes(device),
         progress_events=events,
     )
 
@@ -404,12 +518,15 @@ def main(argv: list[str]) -> None:
         device = torch.device("cpu")
         torch.set_num_threads(spec.threads)
     workload = build_workload(spec.model, device, rank=spec.rank)
+    _MODULES.append(workload.module)
     if os.environ.get(COMPILE_ENV) == "1":
         workload.module = torch.compile(workload.module)  # type: ignore[assignment]  # a wrapper
     if spec.kind == "lampdist":
         result = anyio.run(run_lampdist, spec, workload, device)
     elif spec.kind == "ddp":
         result = run_ddp(spec, workload, device)
+    elif spec.kind == "fsdp":
+        result = run_fsdp(spec, workload, device)
     else:
         result = run_plain(spec, workload, device)
     Path(spec.result_file).write_text(json.dumps(attrs.asdict(result)))

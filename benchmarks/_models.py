@@ -14,7 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MODELS", "Batch", "ModelSpec", "Workload", "build_workload", "count_parameters"]
+__all__ = [
+    "MODELS",
+    "Batch",
+    "ModelSpec",
+    "Workload",
+    "build_workload",
+    "count_parameters",
+    "original_module",
+]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -99,6 +107,10 @@ class ModelSpec:
     make_batch: Callable[[int, torch.Generator, torch.device], Batch]
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     describe: str
+    blocks: tuple[type[nn.Module], ...] = ()
+    """The model's repeated unit (a transformer's blocks, an MLP's linear layers): the FSDP2
+    configurations (``fsdp`` and ``lampdist-fsdp``) ``fully_shard`` each child module of one
+    of these types, then the root module; with none, the root module alone."""
 
 
 GPT_VOCABULARY, GPT_LENGTH, GPT_WIDTH, GPT_LAYERS, GPT_HEADS = 32000, 512, 768, 12, 12
@@ -140,6 +152,7 @@ MODELS: dict[str, ModelSpec] = {
             f"GPT decoder d={GPT_WIDTH}, {GPT_LAYERS} layers, {GPT_HEADS} heads, "
             f"sequence {GPT_LENGTH}, vocabulary {GPT_VOCABULARY}, untied, bf16 autocast"
         ),
+        blocks=(Block,),
     ),
     "mlp": ModelSpec(
         name="mlp",
@@ -149,6 +162,7 @@ MODELS: dict[str, ModelSpec] = {
         make_batch=_mlp_batch(MLP_WIDTH),
         loss_fn=class_loss,
         describe=f"MLP {MLP_DEPTH} x {MLP_WIDTH}, ReLU, cross-entropy, bf16 autocast",
+        blocks=(nn.Linear,),
     ),
     "small": ModelSpec(
         name="small",
@@ -158,6 +172,7 @@ MODELS: dict[str, ModelSpec] = {
         make_batch=_mlp_batch(SMALL_WIDTH),
         loss_fn=class_loss,
         describe=f"MLP {SMALL_DEPTH} x {SMALL_WIDTH}, ReLU, cross-entropy, fp32",
+        blocks=(nn.Linear,),
     ),
 }
 
@@ -167,6 +182,12 @@ def count_parameters(name: str) -> int:
     with torch.device("meta"):
         module = MODELS[name].build()
     return sum(parameter.numel() for parameter in module.parameters())
+
+
+def original_module(module: nn.Module) -> nn.Module:
+    """The module itself under a ``torch.compile`` wrapper (``LAMPDIST_BENCH_COMPILE=1``)."""
+    inner = getattr(module, "_orig_mod", module)
+    return inner if isinstance(inner, nn.Module) else module
 
 
 @attrs.define(eq=False)

@@ -1,13 +1,21 @@
-"""Side-by-side training throughput: a plain single-device loop, torch DDP and lampdist.
+"""Side-by-side training throughput: a plain single-device loop, torch DDP, torch FSDP2 and
+lampdist.
 
     python benchmarks/throughput.py                      # CPU: Gloo, 2 ranks, the small model
     python benchmarks/throughput.py --mode gpu --repeats 3 --json results.json
+    python benchmarks/throughput.py --mode gpu --configs fsdp,lampdist-fsdp   # FSDP2 both ways
 
 Every configuration trains the same model, with the same optimizer, batch size per device and
 data, in fresh processes (one per rank); the configurations are interleaved and the whole
 round is repeated. The table (stdout) and the JSON (``--json PATH``) give the median samples/s,
-the scaling efficiency against n times the single-device loop, the ratio to DDP and the peak
-memory of each rank. See docs/performance.md for the method.
+the scaling efficiency against n times the single-device loop, the ratio to DDP, the peak
+memory of each rank and the bytes of parameters, gradients and optimizer state each rank
+holds. See docs/performance.md for the method.
+
+``fsdp`` is a plain loop over a model sharded with FSDP2 (``fully_shard`` on each of the
+model's blocks, then the root), its gradients summed over the ranks as lampdist's
+``step_on="fsdp"`` sums them and each batch's mean loss divided by the ranks; ``lampdist-fsdp``
+is lampdist's ``step_on="fsdp"`` with ``FsdpPolicy(shard_modules=<the model's blocks>)``.
 """
 
 from __future__ import annotations
@@ -33,12 +41,17 @@ BUILT_IN: dict[str, Config] = {
     "single": Config(name="single", kind="single"),
     "independent": Config(name="independent", kind="independent"),
     "ddp": Config(name="ddp", kind="ddp"),
+    "fsdp": Config(name="fsdp", kind="fsdp"),
     "lampdist": Config(name="lampdist", kind="lampdist"),
     "lampdist-every": Config(
         name="lampdist-every", kind="lampdist", kwargs={"step_on": "every_rank"}
     ),
     "lampdist-sharded": Config(
         name="lampdist-sharded", kind="lampdist", kwargs={"step_on": "sharded"}
+    ),
+    # fsdp_blocks: the harness turns it into FsdpPolicy(shard_modules=<the model's blocks>)
+    "lampdist-fsdp": Config(
+        name="lampdist-fsdp", kind="lampdist", kwargs={"step_on": "fsdp", "fsdp_blocks": True}
     ),
 }
 DEFAULT_CONFIGS = ("single", "ddp", "lampdist", "lampdist-every", "lampdist-sharded")
@@ -63,7 +76,10 @@ def parse_value(text: str) -> Any:
 def parse_configs(items: Sequence[str]) -> list[Config]:
     """``--configs`` items: built-in names (comma-separated or not) and variants
     ``name=key:value,key:value``. A variant whose name starts with ``ddp`` passes its keywords
-    to DistributedDataParallel; any other variant is a lampdist one. Raises ValueError."""
+    to DistributedDataParallel; one whose name starts with ``fsdp`` passes its keywords to
+    ``fully_shard`` (and ``blocks:false`` shards the root module alone); any other variant is a
+    lampdist one (``fsdp_blocks:true`` gives it ``FsdpPolicy(shard_modules=<the model's
+    blocks>)``). Raises ValueError."""
     configs: list[Config] = []
     for item in items:
         if "=" in item:
@@ -76,7 +92,11 @@ def parse_configs(items: Sequence[str]) -> list[Config]:
                 if not key or not colon:
                     raise ValueError(f"variant {name!r}: expected key:value, got {pair!r}")
                 kwargs[key] = parse_value(value)
-            kind: Kind = "ddp" if name.startswith("ddp") else "lampdist"
+            kind: Kind = "lampdist"
+            if name.startswith("ddp"):
+                kind = "ddp"
+            elif name.startswith("fsdp"):
+                kind = "fsdp"
             configs.append(Config(name=name, kind=kind, kwargs=kwargs))
             continue
         for name in filter(None, item.split(",")):
@@ -98,8 +118,8 @@ def summarize(
     """Per configuration: samples/s of each repeat and their median, scaling efficiency
     (median / (ranks x the single loop's median)), the ratio to DDP (``vs_ddp``: this median
     over DDP's median; ``vs_ddp_paired``: the median of the per-repeat ratios, each repeat
-    against the DDP run beside it), each rank's peak memory (the largest over the repeats)
-    and the bytes of the optimizer state it held at the end."""
+    against the DDP run beside it), each rank's peak memory and the bytes of the parameters,
+    gradients and optimizer state it held (each the largest over the repeats)."""
     throughput: dict[str, list[float]] = {}
     summary: dict[str, dict[str, Any]] = {}
     for config in configs:
@@ -124,10 +144,13 @@ def summarize(
                 max(results[rank].peak_memory_bytes for results in runs[config.name])
                 for rank in range(ranks)
             ],
-            "optimizer_state_bytes": [
-                max(results[rank].optimizer_state_bytes for results in runs[config.name])
-                for rank in range(ranks)
-            ],
+            **{
+                field: [
+                    max(getattr(results[rank], field) for results in runs[config.name])
+                    for rank in range(ranks)
+                ]
+                for field in ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes")
+            },
         }
     for name, entry in summary.items():
         single = summary.get("single")
@@ -171,7 +194,7 @@ def format_table(meta: dict[str, Any], summary: dict[str, dict[str, Any]]) -> st
         "vs DDP",
         "paired",
         "peak MiB per rank",
-        "optimizer MiB per rank",
+        "params / grads / optimizer MiB per rank",
     )
     rows = [header]
     for name, entry in summary.items():
@@ -190,7 +213,15 @@ def format_table(meta: dict[str, Any], summary: dict[str, dict[str, Any]]) -> st
                 "-" if ratio is None else f"{ratio:.3f}",
                 "-" if paired is None else f"{paired:.3f}",
                 " / ".join(f"{peak / 2**20:.0f}" for peak in entry["peak_memory_bytes"]),
-                " / ".join(f"{size / 2**20:.1f}" for size in entry["optimizer_state_bytes"]),
+                " | ".join(
+                    " / ".join(f"{size / 2**20:.1f}" for size in sizes)
+                    for sizes in zip(
+                        entry["parameter_bytes"],
+                        entry["gradient_bytes"],
+                        entry["optimizer_state_bytes"],
+                        strict=True,
+                    )
+                ),
             )
         )
     widths = [max(len(row[column]) for row in rows) for column in range(len(header))]

@@ -56,11 +56,41 @@ def test_cpu_mode_measures_every_configuration(tmp_path: Path) -> None:
     sharded_state = configs["lampdist-sharded"]["optimizer_state_bytes"]
     assert sum(sharded_state) <= configs["lampdist-every"]["optimizer_state_bytes"][0] + 64
     assert max(sharded_state) < 0.6 * configs["lampdist-every"]["optimizer_state_bytes"][0]
+    # Unsharded, every rank holds the whole parameters and gradients (fp32).
+    for name, entry in configs.items():
+        assert entry["parameter_bytes"] == [4 * parameters] * entry["ranks"], name
+        assert entry["gradient_bytes"] == [4 * parameters] * entry["ranks"], name
     for name in ("lampdist", "lampdist-every", "lampdist-sharded"):
         assert configs[name]["scaling_efficiency"] > 0, name
         assert configs[name]["vs_ddp"] > 0, name
     assert configs["single"]["scaling_efficiency"] is None
     assert "samples/s" in result.stdout
+
+
+def test_fsdp2_plain_and_through_lampdist_each_hold_half_on_two_ranks(tmp_path: Path) -> None:
+    """``fsdp`` (a plain loop over torch's FSDP2) and ``lampdist-fsdp`` (``step_on="fsdp"``)
+    on 2 Gloo ranks: each rank holds half of the parameters, of their gradients and of the
+    optimizer state (the small model's layers split evenly in two)."""
+    result = run_harness("--configs", "fsdp,lampdist-fsdp", json_path=tmp_path / "fsdp.json")
+    assert result.returncode == 0, result.stderr
+    report: dict[str, Any] = json.loads((tmp_path / "fsdp.json").read_text())
+    configs = report["configs"]
+    assert list(configs) == ["fsdp", "lampdist-fsdp"]
+    assert configs["fsdp"]["kind"] == "fsdp"
+    assert configs["lampdist-fsdp"]["kind"] == "lampdist"
+    assert configs["lampdist-fsdp"]["kwargs"] == {"step_on": "fsdp", "fsdp_blocks": True}
+    parameters = report["meta"]["parameters"]
+    for name, entry in configs.items():
+        assert entry["ranks"] == 2, name
+        assert entry["samples_per_s"] > 0, name
+        assert all(peak > 0 for peak in entry["peak_memory_bytes"]), name
+        assert entry["parameter_bytes"] == [4 * parameters // 2] * 2, name
+        assert entry["gradient_bytes"] == [4 * parameters // 2] * 2, name
+        # AdamW's two values per element of the rank's shard, and a step count per tensor
+        for state in entry["optimizer_state_bytes"]:
+            assert 8 * parameters // 2 <= state <= 8 * parameters // 2 + 1024, name
+        assert name in result.stdout
+    assert "params / grads / optimizer" in result.stdout
 
 
 def test_one_rank_compares_lampdist_with_the_plain_loop(tmp_path: Path) -> None:
@@ -88,10 +118,15 @@ def test_configs_parse_names_and_variants(throughput: ModuleType) -> None:
             "lampdist-ar=step_on:every_rank,max_grad_norm:1.5,bucket_mb:25",
             "ddp-x=",
             "before=source:../old/src,step_on:root",
+            "fsdp,lampdist-fsdp",
+            "fsdp-root=blocks:false,reshard_after_forward:false",
         ]
     )
     names = [config.name for config in configs]
-    assert names == ["single", "ddp", "lampdist-every", "lampdist-ar", "ddp-x", "before"]
+    assert names == [
+        *("single", "ddp", "lampdist-every", "lampdist-ar", "ddp-x", "before"),
+        *("fsdp", "lampdist-fsdp", "fsdp-root"),
+    ]
     assert configs[2].kind == "lampdist"
     assert configs[2].kwargs == {"step_on": "every_rank"}
     variant = configs[3]
@@ -103,6 +138,11 @@ def test_configs_parse_names_and_variants(throughput: ModuleType) -> None:
     other = configs[5]  # another source tree: the launcher's key, not the entry point's
     assert other.source == (Path.cwd() / "../old/src").resolve()
     assert other.rank_kwargs(0) == other.rank_kwargs(1) == {"step_on": "root"}
+    assert configs[6].kind == "fsdp"
+    assert configs[7].kind == "lampdist"
+    assert configs[7].kwargs == {"step_on": "fsdp", "fsdp_blocks": True}
+    assert configs[8].kind == "fsdp"  # a variant named fsdp...: fully_shard's keywords
+    assert configs[8].kwargs == {"blocks": False, "reshard_after_forward": False}
     assert throughput.parse_value("true") is True
     assert throughput.parse_value("none") is None
 

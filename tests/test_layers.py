@@ -25,7 +25,7 @@ LAYERS = [
         "_monitor",
         "_preload",
     },
-    {"_effects", "schedules", "_model"},
+    {"_effects", "schedules", "_model", "_fsdp_options"},
     {"control", "clique", "_checkpoint", "_loop"},
     {"launch", "checkpoint", "_options", "trackers"},
     {"_epoch"},

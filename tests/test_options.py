@@ -26,6 +26,7 @@ STEP_BAD = [
     ("shuffle_seed", 1.5),
     ("steps_per_epoch", True),
     ("learning_rate_per_step", schedules.linear(1.0, 0.0, 10)),
+    ("fsdp", "blocks"),
 ]
 
 LOOP_BAD = [

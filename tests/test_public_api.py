@@ -36,6 +36,7 @@ PUBLIC_NAMES = {
         "CurvePoint",
         "EarlyStopping",
         "EarlyStoppingState",
+        "FsdpPolicy",
         "Interrupted",
         "JoinRejected",
         "JoinTimeout",
@@ -54,6 +55,7 @@ PUBLIC_NAMES = {
         "PassContext",
         "PassEvent",
         "PeerDisconnected",
+        "Precision",
         "ProtocolError",
         "RankFailed",
         "Resumed",
@@ -81,6 +83,7 @@ PUBLIC_NAMES = {
     "lampdist.checkpoint": [
         "FORMAT_VERSION",
         "Resumed",
+        "consolidate",
         "load_latest",
         "to_directory",
     ],

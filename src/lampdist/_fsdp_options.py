@@ -127,7 +127,7 @@ class FsdpPolicy:
 
     ``init_weights(module)`` initializes one module's own parameters and buffers when the
     model was built on the meta device (default: the module's ``reset_parameters()``); see
-    docs/howto/big-models.md. ``reshard_after_forward`` frees each unit's gathered
+    docs/howto-big-models.md. ``reshard_after_forward`` frees each unit's gathered
     parameters after its forward (less memory, one more all-gather in backward)."""
 
     shard_modules: tuple[type[torch.nn.Module], ...] = attrs.field(

@@ -154,7 +154,7 @@ class StepOptions:
     :class:`~lampdist.ConfigError`); checkpoints still hold the whole optimizer state.
     ``"fsdp"`` shards the model itself with FSDP2 (``fully_shard``, as ``fsdp`` says), so that
     parameters, gradients and optimizer state are each ``1/n`` per rank and a model bigger
-    than one device trains (one rank per process; see docs/howto/big-models.md)."""
+    than one device trains (one rank per process; see docs/howto-big-models.md)."""
     bucket_cap_mb: float | None = attrs.field(
         default=None,
         validator=_check(

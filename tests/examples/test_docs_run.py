@@ -278,6 +278,42 @@ async def then_trackers(namespace: dict[str, Any]) -> None:
     assert run.data.metrics["summary/epochs"] == state.epoch
 
 
+class _Block(torch.nn.Module):
+    """A block of the big-models page's model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x))
+
+
+class _Model(torch.nn.Module):
+    """The big-models page's ``GPT(config)``: ``config`` blocks of 8, then a head of 1."""
+
+    def __init__(self, config: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(config))
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _big_models_page(directory: Path) -> dict[str, Any]:
+    """A model of blocks built on the meta device, trained by fsdp on one rank (a mesh of
+    one, torch's default group opened and destroyed by the clique in this process)."""
+    namespace = _shared(directory)
+    namespace |= {"GPT": _Model, "Block": _Block, "config": 2, "loss": torch.nn.functional.mse_loss}
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 8, generator=generator), torch.randn(4, 1, generator=generator))]
+    namespace["__given__"]["train_batches"] = lambda: batches
+    return namespace
+
+
 def _given(*parts: Callable[[Path], dict[str, Any]]) -> Callable[[Path], dict[str, Any]]:
     def given(directory: Path) -> dict[str, Any]:
         namespace: dict[str, Any] = {}
@@ -297,6 +333,7 @@ PAGES: dict[str, Page] = {
         given=lambda _: {"loss": torch.ones(2, requires_grad=True).sum()},
     ),
     "docs/control.md": Page(),
+    "docs/howto-big-models.md": Page(given=_big_models_page),
     "docs/howto-checkpoint-resume.md": Page(given=_shared),
     "docs/howto-metrics.md": Page(),
     "docs/howto-multinode.md": Page(given=_shared),

@@ -74,6 +74,23 @@ def normalized(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
 OPTIMIZERS = {"sgd": sgd, "adamw": adamw, "normalized": normalized}
 
 
+def shard_root(module: torch.nn.Module, mesh: Any) -> None:
+    """A ``parallelize``: the root module as one unit."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(module, mesh=mesh)
+
+
+def shard_linears(module: torch.nn.Module, mesh: Any) -> None:
+    """A ``parallelize``: each Linear a unit, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for child in module.modules():
+        if isinstance(child, torch.nn.Linear):
+            fully_shard(child, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+
+
 def sizes(nranks: int) -> tuple[list[list[int]], list[list[int]]]:
     """The training and validation batch sizes of each rank."""
     return (SIZES, VALID_SIZES) if nranks == 2 else (SIZES_3, VALID_SIZES_3)
@@ -112,6 +129,13 @@ def count_reduce_scatters() -> list[int]:
 
         setattr(dist, name, counting)
     return count
+
+
+def unsized(batches: list[Any], really: bool) -> Any:
+    """A source of ``batches``: the list, or with ``really`` a generator (no length)."""
+    if really:
+        return lambda: (batch for batch in batches)
+    return lambda: batches
 
 
 def concatenated(shards: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> list[Any]:
@@ -169,6 +193,9 @@ async def main(argv: list[str]) -> None:
     parser.add_argument(
         "--count-reduces", action="store_true", help="write DIR/reduces<r>.json: reduce-scatters"
     )
+    parser.add_argument(
+        "--unsized", action="store_true", help="sources without a length (generators)"
+    )
     parser.add_argument("--shard-linear", action="store_true", help="fsdp: each Linear a unit")
     args = parser.parse_args(argv)
     step = lampdist.StepOptions(
@@ -208,8 +235,8 @@ async def main(argv: list[str]) -> None:
     model = lampdist.SupervisedModel(module, mse, metrics=metrics() if args.metrics else {})
     data = lampdist.ModelWithData(
         model=model,
-        train_batches=shuffled(train) if args.shuffle else lambda: train,
-        validation_batches=lambda: valid,
+        train_batches=shuffled(train) if args.shuffle else unsized(train, args.unsized),
+        validation_batches=unsized(valid, args.unsized),
     )
     if args.rank == 0:
         async with control.tcp_root(

@@ -94,7 +94,9 @@ def reference(
     )
 
 
-def assert_matches(out: Path, nranks: int, expected: torch.nn.Module, curve: list[list[float]]):
+def assert_matches(
+    out: Path, nranks: int, expected: torch.nn.Module, curve: list[list[float]]
+) -> None:
     got = assembled(out, nranks)
     for name, want in expected.state_dict().items():
         torch.testing.assert_close(got[name], want, rtol=0, atol=1e-9, msg=name)
@@ -104,23 +106,27 @@ def assert_matches(out: Path, nranks: int, expected: torch.nn.Module, curve: lis
 
 
 @pytest.mark.parametrize(
-    ("nranks", "accumulate", "optimizer", "clip"),
+    ("nranks", "accumulate", "optimizer", "clip", "unsized"),
     [
-        (2, 1, "sgd", None),
-        (2, 3, "adamw", 0.05),
-        (3, 3, "sgd", None),
-        (3, 1, "adamw", 0.05),
-        (2, 3, "normalized", None),
+        (2, 1, "sgd", None, False),
+        (2, 3, "adamw", 0.05, False),
+        (3, 3, "sgd", None, False),
+        (3, 1, "adamw", 0.05, True),
+        (2, 3, "normalized", None, True),
     ],
 )
 def test_fsdp_matches_one_process(
-    tmp_path: Path, nranks: int, accumulate: int, optimizer: str, clip: float | None
+    tmp_path: Path, nranks: int, accumulate: int, optimizer: str, clip: float | None, unsized: bool
 ) -> None:
     """Uneven and empty batches (a rank runs padding passes where it has none), accumulation
     with one gradient reduce per step, clipping by the norm over every rank's shards, and an
     optimizer that is not elementwise (each tensor's norm spans every rank's shard): the
-    weights and the learning curve of one float64 process on the concatenated batches."""
+    weights and the learning curve of one float64 process on the concatenated batches. With
+    sources of known length every rank knows each step's forwards; without (``unsized``) the
+    ranks agree on them before each forward."""
     extra = ["--accumulate", str(accumulate), "--optimizer", optimizer]
+    if unsized:
+        extra.append("--unsized")
     if clip is not None:
         extra += ["--clip", str(clip)]
     run_ranks(tmp_path, nranks, *extra)
@@ -204,19 +210,20 @@ def test_the_policy_reads_the_same_in_every_process_and_names_what_differs() -> 
     code = (
         "import lampdist, torch; from tests.roles import tcp_rank; "
         "print(repr(lampdist.FsdpPolicy(shard_modules=(torch.nn.Linear,), "
-        "parallelize=tcp_rank.sgd, precision=lampdist.Precision(param_dtype=torch.bfloat16))))"
+        "parallelize=tcp_rank.shard_linears, "
+        "precision=lampdist.Precision(param_dtype=torch.bfloat16))))"
     )
     printed = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT_DIR, capture_output=True, text=True, check=True
     ).stdout.strip()
     here = lampdist.FsdpPolicy(
         shard_modules=(torch.nn.Linear,),
-        parallelize=tcp_rank.sgd,
+        parallelize=tcp_rank.shard_linears,
         precision=lampdist.Precision(param_dtype=torch.bfloat16),
     )
     assert printed == repr(here)
-    assert "tests.roles.tcp_rank.sgd" in printed and "param bfloat16" in printed
-    other = lampdist.FsdpPolicy(shard_modules=(torch.nn.Linear,), parallelize=tcp_rank.adamw)
+    assert "tests.roles.tcp_rank.shard_linears" in printed and "param bfloat16" in printed
+    other = lampdist.FsdpPolicy(shard_modules=(torch.nn.Linear,), parallelize=tcp_rank.shard_root)
     fields = dict(lampdist.StepOptions(step_on="fsdp", fsdp=here).agreed_fields())
     assert (
         fields["fsdp"]
@@ -224,14 +231,22 @@ def test_the_policy_reads_the_same_in_every_process_and_names_what_differs() -> 
     )
 
 
+def _not_a_policy() -> object:
+    return lampdist.StepOptions(step_on="fsdp", fsdp="blocks")  # type: ignore[arg-type]
+
+
+def _not_callable() -> object:
+    return lampdist.FsdpPolicy(parallelize=3)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("make", "match"),
     [
         (lambda: lampdist.StepOptions(step_on="fsdp", bucket_cap_mb=25), "bucket_cap_mb"),
-        (lambda: lampdist.StepOptions(step_on="fsdp", fsdp="blocks"), "FsdpPolicy"),
+        (_not_a_policy, "FsdpPolicy"),
         (lambda: lampdist.FsdpPolicy(shard_modules=("Block",)), "module classes"),
         (lambda: lampdist.Precision(param_dtype=torch.int8), "floating torch.dtype"),
-        (lambda: lampdist.FsdpPolicy(parallelize=3), "callable"),
+        (_not_callable, "callable"),
     ],
 )
 def test_bad_fsdp_options_fail_when_built(make: Any, match: str) -> None:
@@ -263,7 +278,10 @@ def _whole(out: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]
     return model, {f"{n}/{k}": v for n, state in optim.items() for k, v in state.items()}
 
 
-def _assert_bitwise(got: tuple[dict, dict], want: tuple[dict, dict]) -> None:
+Parts = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]
+
+
+def _assert_bitwise(got: Parts, want: Parts) -> None:
     for held, saved in zip(got, want, strict=True):
         assert sorted(held) == sorted(saved)
         for name, value in saved.items():
@@ -339,7 +357,9 @@ def two_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pat
     return out, saved
 
 
-def test_consolidate_writes_the_whole_model(two_checkpoints: tuple[Path, Path], tmp_path: Path):
+def test_consolidate_writes_the_whole_model(
+    two_checkpoints: tuple[Path, Path], tmp_path: Path
+) -> None:
     """``lampdist checkpoint consolidate DIR OUT`` writes the newest checkpoint's model as one
     plain state_dict: the run's final weights, which no rank held whole."""
     out, saved = two_checkpoints

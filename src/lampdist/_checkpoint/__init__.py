@@ -1,6 +1,7 @@
 """The machinery behind :mod:`lampdist.checkpoint`: format, files, RNG, writer, reader."""
 
 from ._format import FORMAT_VERSION as FORMAT_VERSION
+from ._format import FileRecord as FileRecord
 from ._read import read_latest as read_latest
 from ._rng import RngStates as RngStates
 from ._rng import capture_rng_states as capture_rng_states
@@ -19,6 +20,7 @@ from ._write import write_checkpoint as write_checkpoint
 __all__ = [
     "FORMAT_VERSION",
     "SHARDS",
+    "FileRecord",
     "RngStates",
     "ShardedState",
     "by_index",

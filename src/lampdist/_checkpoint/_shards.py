@@ -72,20 +72,21 @@ def write_rank_shards(
     """Write this rank's shards of ``module`` and ``optimizer`` into ``directory / SHARDS``
     (a collective: every rank calls it) and return its own files' records, named relative to
     the checkpoint directory."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
     )
+    from torch.distributed.checkpoint.state_dict_saver import save
 
     target = directory / SHARDS
-    state = {
+    state: dict[str, Any] = {
         "model": get_model_state_dict(module),
         "optimizer": get_optimizer_state_dict(module, optimizer),
     }
     try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(target, sync_files=True))
+        save(state, storage_writer=FileSystemWriter(target, sync_files=True))
         records = []
         for path in _own_files(target, rank):
             size, digests = hash_file(path, WRITE_CHECKSUM)
@@ -106,21 +107,22 @@ def load_rank_shards(
     directory) into ``module`` and ``optimizer``, whatever the number of ranks that wrote it
     (a collective: every rank calls it). Raises :class:`CheckpointError` naming the rank when
     the checkpoint was written by another model or optimizer."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
+    from torch.distributed.checkpoint.state_dict_loader import load
 
-    state = {
+    state: dict[str, Any] = {
         "model": get_model_state_dict(module),
         "optimizer": get_optimizer_state_dict(module, optimizer),
     }
     try:
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+        load(state, storage_reader=FileSystemReader(path))
         set_model_state_dict(module, state["model"])
         set_optimizer_state_dict(module, optimizer, state["optimizer"])
     except (RuntimeError, ValueError, KeyError, TypeError, CheckpointException) as exc:
@@ -147,9 +149,9 @@ def _first_failure(exc: BaseException) -> str:
 def read_whole(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """The whole model state dict and the name-keyed optimizer state of the sharded
     checkpoint at ``path``, read in this process alone (no process group)."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
@@ -157,7 +159,7 @@ def read_whole(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         _load_state_dict(
             state,
             storage_reader=FileSystemReader(path),
-            planner=_EmptyStateDictLoadPlanner(),
+            planner=_EmptyStateDictLoadPlanner(),  # type: ignore[no-untyped-call]
             no_dist=True,
         )
     except (RuntimeError, ValueError, KeyError, OSError, CheckpointException) as exc:

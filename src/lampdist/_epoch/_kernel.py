@@ -27,8 +27,7 @@ from typing import Any
 import attrs
 import torch
 
-from .._checkpoint import ShardedState, capture_rng_states
-from .._checkpoint._format import FileRecord
+from .._checkpoint import FileRecord, ShardedState, capture_rng_states
 from .._errors import LampdistError, TrainingError
 from .._model import SupervisedModel
 from .._options import StepOptions
@@ -206,11 +205,16 @@ class StepKernel:
         def pad() -> None:
             self._padding_pass(epoch, phase="train")
 
-        batches = StepBatches(feed=feed, backward=backward, accumulate=accumulate, pad=pad)
+        counts = None if window is not None else self._batch_counts(feed)
+        if window is not None:  # every rank's stream has the window's batches
+            counts = [window * accumulate] * self.clique.nranks
+        batches = StepBatches(
+            feed=feed, backward=backward, accumulate=accumulate, pad=pad, counts=counts
+        )
         last: PassEvent | None = None
         pass_fields = ProgressFields(epoch, "train", pass_index, total)
         with design.attached():
-            planned = window if window is not None else self._planned_steps(feed)
+            planned = window if window is not None else self._planned_steps(counts)
             step = 0
             more = True
             while more:
@@ -287,10 +291,9 @@ class StepKernel:
             self.clique.start_reduce([summed], root=0).wait_blocking(None)
         return metrics.values(summed) if self.is_root else {}
 
-    def _planned_steps(self, feed: BatchFeed) -> int | None:
-        """The pass's step count when every rank's source has a length, else ``None`` (then
-        each step carries a flag saying whether any rank has more batches)."""
-        accumulate = self.options.accumulate_gradient_over_n_batches
+    def _batch_counts(self, feed: BatchFeed) -> list[int] | None:
+        """Every rank's batch count of the pass when every rank's source has a length, else
+        ``None`` (one all-gather)."""
         local = -1 if feed.total is None else feed.total
         if self.alone:
             lengths = [local]
@@ -299,9 +302,15 @@ class StepKernel:
             gathered = torch.zeros(self.clique.nranks, dtype=torch.int64, device=self.device)
             self.clique.start_all_gather(gathered, mine).wait_blocking(None)
             lengths = [int(n) for n in gathered.tolist()]
-        if min(lengths) < 0:
+        return None if min(lengths) < 0 else lengths
+
+    def _planned_steps(self, counts: list[int] | None) -> int | None:
+        """The pass's step count when every rank's batch count is known, else ``None`` (then
+        each step carries a flag saying whether any rank has more batches)."""
+        if counts is None:
             return None
-        return max(1, *(-(-n // accumulate) for n in lengths))
+        accumulate = self.options.accumulate_gradient_over_n_batches
+        return max(1, *(-(-n // accumulate) for n in counts))
 
     # -- the validation pass -----------------------------------------------------------------
 
@@ -317,10 +326,18 @@ class StepKernel:
         loss_sum: torch.Tensor | None = None
         examples = 0
         lockstep = self.design.lockstep and not self.alone
+        # In lockstep every rank runs a forward while any rank has a batch: as many as the
+        # longest source when every length is known, else agreed before each forward.
+        counts = self._batch_counts(feed) if lockstep else None
+        forwards = None if counts is None else max(counts)
+        index = 0
         while True:
             batch = feed.next()
-            # In lockstep every rank runs a forward while any rank has a batch.
-            if lockstep and not self._anyone([batch is not None])[0]:
+            if forwards is not None:
+                if index == forwards:
+                    break
+                index += 1
+            elif lockstep and not self._anyone([batch is not None])[0]:
                 break
             if not lockstep and batch is None:
                 break

@@ -127,7 +127,8 @@ class Stepper:
     @property
     def flat_device(self) -> torch.device:
         """The device of the rank's parameters."""
-        return next(iter(self.optimizer.param_groups[0]["params"])).device
+        device: torch.device = next(iter(self.optimizer.param_groups[0]["params"])).device
+        return device
 
     @property
     def sliced(self) -> bool:
@@ -161,8 +162,9 @@ class Stepper:
         losses were averaged before backward) and step, without waiting for the device."""
         try:
             if examples is not None:
-                for grads in self.gradients():
-                    grads.div_(examples)
+                gradients = self.gradients()
+                if gradients:
+                    torch._foreach_div_(gradients, examples)
             self._clip(combine)
             self.optimizer.step()
         finally:
@@ -215,9 +217,8 @@ class Stepper:
                 return False
             divisor = (1.0 if averaged else examples) * self.loss_scale.factor
             gradients = self.gradients()
-            if divisor != 1.0:
-                for grads in gradients:
-                    grads.div_(divisor)
+            if divisor != 1.0 and gradients:
+                torch._foreach_div_(gradients, divisor)
             if self.loss_scale.enabled and not self.loss_scale.update(gradients, combine):
                 logger.info(
                     "epoch %d, step %d: fp16 gradients overflowed; skipping the step, "

@@ -11,6 +11,7 @@ import attrs
 import torch
 
 from .._effects import OptimizerFactory
+from .._epoch import DESIGNS
 from .._errors import ConfigError
 from .._metric import Metric
 from .._model import SupervisedModel
@@ -65,11 +66,11 @@ async def local_data_parallel_training_loop(
             "models_with_data_streams is empty: pass one ModelWithData(model, train_batches, "
             "validation_batches) per rank"
         )
-    if step.step_on == "fsdp":
+    if DESIGNS[step.step_on].own_process:
         raise ConfigError(
-            "step_on='fsdp' needs one process per rank (torch allows one default process "
-            "group, which FSDP2 shards over, per process): run lampdist.train under torchrun, "
-            "or the root's driver and the followers in processes of their own",
+            f"step_on={step.step_on!r} needs one process per rank (torch allows one default "
+            "process group, which FSDP2 shards over, per process): run lampdist.train under "
+            "torchrun, or the root's driver and the followers in processes of their own",
             phase="configure",
         )
     nranks = len(models_with_data_streams)

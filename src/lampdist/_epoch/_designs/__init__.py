@@ -31,9 +31,12 @@ Adding a design:
 2. Add its ``step_on`` value to :data:`lampdist.StepOn` and to ``StepOptions.step_on``'s
    validator, and one line to :data:`DESIGNS`.
 3. Run ``tests/roles/test_local_exactness.py``: its design tests run every entry of
-   :data:`DESIGNS` (``test_every_design_matches_the_single_process_reference``, clipping) and
-   require the update to equal one process stepping on the concatenation of every rank's
-   batches; add the new value to the cases of its other tests that concern it.
+   :data:`DESIGNS` that the in-process loop can run
+   (``test_every_design_matches_the_single_process_reference``, clipping) and require the
+   update to equal one process stepping on the concatenation of every rank's batches; add
+   the new value to the cases of its other tests that concern it. A design whose ranks need
+   processes of their own (:attr:`Design.own_process`, fsdp) is tested the same way in
+   processes (``tests/roles/test_fsdp.py``).
 """
 
 from __future__ import annotations

@@ -51,6 +51,9 @@ class StepBatches:
     backward: Backward
     accumulate: int
     pad: Callable[[], None]
+    counts: list[int] | None = None
+    """Every rank's batch count of the pass, by rank, when every one is known (a window's:
+    ``steps_per_epoch`` times ``accumulate`` each), else ``None``."""
 
 
 @attrs.define(eq=False)
@@ -79,6 +82,9 @@ class Design(abc.ABC):
 
     followers_step: ClassVar[bool] = False
     """Whether every rank holds an optimizer (the followers need ``optimizer_factory``)."""
+    own_process: ClassVar[bool] = False
+    """Whether each rank needs a process of its own (torch's default process group: fsdp);
+    the in-process loop refuses such a design."""
     lockstep: ClassVar[bool] = False
     """Whether every rank must run as many forward passes as the others (the design's
     collectives run inside forward and backward): a validation pass then agrees before each

@@ -43,7 +43,7 @@ from ..._checkpoint import (
     write_rank_shards,
 )
 from ..._effects import OptimizerFactory
-from ..._errors import CheckpointError, ConfigError, MismatchError
+from ..._errors import CheckpointError, ConfigError, MismatchError, Phase
 from ..._fsdp_options import FsdpPolicy
 from ..._model import original_module
 from ..._options import StepOptions
@@ -63,7 +63,7 @@ __all__ = ["FsdpSteps"]
 
 logger = logging.getLogger(__name__)
 
-_PHASE = "configure"
+_PHASE: Phase = "configure"
 
 
 @attrs.define(eq=False)
@@ -78,6 +78,7 @@ class FsdpSteps(ExchangingDesign):
     """Every module that ``fully_shard`` made an FSDP unit, the root module last."""
 
     followers_step = True
+    own_process = True
     lockstep = True
 
     @property
@@ -237,7 +238,7 @@ class FsdpSteps(ExchangingDesign):
                     if init is not None:
                         init(source)
                     else:
-                        source.reset_parameters()  # type: ignore[operator]
+                        source.reset_parameters()
             target = module.get_submodule(name)
             for key, value in _own_tensors(source):
                 slot = _own(target, key)
@@ -282,7 +283,7 @@ class FsdpSteps(ExchangingDesign):
             )
         names = {id(m): name or "(root)" for name, m in module.named_modules()}
         counts = [
-            sum(p.to_local().numel() for p in _managed(unit, self._units)) for unit in self._units
+            sum(_local(p).numel() for p in _managed(unit, self._units)) for unit in self._units
         ]
         mine = host_to_device(counts, torch.int64, self.device)
         gathered = torch.zeros(self.nranks * len(counts), dtype=torch.int64, device=self.device)
@@ -363,7 +364,7 @@ class FsdpSteps(ExchangingDesign):
 
     def _local_gradients(self) -> list[torch.Tensor]:
         """This rank's shard of every gradient (FSDP2 leaves sharded gradients)."""
-        return [p.grad.to_local() for p in self.flat.parameters if p.grad is not None]
+        return [_local(p.grad) for p in self.flat.parameters if p.grad is not None]
 
     # -- the step --------------------------------------------------------------------------------
 
@@ -390,8 +391,7 @@ class FsdpSteps(ExchangingDesign):
         examples = 0
         batch = feed.next()
         for index in range(accumulate):
-            ahead = index < accumulate - 1 and feed.has_next()
-            anyone_here, anyone_ahead = self._agree_on_batches(batch is not None, ahead)
+            anyone_here, anyone_ahead = self._forwards(batches, batch, step, index)
             if not anyone_here:
                 break
             self._set_gradient_sync(not anyone_ahead)
@@ -409,7 +409,8 @@ class FsdpSteps(ExchangingDesign):
             loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         meta = write_meta(self.flat, examples, loss_sum, more, tail=False)
         assert meta is not None
-        self.start_exchange([meta]).wait_blocking(None)
+        if self.nranks > 1:
+            self.start_exchange([meta]).wait_blocking(None)
         return self.update(
             meta,
             own_loss=loss_sum,
@@ -419,6 +420,23 @@ class FsdpSteps(ExchangingDesign):
             step=step,
             tally=tally,
         )
+
+    def _forwards(
+        self, batches: StepBatches, batch: Any, step: int, index: int
+    ) -> tuple[bool, bool]:
+        """Whether any rank has a batch for the step's forward ``index``, and for the next one:
+        from every rank's batch count when they are known (or this rank is alone), else
+        agreed (one small all-reduce)."""
+        accumulate = batches.accumulate
+        last = index == accumulate - 1
+        counts = batches.counts
+        if counts is not None:
+            left = max(counts) - step * accumulate - index  # the longest source's batches left
+            return left > 0, not last and left > 1
+        if self.nranks == 1:
+            return batch is not None, not last and batches.feed.has_next()
+        ahead = not last and batches.feed.has_next()
+        return self._agree_on_batches(batch is not None, ahead)
 
     def _agree_on_batches(self, here: bool, ahead: bool) -> tuple[bool, bool]:
         """Whether any rank has a batch for this forward, and for the next one."""
@@ -472,11 +490,18 @@ def _own_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _own(module: torch.nn.Module, key: str) -> torch.Tensor:
     """The module's own parameter or buffer ``key``."""
-    value = module._parameters.get(key)
+    value: torch.Tensor | None = module._parameters.get(key)
     if value is None:
         value = module._buffers[key]
     assert value is not None
     return value
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (``_local_tensor``: ``to_local()`` goes through autograd, a
+    cost per parameter per step)."""
+    local: torch.Tensor = getattr(tensor, "_local_tensor")  # noqa: B009  # untyped in torch
+    return local
 
 
 def _local_part(full: torch.Tensor, shard: Any) -> torch.Tensor:
