@@ -483,3 +483,13 @@ def test_accumulation_reduces_the_gradients_once_a_step(tmp_path: Path) -> None:
     run_ranks(tmp_path, 2, "--accumulate", "3", "--count-reduces")
     for rank in range(2):
         assert json.loads((tmp_path / f"reduces{rank}.json").read_text()) == [4], rank
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_fsdp_alone_matches_one_process(tmp_path: Path, accumulate: int) -> None:
+    """One rank under fsdp (a mesh of one) steps as a plain loop, each loss weighted by its
+    share of the step's examples: on each step's concatenated batches it ends where one
+    float64 process ends, with accumulation too."""
+    run_ranks(tmp_path, 1, "--concatenated", "--accumulate", str(accumulate))
+    expected, train, valid = reference(2, accumulate=accumulate)
+    assert_matches(tmp_path, 1, expected, [[a, b] for a, b in zip(train, valid, strict=True)])

@@ -33,6 +33,18 @@ overflow count); ``None`` where a rank holds whole gradients."""
 logger = logging.getLogger(__name__)
 
 
+def divide(gradients: list[torch.Tensor], examples: torch.Tensor) -> None:
+    """Divide ``gradients`` in place by ``examples`` (a float64 device scalar, a count): one
+    foreach division per dtype, the count cast to it where that is exact (float32 and
+    float64: a foreach with a scalar of another dtype falls back to one kernel a tensor)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for gradient in gradients:
+        by_dtype.setdefault(gradient.dtype, []).append(gradient)
+    for dtype, group in by_dtype.items():
+        exact = dtype in (torch.float32, torch.float64)
+        torch._foreach_div_(group, examples.to(dtype) if exact else examples)
+
+
 @attrs.define(eq=False)
 class LossScale:
     """Dynamic loss scaling for fp16 autocast: halve the scale and skip the step when the
@@ -162,9 +174,7 @@ class Stepper:
         losses were averaged before backward) and step, without waiting for the device."""
         try:
             if examples is not None:
-                gradients = self.gradients()
-                if gradients:
-                    torch._foreach_div_(gradients, examples)
+                divide(self.gradients(), examples)
             self._clip(combine)
             self.optimizer.step()
         finally:

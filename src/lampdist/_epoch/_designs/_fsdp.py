@@ -58,6 +58,7 @@ from .._tally import Tally
 from .._values import write_meta
 from ._base import CheckOptimizer, StepBatches
 from ._exchanging import ExchangingDesign
+from ._solo import step_alone
 
 __all__ = ["FsdpSteps"]
 
@@ -385,7 +386,10 @@ class FsdpSteps(ExchangingDesign):
     ) -> bool:
         """Up to ``accumulate`` forward and backward passes, as many on every rank (padding
         passes where a rank has no batch), the gradients reduced in the last; then the meta
-        values' all-reduce and the update."""
+        values' all-reduce and the update. A rank alone steps as a plain loop does (each loss
+        weighted by its share of the step's examples: no division pass, no collective)."""
+        if self.nranks == 1:
+            return step_alone(self, batches, epoch=epoch, step=step, tally=tally)
         feed, accumulate = batches.feed, batches.accumulate
         loss_sum: torch.Tensor | None = None
         examples = 0

@@ -13,7 +13,7 @@ from .._flat import FlatParameters
 from .._tally import Tally
 from ._base import Design, StepBatches
 
-__all__ = ["Solo"]
+__all__ = ["Solo", "step_alone"]
 
 
 @attrs.define(eq=False)
@@ -36,66 +36,75 @@ class Solo(Design):
     def train_step(
         self, batches: StepBatches, *, epoch: int, step: int, tally: Tally, planned: int | None
     ) -> bool:
-        """A plain loop's step: the step's batches are taken first (for their example count),
-        then each one's forward and backward. Returns whether the source has more batches."""
-        feed = batches.feed
-        if batches.accumulate == 1:  # the common case, without the lists of the general one
-            batch = feed.next()
-            if batch is None or not batch.examples > 0:
-                more = feed.has_next()
-                tally.record(0, 0.0, counted=False)
-                return more
-            examples = batch.examples
-            loss_sum = batches.backward(batch, 1.0)  # its share of the step's examples: all
-            more = feed.has_next()  # after the backward: the next batch loaded meanwhile
-            return self._update(epoch, step, tally, more, examples, loss_sum, float(examples))
-        taken: list[LoadedBatch] = []
-        for _ in range(batches.accumulate):
-            batch = feed.next()
-            if batch is None:
-                break
-            if batch.examples > 0:
-                taken.append(batch)
-        examples = sum(batch.examples for batch in taken)
-        # The step's loss sum: a batch's mean loss times its examples on the host, or the
-        # float64 sum of several on the device.
-        losses = [batches.backward(batch, batch.examples / examples) for batch in taken]
-        more = feed.has_next()  # after the backward: the next batch loaded meanwhile
-        if not losses:
+        return step_alone(self, batches, epoch=epoch, step=step, tally=tally)
+
+
+def step_alone(
+    design: Design, batches: StepBatches, *, epoch: int, step: int, tally: Tally
+) -> bool:
+    """A plain loop's step for ``design``, a rank alone: the step's batches are taken first
+    (for their example count), then each one's forward and backward, its loss weighted by its
+    share of the step's examples, so that the gradients come out of backward averaged (no
+    division pass). Returns whether the source has more batches."""
+    feed = batches.feed
+    if batches.accumulate == 1:  # the common case, without the lists of the general one
+        batch = feed.next()
+        if batch is None or not batch.examples > 0:
+            more = feed.has_next()
             tally.record(0, 0.0, counted=False)
             return more
-        if len(losses) == 1:
-            loss_sum, factor = losses[0], float(examples)
-        else:
-            loss_sum, factor = losses[0].to(torch.float64) * taken[0].examples, 1.0
-            for loss, batch in zip(losses[1:], taken[1:], strict=True):
-                loss_sum = loss_sum + loss.to(torch.float64) * batch.examples
-        return self._update(epoch, step, tally, more, examples, loss_sum, factor)
-
-    def _update(
-        self,
-        epoch: int,
-        step: int,
-        tally: Tally,
-        more: bool,
-        examples: int,
-        loss_sum: torch.Tensor,
-        factor: float,
-    ) -> bool:
-        """The optimizer step on the step's averaged gradients, whose loss sum is ``loss_sum``
-        times ``factor`` over ``examples``; returns ``more``."""
-        stepper = self.stepper
-        assert stepper is not None  # a rank alone is the root
-        if stepper.needs_host_values:
-            value = loss_sum.item() * factor
-            if not math.isfinite(value):
-                stepper.skip()
-                tally.record(examples, value, counted=False)
-                self.non_finite.settle(epoch=epoch, step=step, summed=value, own=loss_sum * factor)
-                return more
-            counted = stepper.step(examples, epoch=epoch, step=step, averaged=True)
-            tally.record(examples, value, counted=counted)
-        else:
-            stepper.step_on_device(None)
-            tally.submit_loss(step, examples, loss_sum, factor=factor)
+        examples = batch.examples
+        loss_sum = batches.backward(batch, 1.0)  # its share of the step's examples: all
+        more = feed.has_next()  # after the backward: the next batch loaded meanwhile
+        return _update(design, epoch, step, tally, more, examples, loss_sum, float(examples))
+    taken: list[LoadedBatch] = []
+    for _ in range(batches.accumulate):
+        batch = feed.next()
+        if batch is None:
+            break
+        if batch.examples > 0:
+            taken.append(batch)
+    examples = sum(batch.examples for batch in taken)
+    # The step's loss sum: a batch's mean loss times its examples on the host, or the
+    # float64 sum of several on the device.
+    losses = [batches.backward(batch, batch.examples / examples) for batch in taken]
+    more = feed.has_next()  # after the backward: the next batch loaded meanwhile
+    if not losses:
+        tally.record(0, 0.0, counted=False)
         return more
+    if len(losses) == 1:
+        loss_sum, factor = losses[0], float(examples)
+    else:
+        loss_sum, factor = losses[0].to(torch.float64) * taken[0].examples, 1.0
+        for loss, batch in zip(losses[1:], taken[1:], strict=True):
+            loss_sum = loss_sum + loss.to(torch.float64) * batch.examples
+    return _update(design, epoch, step, tally, more, examples, loss_sum, factor)
+
+
+def _update(
+    design: Design,
+    epoch: int,
+    step: int,
+    tally: Tally,
+    more: bool,
+    examples: int,
+    loss_sum: torch.Tensor,
+    factor: float,
+) -> bool:
+    """The optimizer step on the step's averaged gradients, whose loss sum is ``loss_sum``
+    times ``factor`` over ``examples``; returns ``more``."""
+    stepper = design.stepper
+    assert stepper is not None  # a rank alone is the root
+    if stepper.needs_host_values:
+        value = loss_sum.item() * factor
+        if not math.isfinite(value):
+            stepper.skip()
+            tally.record(examples, value, counted=False)
+            design.non_finite.settle(epoch=epoch, step=step, summed=value, own=loss_sum * factor)
+            return more
+        counted = stepper.step(examples, epoch=epoch, step=step, averaged=True)
+        tally.record(examples, value, counted=counted)
+    else:
+        stepper.step_on_device(None)
+        tally.submit_loss(step, examples, loss_sum, factor=factor)
+    return more
