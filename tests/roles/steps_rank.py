@@ -3,7 +3,7 @@ torchdata ``StatefulDataLoader``, a model with dropout (so every rank's RNG matt
 rank stepping, checkpoints to a directory, and a crash or a resume on request.
 
     python -m tests.roles.steps_rank --rank R --nranks N --out DIR --checkpoints DIR
-        [--port P] [--crash-after K] [--resume]
+        [--port P] [--crash-after K] [--resume] [--step-on every_rank|fsdp]
 
 The root prints ``PORT <n>`` once it listens. Each rank that ends normally writes its weights
 to ``DIR/rank<r>.pt``. ``--crash-after K``: rank 1's source raises after K batches.
@@ -26,6 +26,7 @@ import lampdist
 from lampdist import checkpoint, control, schedules
 
 from .reference import make_model, make_shards, mse
+from .tcp_rank import local_parts
 
 SIZES = [[4] * 5, [5] * 4]
 STEPS_PER_EPOCH = 2
@@ -81,6 +82,7 @@ async def main(argv: list[str]) -> None:
     parser.add_argument("--checkpoints", type=Path, required=True)
     parser.add_argument("--crash-after", type=int, default=None)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--step-on", default="every_rank", choices=["every_rank", "fsdp"])
     args = parser.parse_args(argv)
     secret = os.environ["LAMPDIST_SECRET"]
     seed = (0 if args.rank == 0 else 10 + args.rank) + (500 if args.resume else 0)
@@ -92,7 +94,7 @@ async def main(argv: list[str]) -> None:
     )
     step = lampdist.StepOptions(
         steps_per_epoch=STEPS_PER_EPOCH,
-        step_on="every_rank",
+        step_on=args.step_on,
         learning_rate_per_step=schedules.warmup_cosine_steps(2, STEPS_PER_EPOCH * EPOCHS),
     )
     if args.rank == 0:
@@ -131,7 +133,7 @@ async def main(argv: list[str]) -> None:
                 step=step,
                 timeouts=lampdist.Timeouts(join=30),
             )
-    torch.save(module.state_dict(), args.out / f"rank{args.rank}.pt")
+    torch.save(local_parts(module), args.out / f"rank{args.rank}.pt")
 
 
 if __name__ == "__main__":

@@ -196,12 +196,17 @@ async def main(argv: list[str]) -> None:
     parser.add_argument(
         "--unsized", action="store_true", help="sources without a length (generators)"
     )
+    parser.add_argument(
+        "--nan-at", type=int, default=None, help="rank 1's batch N has a NaN target"
+    )
+    parser.add_argument("--non-finite", default="raise", choices=["raise", "skip"])
     parser.add_argument("--shard-linear", action="store_true", help="fsdp: each Linear a unit")
     args = parser.parse_args(argv)
     step = lampdist.StepOptions(
         accumulate_gradient_over_n_batches=args.accumulate,
         step_on=args.step_on,
         max_grad_norm=args.clip,
+        non_finite_loss=args.non_finite,
         fsdp=lampdist.FsdpPolicy(
             shard_modules=(torch.nn.Linear,) if args.shard_linear else (),
             precision=lampdist.Precision(param_dtype=torch.bfloat16 if args.bf16 else None),
@@ -221,6 +226,13 @@ async def main(argv: list[str]) -> None:
     secret = os.environ["LAMPDIST_SECRET"]
     train = make_shards(train_sizes, seed=1)[args.rank]
     valid = make_shards(valid_sizes, seed=2)[args.rank]
+    if args.nan_at is not None and args.rank == 1:
+        x, y = train[args.nan_at]
+        train = [
+            *train[: args.nan_at],
+            (x, torch.full_like(y, float("nan"))),
+            *train[args.nan_at + 1 :],
+        ]
     if args.concatenated:  # one rank, each batch the two ranks' batches of its step
         train, valid = (
             concatenated(make_shards(SIZES, seed=1)),

@@ -4,10 +4,12 @@ on the concatenated batches, from a model built whole or on the meta device."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -493,3 +495,58 @@ def test_fsdp_alone_matches_one_process(tmp_path: Path, accumulate: int) -> None
     run_ranks(tmp_path, 1, "--concatenated", "--accumulate", str(accumulate))
     expected, train, valid = reference(2, accumulate=accumulate)
     assert_matches(tmp_path, 1, expected, [[a, b] for a, b in zip(train, valid, strict=True)])
+
+
+def test_a_killed_follower_ends_the_run_naming_it(tmp_path: Path) -> None:
+    """A follower killed mid-training (its FSDP2 collectives gone with it): the root fails
+    within seconds, naming rank 1 and the phase, and exits."""
+    root = spawn(0, 2, tmp_path, 0, "--step-on", "fsdp", "--epochs", "100000")
+    follower = None
+    try:
+        assert root.stdout is not None
+        port = int(root.stdout.readline().split()[1])
+        follower = spawn(1, 2, tmp_path, port, "--step-on", "fsdp", "--epochs", "100000")
+        time.sleep(4)  # well into training
+        assert root.poll() is None and follower.poll() is None
+        follower.kill()
+        killed = time.monotonic()
+        _, root_err = root.communicate(timeout=60)
+        took = time.monotonic() - killed
+    finally:
+        for process in (root, follower):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+    assert root.returncode != 0
+    assert "rank 1, phase 'train'" in root_err, root_err[-2000:]
+    assert took < 30  # a deadline, not a speed: the collective timeout is far longer
+
+
+def test_a_non_finite_loss_names_its_rank_or_is_skipped_on_every_rank(tmp_path: Path) -> None:
+    """Rank 1's second batch has a NaN target. By default every rank fails with
+    NonFiniteLoss naming rank 1; with non_finite_loss='skip' every rank skips that step (in
+    each epoch) and the run ends with finite weights and learning curve."""
+    raised = tmp_path / "raise"
+    raised.mkdir()
+    root = spawn(0, 2, raised, 0, "--step-on", "fsdp", "--nan-at", "1")
+    follower = None
+    try:
+        assert root.stdout is not None
+        port = int(root.stdout.readline().split()[1])
+        follower = spawn(1, 2, raised, port, "--step-on", "fsdp", "--nan-at", "1")
+        _, root_err = root.communicate(timeout=120)
+        follower.communicate(timeout=120)
+    finally:
+        for process in (root, follower):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+    assert root.returncode != 0 and follower is not None and follower.returncode != 0
+    assert "NonFiniteLoss" in root_err and "the loss of rank 1 was nan" in root_err
+    skipped = tmp_path / "skip"
+    skipped.mkdir()
+    errors = run_ranks(skipped, 2, "--nan-at", "1", "--non-finite", "skip")
+    assert errors[0].count("skipping the step: the loss of rank 1 was nan") == tcp_rank.EPOCHS
+    curve = json.loads((skipped / "curve.json").read_text())
+    assert all(math.isfinite(value) for point in curve for value in point)
+    assert all(torch.isfinite(value).all() for value in assembled(skipped, 2).values())

@@ -52,14 +52,19 @@ def _run(out: Path, checkpoints: Path, *extra: str) -> tuple[int, int, str]:
     return root.returncode, follower.returncode, root_err
 
 
-def test_two_processes_killed_mid_window_resume_bitwise(tmp_path: Path) -> None:
-    whole = _run(tmp_path / "whole", tmp_path / "whole-checkpoints")
+@pytest.mark.parametrize("step_on", ["every_rank", "fsdp"])
+def test_two_processes_killed_mid_window_resume_bitwise(tmp_path: Path, step_on: str) -> None:
+    """Windows of steps over stateful loaders, a per-step schedule, dropout: a run killed in
+    the middle of a window resumes from its checkpoint to the uninterrupted run's weights,
+    bitwise (under fsdp: every rank's shards)."""
+    design = ("--step-on", step_on)
+    whole = _run(tmp_path / "whole", tmp_path / "whole-checkpoints", *design)
     assert whole[:2] == (0, 0), whole[2]
     # Rank 1's 6th batch is the second of epoch 2: the run dies in the middle of a window.
-    crashed = _run(tmp_path / "crashed", tmp_path / "checkpoints", "--crash-after", "5")
+    crashed = _run(tmp_path / "crashed", tmp_path / "checkpoints", "--crash-after", "5", *design)
     assert crashed[0] != 0 and crashed[1] != 0
     assert "crashes after 5 batches" in crashed[2]
-    resumed = _run(tmp_path / "resumed", tmp_path / "checkpoints", "--resume")
+    resumed = _run(tmp_path / "resumed", tmp_path / "checkpoints", "--resume", *design)
     assert resumed[:2] == (0, 0), resumed[2]
     for rank in range(2):
         want = torch.load(tmp_path / "whole" / f"rank{rank}.pt", weights_only=True)
