@@ -300,7 +300,8 @@ class _Model(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             x = block(x)
-        return self.head(x)
+        out: torch.Tensor = self.head(x)
+        return out
 
 
 def _big_models_page(directory: Path) -> dict[str, Any]:
