@@ -200,6 +200,9 @@ async def main(argv: list[str]) -> None:
         "--nan-at", type=int, default=None, help="rank 1's batch N has a NaN target"
     )
     parser.add_argument("--non-finite", default="raise", choices=["raise", "skip"])
+    parser.add_argument(
+        "--fp16", action="store_true", help="float32 model and data, float16 autocast"
+    )
     parser.add_argument("--shard-linear", action="store_true", help="fsdp: each Linear a unit")
     args = parser.parse_args(argv)
     step = lampdist.StepOptions(
@@ -207,6 +210,7 @@ async def main(argv: list[str]) -> None:
         step_on=args.step_on,
         max_grad_norm=args.clip,
         non_finite_loss=args.non_finite,
+        autocast_dtype=torch.float16 if args.fp16 else None,
         fsdp=lampdist.FsdpPolicy(
             shard_modules=(torch.nn.Linear,) if args.shard_linear else (),
             precision=lampdist.Precision(param_dtype=torch.bfloat16 if args.bf16 else None),
@@ -226,6 +230,9 @@ async def main(argv: list[str]) -> None:
     secret = os.environ["LAMPDIST_SECRET"]
     train = make_shards(train_sizes, seed=1)[args.rank]
     valid = make_shards(valid_sizes, seed=2)[args.rank]
+    if args.fp16:  # a large loss, so that float16 gradients overflow at the first scales
+        train = [(x.float(), (y * 300).float()) for x, y in train]
+        valid = [(x.float(), (y * 300).float()) for x, y in valid]
     if args.nan_at is not None and args.rank == 1:
         x, y = train[args.nan_at]
         train = [
@@ -244,6 +251,8 @@ async def main(argv: list[str]) -> None:
     else:
         module = make_model(seed=0 if args.rank == 0 else 10 + args.rank, width=args.width)
         module = module.to(device)
+    if args.fp16:
+        module = module.float()
     model = lampdist.SupervisedModel(module, mse, metrics=metrics() if args.metrics else {})
     data = lampdist.ModelWithData(
         model=model,

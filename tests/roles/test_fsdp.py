@@ -330,13 +330,19 @@ def test_checkpoints_reshard_between_rank_counts_and_designs(tmp_path: Path) -> 
 
 def run_whole(out: Path, nranks: int, *extra: str) -> None:
     """:mod:`.tcp_rank` under the root design (whole state dicts) on ``nranks`` ranks."""
-    root = spawn(0, nranks, out, 0, "--step-on", "root", *extra)
+    run_whole_design(out, "root", *extra, nranks=nranks)
+
+
+def run_whole_design(out: Path, step_on: str, *extra: str, nranks: int = 2) -> None:
+    """:mod:`.tcp_rank` under ``step_on``, a design of whole state dicts."""
+    root = spawn(0, nranks, out, 0, "--step-on", step_on, *extra)
     followers: list[subprocess.Popen[str]] = []
     try:
         assert root.stdout is not None
         port = int(root.stdout.readline().split()[1])
         followers = [
-            spawn(rank, nranks, out, port, "--step-on", "root", *extra) for rank in range(1, nranks)
+            spawn(rank, nranks, out, port, "--step-on", step_on, *extra)
+            for rank in range(1, nranks)
         ]
         errors = [process.communicate(timeout=120)[1] for process in [root, *followers]]
     finally:
@@ -550,3 +556,23 @@ def test_a_non_finite_loss_names_its_rank_or_is_skipped_on_every_rank(tmp_path: 
     curve = json.loads((skipped / "curve.json").read_text())
     assert all(math.isfinite(value) for point in curve for value in point)
     assert all(torch.isfinite(value).all() for value in assembled(skipped, 2).values())
+
+
+def test_fp16_loss_scaling_skips_and_steps_as_every_rank_does(tmp_path: Path) -> None:
+    """float16 autocast with dynamic loss scaling on a loss large enough to overflow at the
+    first scales: every rank of fsdp checks the overflow over all shards and skips the same
+    steps as step_on='every_rank' does on whole gradients; the weights end the same, and away
+    from where they started (steps were taken)."""
+    fsdp, every = tmp_path / "fsdp", tmp_path / "every"
+    fsdp.mkdir()
+    every.mkdir()
+    run_ranks(fsdp, 2, "--fp16", "--accumulate", "1")
+    run_whole_design(every, "every_rank", "--fp16", "--accumulate", "1")
+    got, want = assembled(fsdp, 2), torch.load(every / "rank0.pt", weights_only=True)
+    start = make_model(seed=0).float().state_dict()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6, msg=name)
+        assert (value - start[name]).abs().max() > 1e-3, name
+    curves = [json.loads((out / "curve.json").read_text()) for out in (fsdp, every)]
+    flat = [[value for point in curve for value in point] for curve in curves]
+    assert flat[0] == pytest.approx(flat[1], rel=1e-6)
