@@ -42,10 +42,10 @@ def spawn(rank: int, nranks: int, out: Path, port: int, *extra: str) -> subproce
     )
 
 
-def run_ranks(out: Path, nranks: int, *extra: str) -> list[str]:
-    """Every rank of :mod:`.tcp_rank` under fsdp to the end; returns their stderr (each must
-    exit 0)."""
-    extra = ("--step-on", "fsdp", *extra)
+def launch(out: Path, nranks: int, *extra: str, step_on: str = "fsdp") -> list[tuple[int, str]]:
+    """Every rank of :mod:`.tcp_rank` under ``step_on`` to its end: each one's exit code and
+    stderr, by rank."""
+    extra = ("--step-on", step_on, *extra)
     root = spawn(0, nranks, out, 0, *extra)
     followers: list[subprocess.Popen[str]] = []
     try:
@@ -54,16 +54,24 @@ def run_ranks(out: Path, nranks: int, *extra: str) -> list[str]:
         assert line.startswith("PORT "), line + (root.stderr.read() if root.stderr else "")
         port = int(line.split()[1])
         followers = [spawn(rank, nranks, out, port, *extra) for rank in range(1, nranks)]
-        results = [process.communicate(timeout=120) for process in [root, *followers]]
+        errors = [process.communicate(timeout=120)[1] for process in [root, *followers]]
     finally:
         for process in [root, *followers]:
             if process.poll() is None:
                 process.kill()
                 process.wait()
-    errors = [err for _, err in results]
-    for rank, process in enumerate([root, *followers]):
-        assert process.returncode == 0, f"rank {rank}: {errors[rank]}"
-    return errors
+    return [
+        (process.returncode, error)
+        for process, error in zip([root, *followers], errors, strict=True)
+    ]
+
+
+def run_ranks(out: Path, nranks: int, *extra: str, step_on: str = "fsdp") -> list[str]:
+    """:func:`launch`, every rank exiting 0; their stderr."""
+    ended = launch(out, nranks, *extra, step_on=step_on)
+    for rank, (code, error) in enumerate(ended):
+        assert code == 0, f"rank {rank}: {error}"
+    return [error for _, error in ended]
 
 
 def assembled(out: Path, nranks: int) -> dict[str, torch.Tensor]:
@@ -186,23 +194,11 @@ def test_a_model_built_on_the_meta_device_starts_from_the_roots_weights(tmp_path
 def test_a_sharded_module_with_nothing_on_a_rank_fails_before_training(tmp_path: Path) -> None:
     """Linear(6, 1) as a unit of its own over 3 ranks leaves ranks 1 and 2 without an element
     of it: every rank fails at setup, naming the ranks and the module."""
-    root = spawn(0, 3, tmp_path, 0, "--step-on", "fsdp", "--shard-linear")
-    followers: list[subprocess.Popen[str]] = []
-    try:
-        assert root.stdout is not None
-        port = int(root.stdout.readline().split()[1])
-        followers = [
-            spawn(rank, 3, tmp_path, port, "--step-on", "fsdp", "--shard-linear") for rank in (1, 2)
-        ]
-        errors = [process.communicate(timeout=120)[1] for process in [root, *followers]]
-    finally:
-        for process in [root, *followers]:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    assert root.returncode != 0
-    assert "ranks [1, 2] hold no element of the parameters of sharded module '2'" in errors[0]
-    assert "phase 'configure'" in errors[0]
+    ended = launch(tmp_path, 3, "--shard-linear")
+    assert all(code != 0 for code, _ in ended)
+    root_err = ended[0][1]
+    assert "ranks [1, 2] hold no element of the parameters of sharded module '2'" in root_err
+    assert "phase 'configure'" in root_err
     assert not (tmp_path / "curve.json").exists()
 
 
@@ -330,28 +326,7 @@ def test_checkpoints_reshard_between_rank_counts_and_designs(tmp_path: Path) -> 
 
 def run_whole(out: Path, nranks: int, *extra: str) -> None:
     """:mod:`.tcp_rank` under the root design (whole state dicts) on ``nranks`` ranks."""
-    run_whole_design(out, "root", *extra, nranks=nranks)
-
-
-def run_whole_design(out: Path, step_on: str, *extra: str, nranks: int = 2) -> None:
-    """:mod:`.tcp_rank` under ``step_on``, a design of whole state dicts."""
-    root = spawn(0, nranks, out, 0, "--step-on", step_on, *extra)
-    followers: list[subprocess.Popen[str]] = []
-    try:
-        assert root.stdout is not None
-        port = int(root.stdout.readline().split()[1])
-        followers = [
-            spawn(rank, nranks, out, port, "--step-on", step_on, *extra)
-            for rank in range(1, nranks)
-        ]
-        errors = [process.communicate(timeout=120)[1] for process in [root, *followers]]
-    finally:
-        for process in [root, *followers]:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    for rank, process in enumerate([root, *followers]):
-        assert process.returncode == 0, f"rank {rank}: {errors[rank]}"
+    run_ranks(out, nranks, *extra, step_on="root")
 
 
 @pytest.fixture(scope="module")
@@ -407,6 +382,12 @@ def test_a_damaged_or_missing_shard_falls_back_to_the_previous_checkpoint(
     assert resumed is not None and resumed.epoch == 1
     assert resumed.training_state.shards is not None
     assert resumed.training_state.shards.path == copy / "epoch-000001" / "shards"
+    assert resumed.training_state.shards.nranks == 2
+    assert dict(resumed.training_state.shards.precision) == {
+        "param_dtype": None,
+        "reduce_dtype": None,
+        "output_dtype": None,
+    }
     assert "skipping damaged checkpoint" in caplog.text and "__1_0.distcp" in caplog.text
 
 
@@ -417,20 +398,10 @@ def test_a_checkpoint_of_another_model_fails_at_load_naming_rank_and_phase(
     checkpoint left as it was."""
     _, saved = two_checkpoints
     before = sorted(p.name for p in saved.iterdir())
-    root = spawn(0, 2, tmp_path, 0, "--step-on", "fsdp", "--width", "8", "--resume", str(saved))
-    follower = None
-    try:
-        assert root.stdout is not None
-        port = int(root.stdout.readline().split()[1])
-        follower = spawn(1, 2, tmp_path, port, "--step-on", "fsdp", "--width", "8")
-        _, root_err = root.communicate(timeout=120)
-        _, follower_err = follower.communicate(timeout=120)
-    finally:
-        for process in (root, follower):
-            if process is not None and process.poll() is None:
-                process.kill()
-                process.wait()
-    assert root.returncode != 0 and follower is not None and follower.returncode != 0
+    (root_code, root_err), (follower_code, follower_err) = launch(
+        tmp_path, 2, "--width", "8", "--resume", str(saved)
+    )
+    assert root_code != 0 and follower_code != 0
     assert "CheckpointError" in root_err and "phase 'resume'" in root_err
     assert "does not load into this run's model" in root_err
     assert "phase 'resume'" in follower_err
@@ -534,20 +505,8 @@ def test_a_non_finite_loss_names_its_rank_or_is_skipped_on_every_rank(tmp_path: 
     each epoch) and the run ends with finite weights and learning curve."""
     raised = tmp_path / "raise"
     raised.mkdir()
-    root = spawn(0, 2, raised, 0, "--step-on", "fsdp", "--nan-at", "1")
-    follower = None
-    try:
-        assert root.stdout is not None
-        port = int(root.stdout.readline().split()[1])
-        follower = spawn(1, 2, raised, port, "--step-on", "fsdp", "--nan-at", "1")
-        _, root_err = root.communicate(timeout=120)
-        follower.communicate(timeout=120)
-    finally:
-        for process in (root, follower):
-            if process is not None and process.poll() is None:
-                process.kill()
-                process.wait()
-    assert root.returncode != 0 and follower is not None and follower.returncode != 0
+    (root_code, root_err), (follower_code, _) = launch(raised, 2, "--nan-at", "1")
+    assert root_code != 0 and follower_code != 0
     assert "NonFiniteLoss" in root_err and "the loss of rank 1 was nan" in root_err
     skipped = tmp_path / "skip"
     skipped.mkdir()
@@ -567,7 +526,7 @@ def test_fp16_loss_scaling_skips_and_steps_as_every_rank_does(tmp_path: Path) ->
     fsdp.mkdir()
     every.mkdir()
     run_ranks(fsdp, 2, "--fp16", "--accumulate", "1")
-    run_whole_design(every, "every_rank", "--fp16", "--accumulate", "1")
+    run_ranks(every, 2, "--fp16", "--accumulate", "1", step_on="every_rank")
     got, want = assembled(fsdp, 2), torch.load(every / "rank0.pt", weights_only=True)
     start = make_model(seed=0).float().state_dict()
     for name, value in want.items():

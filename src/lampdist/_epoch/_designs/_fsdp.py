@@ -48,7 +48,6 @@ from ..._fsdp_options import FsdpPolicy
 from ..._model import original_module
 from ..._options import StepOptions
 from ..._state import TrainingState
-from ...clique import PendingCollective
 from .._device import host_to_device
 from .._flat import FlatParameters, flat_order
 from .._objects import broadcast_object
@@ -57,7 +56,7 @@ from .._stepper import Combine, LossScale, Stepper
 from .._tally import Tally
 from .._values import write_meta
 from ._base import CheckOptimizer, StepBatches
-from ._exchanging import ExchangingDesign
+from ._every_rank import EveryRankSteps
 from ._solo import step_alone
 
 __all__ = ["FsdpSteps"]
@@ -68,8 +67,10 @@ _PHASE: Phase = "configure"
 
 
 @attrs.define(eq=False)
-class FsdpSteps(ExchangingDesign):
-    """``step_on="fsdp"`` (see the module docstring)."""
+class FsdpSteps(EveryRankSteps):
+    """``step_on="fsdp"`` (see the module docstring): every rank steps, as under
+    ``"every_rank"``, whose all-reduce (here of the step's meta values alone) and publishing
+    it keeps; FSDP2 exchanges the gradients itself."""
 
     module: torch.nn.Module | None = None
     """The user's module (sharded in place by :meth:`prepare`)."""
@@ -78,7 +79,6 @@ class FsdpSteps(ExchangingDesign):
     _units: list[Any] = attrs.field(factory=list, init=False)
     """Every module that ``fully_shard`` made an FSDP unit, the root module last."""
 
-    followers_step = True
     own_process = True
     lockstep = True
 
@@ -377,10 +377,6 @@ class FsdpSteps(ExchangingDesign):
         """Sum a small tensor over the clique in place, and wait (the step's scalars)."""
         self.clique.start_all_reduce([tensor]).wait_blocking(None)
 
-    def start_exchange(self, tensors: Any) -> PendingCollective:
-        """The meta values' all-reduce (FSDP2 exchanges the gradients itself)."""
-        return self.clique.start_all_reduce(list(tensors))
-
     def train_step(
         self, batches: StepBatches, *, epoch: int, step: int, tally: Tally, planned: int | None
     ) -> bool:
@@ -414,7 +410,7 @@ class FsdpSteps(ExchangingDesign):
         meta = write_meta(self.flat, examples, loss_sum, more, tail=False)
         assert meta is not None
         if self.nranks > 1:
-            self.start_exchange([meta]).wait_blocking(None)
+            self.start_exchange([meta]).wait_blocking(None)  # the meta values alone
         return self.update(
             meta,
             own_loss=loss_sum,
@@ -452,14 +448,6 @@ class FsdpSteps(ExchangingDesign):
     def _set_gradient_sync(self, sync: bool) -> None:
         """Reduce the gradients in this backward (the step's last) or keep accumulating."""
         self._units[-1].set_requires_gradient_sync(sync)
-
-    def publish(
-        self, more: bool, non_finite: float | None, *, own_loss: torch.Tensor, epoch: int, step: int
-    ) -> bool:
-        if non_finite is not None:
-            self.non_finite.settle(epoch=epoch, step=step, summed=non_finite, own=own_loss)
-        self.broadcast_module_buffers()
-        return more
 
     # -- between passes --------------------------------------------------------------------------
 
