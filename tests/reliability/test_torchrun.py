@@ -155,6 +155,28 @@ def test_a_killed_root_ends_the_follower_with_its_error(tmp_path: Path) -> None:
     assert "PeerDisconnected: rank 0, phase 'train'" in job.last_line(1), job.explain()
 
 
+def test_fsdp_under_torchrun_trains_checkpoints_and_names_a_killed_follower(
+    tmp_path: Path,
+) -> None:
+    """step_on='fsdp' as torchrun starts it: the clique opens torch's default group itself (the
+    launcher's variables are not used for it), the run trains in windows with a metric and
+    early stopping and writes sharded checkpoints; a follower killed in training is the
+    root's error."""
+    checkpoints = tmp_path / "ck"
+    job = run_job(tmp_path / "ok", "--step-on", "fsdp", "--checkpoints", str(checkpoints))
+    assert job.returncode == 0, job.explain()
+    newest = sorted(checkpoints.glob("epoch-*"))[-1]
+    assert sorted(p.name for p in (newest / "shards").iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    killed = run_job(tmp_path / "killed", "--step-on", "fsdp", "--fault", "kill")
+    report("follower SIGKILL in training under fsdp", killed)
+    assert killed.exitcodes == {0: 1, 1: SIGKILLED}, killed.explain()
+    assert "PeerDisconnected: rank 1, phase 'train'" in killed.last_line(0), killed.explain()
+
+
 def test_a_refused_secret_ends_the_joining_root_at_once(tmp_path: Path) -> None:
     """The root, still waiting for followers, gets torchrun's SIGTERM: nothing to drain, so
     it ends at once (before: it waited Timeouts.stop, 30 s, and torchrun SIGKILLed it)."""

@@ -118,7 +118,7 @@ async def main() -> None:
                 monitor=lampdist.Monitor("validation_accuracy", mode="max"), patience=100
             ),
         ),
-        step=lampdist.StepOptions(steps_per_epoch=6),
+        step=lampdist.StepOptions(steps_per_epoch=6, step_on=args.step_on),
         timeouts=lampdist.Timeouts(join=60, setup=60),
     )
     if state is not None:
@@ -131,6 +131,7 @@ parser.add_argument("--fault", default=None)
 parser.add_argument("--fault-rank", type=int, default=1)
 parser.add_argument("--checkpoints", type=Path, default=None)
 parser.add_argument("--epochs", type=int, default=3)
+parser.add_argument("--step-on", default="root")
 ARGS = parser.parse_args()
 
 atexit.register(lambda: mark(ARGS.out, f"exit-{os.environ.get('RANK')}"))
