@@ -49,6 +49,7 @@ LOCAL_MONITORS = "tests/roles/test_local_monitors.py"
 SHARDED = "tests/roles/test_local_sharded.py"
 STEPS = "tests/roles/test_local_steps.py"
 BLAME = "tests/roles/test_local_blame.py"
+FSDP = "tests/roles/test_fsdp.py"
 NAMES_RANKS = BLAME + "::test_a_non_finite_loss_names_the_ranks_it_came_from"
 
 MUTANTS = [
@@ -72,16 +73,16 @@ MUTANTS = [
         name="no-accumulation",
         guarantee="accumulate_gradient_over_n_batches batches make one step",
         path="_epoch/_kernel.py",
-        old="batches = StepBatches(feed=feed, backward=backward, accumulate=accumulate)",
-        new="batches = StepBatches(feed=feed, backward=backward, accumulate=1)",
+        old="feed=feed, backward=backward, accumulate=accumulate, pad=pad, counts=counts",
+        new="feed=feed, backward=backward, accumulate=1, pad=pad, counts=counts",
         tests=(EXACTNESS,),
     ),
     Mutant(
         name="no-clipping",
         guarantee="max_grad_norm clips the averaged gradients by their global norm",
         path="_epoch/_stepper.py",
-        old="        if max_norm is None:\n            return\n        if self.shard is None:",
-        new="        if True:\n            return\n        if self.shard is None:",
+        old="        if max_norm is None:\n            return\n        if not self.sliced:",
+        new="        if True:\n            return\n        if not self.sliced:",
         tests=(
             "tests/roles/test_local_exactness.py::test_clipping_matches_clip_grad_norm_in_a_plain_loop",
         ),
@@ -138,7 +139,7 @@ MUTANTS = [
         name="resume-ignores-the-model",
         guarantee="a resumed run continues from the checkpoint's weights",
         path="_roles/_root.py",
-        old="        load_model_state(module, state.model_state, path=resume.path)\n",
+        old="        load_model_state(module, model_state, path=resume.path)\n",
         new="",
         tests=(RESUME, "tests/roles/test_resume_from_disk.py"),
     ),
@@ -146,7 +147,7 @@ MUTANTS = [
         name="resume-ignores-the-optimizer",
         guarantee="a resumed run restores the optimizer state",
         path="_roles/_root.py",
-        old="        load_optimizer_state(stepper, state.optimizer_state, path=resume.path)\n",
+        old="        load_optimizer_state(stepper, optimizer_state, path=resume.path)\n",
         new="",
         tests=(RESUME,),
     ),
@@ -466,8 +467,8 @@ MUTANTS = [
         name="alone-skips-unchecked",
         guarantee="a rank alone checks its loss before stepping and names itself",
         path="_epoch/_designs/_solo.py",
-        old="            if not math.isfinite(value):\n",
-        new="            if False:\n",
+        old="        if not math.isfinite(value):\n",
+        new="        if False:\n",
         tests=(BLAME + "::test_a_rank_alone_names_itself",),
     ),
     Mutant(
@@ -541,6 +542,62 @@ MUTANTS = [
         old="        level = logging.DEBUG if self.reported else logging.WARNING\n",
         new="        level = logging.WARNING\n",
         tests=("tests/control/test_channels.py",),
+    ),
+    Mutant(
+        name="fsdp-gradients-averaged",
+        guarantee="under fsdp the ranks' gradients are summed, then divided by the examples",
+        path="_epoch/_designs/_fsdp.py",
+        old="unit.set_gradient_divide_factor(1.0)",
+        new="unit.set_gradient_divide_factor(float(self.nranks))",
+        tests=(FSDP + "::test_fsdp_matches_one_process",),
+    ),
+    Mutant(
+        name="fsdp-clipping-by-own-shards",
+        guarantee="under fsdp clipping uses the norm over every rank's shards",
+        path="_epoch/_designs/_fsdp.py",
+        old="    def combine(self) -> Combine:\n        return self._sum_over_clique",
+        new="    def combine(self) -> Combine:\n        return lambda tensor: None",
+        tests=(FSDP + "::test_fsdp_matches_one_process",),
+    ),
+    Mutant(
+        name="fsdp-followers-keep-their-seed",
+        guarantee="a meta-device model starts from the root's weights on every rank",
+        path="_epoch/_designs/_fsdp.py",
+        old="        self.clique.start_broadcast([seed]).wait_blocking(None)\n",
+        new="",
+        tests=(FSDP + "::test_a_model_built_on_the_meta_device_starts_from_the_roots_weights",),
+    ),
+    Mutant(
+        name="fsdp-reduce-in-every-backward",
+        guarantee="under fsdp accumulation reduces the gradients once a step",
+        path="_epoch/_designs/_fsdp.py",
+        old="self._set_gradient_sync(not anyone_ahead)",
+        new="self._set_gradient_sync(True)",
+        tests=(FSDP + "::test_accumulation_reduces_the_gradients_once_a_step",),
+    ),
+    Mutant(
+        name="padding-counts-in-metrics",
+        guarantee="a padding pass adds nothing to the metrics",
+        path="_epoch/_kernel.py",
+        old="metrics, self._metrics = self._metrics, None",
+        new="metrics = self._metrics",
+        tests=(FSDP + "::test_metrics_count_no_padding_pass",),
+    ),
+    Mutant(
+        name="fsdp-resume-ignores-the-shards",
+        guarantee="a resumed fsdp run loads each rank's part of the checkpoint",
+        path="_epoch/_designs/_fsdp.py",
+        old="        self._resume(module, resume)\n",
+        new="",
+        tests=(FSDP + "::test_checkpoints_reshard_between_rank_counts_and_designs",),
+    ),
+    Mutant(
+        name="shards-not-checked-at-load",
+        guarantee="a damaged or missing shard makes its checkpoint damaged",
+        path="_checkpoint/_read.py",
+        old="    for record in manifest.files:  # tensor files",
+        new='    for record in [r for r in manifest.files if "/" not in r.name]:  # tensor files',
+        tests=(FSDP + "::test_a_damaged_or_missing_shard_falls_back_to_the_previous_checkpoint",),
     ),
 ]
 

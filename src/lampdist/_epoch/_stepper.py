@@ -182,16 +182,16 @@ class Stepper:
 
     def _clip(self, combine: Combine | None) -> None:
         """Clip the averaged gradients by their global norm, if asked to: with whole
-        gradients as ``clip_grad_norm_`` does; sharded, over every rank's slices (the sum of
-        squares through ``combine``), with the same formula."""
+        gradients as ``clip_grad_norm_`` does; sharded or fsdp, over every rank's slices (the
+        sum of squares through ``combine``, one scalar), with the same formula."""
         max_norm = self.options.max_grad_norm
         if max_norm is None:
             return
-        if self.shard is None:
+        if not self.sliced:
             torch.nn.utils.clip_grad_norm_(self.flat.parameters, max_norm)
             return
         assert combine is not None
-        gradients = self.shard.gradients()
+        gradients = self.gradients()
         norms = [torch.linalg.vector_norm(g).to(torch.float64) for g in gradients]
         if norms:
             squares = torch.stack(norms).square().sum().reshape(1)
