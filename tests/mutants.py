@@ -546,9 +546,9 @@ MUTANTS = [
     Mutant(
         name="fsdp-gradients-averaged",
         guarantee="under fsdp the ranks' gradients are summed, then divided by the examples",
-        path="_epoch/_designs/_fsdp.py",
+        path="_epoch/_designs/_fsdp_model.py",
         old="unit.set_gradient_divide_factor(1.0)",
-        new="unit.set_gradient_divide_factor(float(self.nranks))",
+        new="unit.set_gradient_divide_factor(2.0)",
         tests=(FSDP + "::test_fsdp_matches_one_process",),
     ),
     Mutant(

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Self
 
@@ -57,6 +56,7 @@ from .._tally import Tally
 from .._values import write_meta
 from ._base import CheckOptimizer, StepBatches
 from ._every_rank import EveryRankSteps
+from ._fsdp_model import check_sharded, check_units, local, materialize, shard, unit_sizes
 from ._solo import step_alone
 
 __all__ = ["FsdpSteps"]
@@ -162,11 +162,19 @@ class FsdpSteps(EveryRankSteps):
             if tensors:  # the root's values, before each rank keeps its shard of them
                 self.clique.start_broadcast(tensors).wait_blocking(None)
         mesh = init_device_mesh(self.device.type, (self.nranks,))
-        self._shard(module, mesh)
+        self._units = shard(module, self.policy, mesh, rank=self.rank)
         if template is not None:
             module.to_empty(device=self.device)
-            self._materialize(module, template)
-        self._check_shards(module)
+            materialize(
+                module,
+                template,
+                seed=self._root_seed(),
+                device=self.device,
+                init=self.policy.init_weights,
+                rank=self.rank,
+            )
+        check_sharded(module, self.nranks, rank=self.rank)
+        self._check_units(module)
         trainable = [p for p in module.parameters() if p.requires_grad]
         self.flat.parameters = trainable
         self.flat.module_buffers = list(module.buffers())
@@ -181,75 +189,6 @@ class FsdpSteps(EveryRankSteps):
                 extra={"rank": 0},
             )
 
-    def _shard(self, module: torch.nn.Module, mesh: Any) -> None:
-        """``fully_shard`` as the policy says; then every unit sums its gradients."""
-        from torch.distributed.fsdp import FSDPModule, fully_shard
-
-        policy = self.policy
-        if policy.parallelize is not None:
-            policy.parallelize(module, mesh)
-        else:
-            settings: dict[str, Any] = {
-                "mesh": mesh,
-                "mp_policy": policy.precision.to_torch(),
-                "reshard_after_forward": policy.reshard_after_forward,
-            }
-            types = policy.shard_modules
-            for name, child in module.named_modules():
-                if name and types and isinstance(child, types):
-                    fully_shard(child, **settings)
-            fully_shard(module, **settings)
-        if not isinstance(module, FSDPModule):
-            raise ConfigError(
-                "FsdpPolicy.parallelize must call fully_shard on the root module (last), "
-                "with the mesh it is given",
-                rank=self.rank,
-                phase=_PHASE,
-            )
-        self._units = [m for m in module.modules() if isinstance(m, FSDPModule)]
-        for unit in self._units:
-            # Sums, never averages: the stepper divides by the clique's examples.
-            unit.set_gradient_divide_factor(1.0)
-            unit.set_force_sum_reduction_for_comms(True)
-
-    def _materialize(self, module: torch.nn.Module, template: torch.nn.Module) -> None:
-        """Initialize each module's own parameters and buffers on every rank alike (one
-        module's at a time, seeded from the root's RNG) and keep this rank's shards."""
-        from torch.distributed.tensor import DTensor
-
-        seed = self._root_seed()
-        init = self.policy.init_weights
-        devices = [self.device] if self.device.type == "cuda" else []
-        for index, (name, source) in enumerate(template.named_modules()):
-            own = [*source.named_parameters(recurse=False), *source.named_buffers(recurse=False)]
-            if not own:
-                continue
-            if init is None and not callable(getattr(source, "reset_parameters", None)):
-                raise ConfigError(
-                    f"module {name or '(root)'!r} ({type(source).__name__}) was built on the "
-                    "meta device and has no reset_parameters() to initialize it: pass "
-                    "FsdpPolicy(init_weights=...) or build the model on a device",
-                    rank=self.rank,
-                    phase=_PHASE,
-                )
-            with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(seed + index)
-                source.to_empty(device=self.device, recurse=False)
-                with torch.no_grad():
-                    if init is not None:
-                        init(source)
-                    else:
-                        source.reset_parameters()
-            target = module.get_submodule(name)
-            for key, value in _own_tensors(source):
-                slot = _own(target, key)
-                with torch.no_grad():
-                    if isinstance(slot, DTensor):
-                        slot.to_local().copy_(_local_part(value, slot))
-                    else:
-                        slot.copy_(value)
-            source.to_empty(device="meta", recurse=False)  # free the whole values
-
     def _root_seed(self) -> int:
         """A seed drawn from the root's RNG, the same on every rank."""
         drawn = int(torch.randint(0, 2**62, (1,)).item()) if self.rank == 0 else 0
@@ -257,50 +196,14 @@ class FsdpSteps(EveryRankSteps):
         self.clique.start_broadcast([seed]).wait_blocking(None)
         return int(seed.item())
 
-    def _check_shards(self, module: torch.nn.Module) -> None:
-        """Every trainable parameter sharded, and every unit holding some element on every
-        rank (one all-gather of the counts); raise naming the rank and the module."""
-        from torch.distributed.tensor import DTensor
-
-        loose = [
-            name
-            for name, p in module.named_parameters()
-            if p.requires_grad and not isinstance(p, DTensor)
-        ]
-        if loose:
-            raise ConfigError(
-                f"parameters {loose[:3]} are not sharded: FsdpPolicy.parallelize must shard "
-                "every module with parameters (fully_shard on the root module takes those left)",
-                rank=self.rank,
-                phase=_PHASE,
-            )
-        meshes = {p.device_mesh.size() for p in module.parameters() if isinstance(p, DTensor)}
-        if meshes != {self.nranks}:
-            raise MismatchError(
-                f"the model is sharded over meshes of {sorted(meshes)} ranks, the clique has "
-                f"{self.nranks}: FsdpPolicy.parallelize must shard over the mesh it is given",
-                rank=self.rank,
-                phase=_PHASE,
-            )
-        names = {id(m): name or "(root)" for name, m in module.named_modules()}
-        counts = [
-            sum(_local(p).numel() for p in _managed(unit, self._units)) for unit in self._units
-        ]
-        mine = host_to_device(counts, torch.int64, self.device)
-        gathered = torch.zeros(self.nranks * len(counts), dtype=torch.int64, device=self.device)
+    def _check_units(self, module: torch.nn.Module) -> None:
+        """Every unit holds some element on every rank (one all-gather of the counts)."""
+        sizes = unit_sizes(self._units)
+        mine = host_to_device(sizes, torch.int64, self.device)
+        gathered = torch.zeros(self.nranks * len(sizes), dtype=torch.int64, device=self.device)
         self.all_gather(gathered, mine)
-        rows = gathered.view(self.nranks, len(counts)).tolist()
-        for unit_index, unit in enumerate(self._units):
-            total = sum(row[unit_index] for row in rows)
-            empty = [r for r, row in enumerate(rows) if row[unit_index] == 0]
-            if total and empty:
-                raise ConfigError(
-                    f"ranks {empty} hold no element of the parameters of sharded module "
-                    f"{names[id(unit)]!r} ({total} elements over {self.nranks} ranks): shard "
-                    "bigger modules (FsdpPolicy.shard_modules) or use fewer ranks",
-                    rank=self.rank,
-                    phase=_PHASE,
-                )
+        rows = gathered.view(self.nranks, len(sizes)).tolist()
+        check_units(module, self._units, rows, rank=self.rank)
 
     def _resume(self, module: torch.nn.Module, resume: TrainingState | None) -> None:
         """Load the checkpoint the root resumes from: a sharded one, each rank the parts its
@@ -365,7 +268,7 @@ class FsdpSteps(EveryRankSteps):
 
     def _local_gradients(self) -> list[torch.Tensor]:
         """This rank's shard of every gradient (FSDP2 leaves sharded gradients)."""
-        return [_local(p.grad) for p in self.flat.parameters if p.grad is not None]
+        return [local(p.grad) for p in self.flat.parameters if p.grad is not None]
 
     # -- the step --------------------------------------------------------------------------------
 
@@ -473,43 +376,3 @@ class FsdpSteps(EveryRankSteps):
     def checkpoint_optimizer_state(self) -> dict[str, Any] | None:
         """Nothing whole: every rank writes its shards (:meth:`checkpoint_shards`)."""
         return {} if self.rank == 0 else None
-
-
-def _own_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from module.named_parameters(recurse=False)
-    yield from module.named_buffers(recurse=False)
-
-
-def _own(module: torch.nn.Module, key: str) -> torch.Tensor:
-    """The module's own parameter or buffer ``key``."""
-    value: torch.Tensor | None = module._parameters.get(key)
-    if value is None:
-        value = module._buffers[key]
-    assert value is not None
-    return value
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor (``_local_tensor``: ``to_local()`` goes through autograd, a
-    cost per parameter per step)."""
-    local: torch.Tensor = getattr(tensor, "_local_tensor")  # noqa: B009  # untyped in torch
-    return local
-
-
-def _local_part(full: torch.Tensor, shard: Any) -> torch.Tensor:
-    """The part of ``full`` that the DTensor ``shard`` holds on this rank."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(
-        full.shape, shard.device_mesh, shard.placements
-    )
-    index = tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
-    return full[index]
-
-
-def _managed(unit: Any, units: list[Any]) -> list[torch.nn.Parameter]:
-    """The trainable parameters that ``unit`` itself shards (not those of the units nested in
-    it)."""
-    nested = [o for o in units if o is not unit and any(o is m for m in unit.modules())]
-    inside = {id(p) for o in nested for p in o.parameters()}
-    return [p for p in unit.parameters() if id(p) not in inside and p.requires_grad]
