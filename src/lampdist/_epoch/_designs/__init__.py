@@ -22,7 +22,12 @@ what is sent after it (:meth:`Design.train_step`; the exchanging designs share t
 loss-scaling and clipping agreement over slices (:attr:`ExchangingDesign.combine`), which runs
 name every rank of a non-finite loss (:meth:`Design.names_every_rank`), the optimizer-state
 sync before the first pass (:meth:`Design.sync_optimizer_state`) and the optimizer state a
-checkpoint holds (:meth:`Design.checkpoint_optimizer_state`).
+checkpoint holds (:meth:`Design.checkpoint_optimizer_state`). A design that shards the model
+itself (fsdp) also sets it up once every rank has agreed (:meth:`Design.prepare`, which loads
+the checkpoint too: :attr:`Design.loads_checkpoints`), runs every forward in step with the
+other ranks (:attr:`Design.lockstep`: padding passes where a rank has no batch), needs a
+process per rank (:attr:`Design.own_process`) and has each rank write its own part of a
+checkpoint (:meth:`Design.checkpoint_shards`); its model setup is in ``_fsdp_model``.
 
 Adding a design:
 
