@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import os
 import shutil
 import subprocess
@@ -475,8 +476,8 @@ def test_fsdp_alone_matches_one_process(tmp_path: Path, accumulate: int) -> None
 
 
 def test_a_killed_follower_ends_the_run_naming_it(tmp_path: Path) -> None:
-    """A follower killed mid-training (its FSDP2 collectives gone with it): the root fails
-    within seconds, naming rank 1 and the phase, and exits."""
+    """A follower killed mid-run (its FSDP2 collectives gone with it): the root fails within
+    seconds, naming rank 1 and the phase, and exits."""
     root = spawn(0, 2, tmp_path, 0, "--step-on", "fsdp", "--epochs", "100000")
     follower = None
     try:
@@ -495,7 +496,8 @@ def test_a_killed_follower_ends_the_run_naming_it(tmp_path: Path) -> None:
                 process.kill()
                 process.wait()
     assert root.returncode != 0
-    assert "rank 1, phase 'train'" in root_err, root_err[-2000:]
+    # the kill lands in a training or a validation pass, whichever runs then
+    assert re.search(r"rank 1, phase '(train|valid)'", root_err), root_err[-2000:]
     assert took < 30  # a deadline, not a speed: the collective timeout is far longer
 
 

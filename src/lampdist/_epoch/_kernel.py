@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -198,9 +199,14 @@ class StepKernel:
             self.model, self.device, rank=self.rank, phase="train", epoch=epoch
         )
 
-        def backward(batch: LoadedBatch, weight: float) -> torch.Tensor:
+        def backward(
+            batch: LoadedBatch,
+            weight: float,
+            before_backward: Callable[[torch.Tensor], None] | None = None,
+            /,
+        ) -> torch.Tensor:
             self._last_batch = batch
-            return self._model_loss(batch, "train", epoch, weight=weight)
+            return self._model_loss(batch, "train", epoch, weight=weight, before=before_backward)
 
         def pad() -> None:
             self._padding_pass(epoch, phase="train")
@@ -379,12 +385,19 @@ class StepKernel:
     # -- model code ---------------------------------------------------------------------------
 
     def _model_loss(
-        self, batch: LoadedBatch, phase: PassKind, epoch: int, *, weight: float | None
+        self,
+        batch: LoadedBatch,
+        phase: PassKind,
+        epoch: int,
+        *,
+        weight: float | None,
+        before: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """The batch's mean loss, detached. With ``weight``, first the backward of the mean
-        loss times ``weight`` (times the fp16 loss scale); without, evaluated without
-        gradients. The pass's metrics take the same forward's output. User errors come back
-        naming the rank, the batch's index in the pass and its shapes."""
+        loss times ``weight`` (times the fp16 loss scale), ``before`` called with the loss
+        ahead of it; without, evaluated without gradients. The pass's metrics take the same
+        forward's output. User errors come back naming the rank, the batch's index in the
+        pass and its shapes."""
         metrics = self._metrics
         try:
             if weight is None:
@@ -398,6 +411,8 @@ class StepKernel:
                         loss, output = self._forward(batch)
                 factor = weight * self.design.loss_scale.factor
                 weighted = loss if factor == 1.0 else loss * factor
+                if before is not None:
+                    before(loss.detach())
                 weighted.backward()  # type: ignore[no-untyped-call]  # torch's backward is untyped
                 flat = self.design.flat
                 if flat.flat_gradients:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Protocol, Self
 
 import attrs
 import torch
@@ -32,9 +32,20 @@ from .._tally import Tally
 
 __all__ = ["Backward", "CheckOptimizer", "Design", "StepBatches"]
 
-Backward = Callable[[LoadedBatch, float], torch.Tensor]
-"""Runs the model's forward on a batch and the backward of its mean loss times a weight (times
-the fp16 loss scale); returns the mean loss, detached (the kernel's model code)."""
+
+class Backward(Protocol):
+    """Runs the model's forward on a batch and the backward of its mean loss times a weight
+    (times the fp16 loss scale); returns the mean loss, detached (the kernel's model code).
+    ``before_backward`` is called with the mean loss, detached, between the two."""
+
+    def __call__(
+        self,
+        batch: LoadedBatch,
+        weight: float,
+        before_backward: Callable[[torch.Tensor], None] | None = None,
+        /,
+    ) -> torch.Tensor: ...
+
 
 CheckOptimizer = Callable[[int, torch.optim.Optimizer], None]
 """Raises :class:`ConfigError` for an optimizer the configured design cannot step."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
 
@@ -47,6 +48,7 @@ from ..._fsdp_options import FsdpPolicy
 from ..._model import original_module
 from ..._options import StepOptions
 from ..._state import TrainingState
+from ...clique import PendingCollective
 from .._device import host_to_device
 from .._flat import FlatParameters, flat_order
 from .._objects import broadcast_object
@@ -285,39 +287,42 @@ class FsdpSteps(EveryRankSteps):
     ) -> bool:
         """Up to ``accumulate`` forward and backward passes, as many on every rank (padding
         passes where a rank has no batch), the gradients reduced in the last; then the meta
-        values' all-reduce and the update. A rank alone steps as a plain loop does (each loss
-        weighted by its share of the step's examples: no division pass, no collective)."""
+        values' all-reduce and the update. When every rank's batch count is known the
+        all-reduce starts before the step's last backward and runs beside it (whether any rank
+        has more batches is then known from the counts). A rank alone steps as a plain loop
+        does (each loss weighted by its share of the step's examples: no division pass, no
+        collective)."""
         if self.nranks == 1:
             return step_alone(self, batches, epoch=epoch, step=step, tally=tally)
         feed, accumulate = batches.feed, batches.accumulate
-        loss_sum: torch.Tensor | None = None
-        examples = 0
+        sums = _StepSums(self)
+        early = batches.counts is not None  # the meta values need no flag of more batches
         batch = feed.next()
         for index in range(accumulate):
             anyone_here, anyone_ahead = self._forwards(batches, batch, step, index)
             if not anyone_here:
                 break
             self._set_gradient_sync(not anyone_ahead)
+            start = early and not anyone_ahead  # the step's last backward
             if batch is None or batch.examples == 0:
+                if start:
+                    sums.start()
                 batches.pad()
             else:
-                loss = batches.backward(batch, batch.examples).to(torch.float64) * batch.examples
-                loss_sum = loss if loss_sum is None else loss_sum + loss
-                examples += batch.examples
+                weight = batch.examples
+                if start:
+                    batches.backward(batch, weight, sums.add_and_start(weight))
+                else:
+                    sums.add(batches.backward(batch, weight), weight)
             if not anyone_ahead:
                 break
             batch = feed.next()
         more = feed.has_next()
-        if loss_sum is None:
-            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        meta = write_meta(self.flat, examples, loss_sum, more, tail=False)
-        assert meta is not None
-        if self.nranks > 1:
-            self.start_exchange([meta]).wait_blocking(None)  # the meta values alone
+        meta = sums.exchanged(more)
         return self.update(
             meta,
-            own_loss=loss_sum,
-            examples=examples,
+            own_loss=sums.loss(),
+            examples=sums.examples,
             learn_more=planned is None and not more,
             epoch=epoch,
             step=step,
@@ -376,3 +381,53 @@ class FsdpSteps(EveryRankSteps):
     def checkpoint_optimizer_state(self) -> dict[str, Any] | None:
         """Nothing whole: every rank writes its shards (:meth:`checkpoint_shards`)."""
         return {} if self.rank == 0 else None
+
+
+@attrs.define(eq=False)
+class _StepSums:
+    """One fsdp step's examples and float64 loss sum on this rank, and the all-reduce of its
+    meta values: started before the step's last backward (:meth:`start`,
+    :meth:`add_and_start`) or after it (:meth:`exchanged`)."""
+
+    design: FsdpSteps
+    examples: int = 0
+    _loss: torch.Tensor | None = None
+    _meta: torch.Tensor | None = None
+    _pending: PendingCollective | None = None
+
+    def add(self, loss: torch.Tensor, examples: int) -> None:
+        """Add a batch's mean ``loss`` times its ``examples``."""
+        weighted = loss.to(torch.float64) * examples
+        self._loss = weighted if self._loss is None else self._loss + weighted
+        self.examples += examples
+
+    def loss(self) -> torch.Tensor:
+        """The loss sum (zero without examples)."""
+        if self._loss is None:
+            self._loss = torch.zeros((), dtype=torch.float64, device=self.design.device)
+        return self._loss
+
+    def start(self) -> None:
+        """Start the meta values' all-reduce (the flag of more batches set: the counts say)."""
+        meta = write_meta(self.design.flat, self.examples, self.loss(), True, tail=False)
+        assert meta is not None
+        self._meta, self._pending = meta, self.design.start_exchange([meta])
+
+    def add_and_start(self, examples: int) -> Callable[[torch.Tensor], None]:
+        """What the last backward calls with the batch's loss before it runs."""
+
+        def before_backward(loss: torch.Tensor) -> None:
+            self.add(loss, examples)
+            self.start()
+
+        return before_backward
+
+    def exchanged(self, more: bool) -> torch.Tensor:
+        """The meta values summed over the clique (the all-reduce started now if not yet)."""
+        if self._pending is None:
+            meta = write_meta(self.design.flat, self.examples, self.loss(), more, tail=False)
+            assert meta is not None
+            self._meta, self._pending = meta, self.design.start_exchange([meta])
+        self._pending.wait_blocking(None)
+        assert self._meta is not None
+        return self._meta
