@@ -80,6 +80,8 @@ class FsdpSteps(EveryRankSteps):
     check: CheckOptimizer | None = None
     _units: list[Any] = attrs.field(factory=list, init=False)
     """Every module that ``fully_shard`` made an FSDP unit, the root module last."""
+    _gradient_sync: bool = attrs.field(default=True, init=False)
+    """Whether the units reduce their gradients in the next backward (FSDP2's default)."""
 
     own_process = True
     lockstep = True
@@ -354,8 +356,11 @@ class FsdpSteps(EveryRankSteps):
         return anyone_here > 0, anyone_ahead > 0
 
     def _set_gradient_sync(self, sync: bool) -> None:
-        """Reduce the gradients in this backward (the step's last) or keep accumulating."""
-        self._units[-1].set_requires_gradient_sync(sync)
+        """Reduce the gradients in this backward (the step's last) or keep accumulating (set
+        on every unit when it changes: the call walks every module)."""
+        if sync != self._gradient_sync:
+            self._units[-1].set_requires_gradient_sync(sync)
+            self._gradient_sync = sync
 
     # -- between passes --------------------------------------------------------------------------
 
