@@ -203,6 +203,9 @@ async def main(argv: list[str]) -> None:
     parser.add_argument(
         "--fp16", action="store_true", help="float32 model and data, float16 autocast"
     )
+    parser.add_argument(
+        "--stop-in-epoch", type=int, default=None, help="the root's graceful stop, in epoch N"
+    )
     parser.add_argument("--shard-linear", action="store_true", help="fsdp: each Linear a unit")
     args = parser.parse_args(argv)
     step = lampdist.StepOptions(
@@ -259,6 +262,13 @@ async def main(argv: list[str]) -> None:
         train_batches=shuffled(train) if args.shuffle else unsized(train, args.unsized),
         validation_batches=unsized(valid, args.unsized),
     )
+    stop = anyio.Event()
+
+    async def on_event(event: lampdist.PassEvent) -> None:
+        # a graceful stop asked for in the middle of a training pass of epoch --stop-in-epoch
+        if event.kind == "train" and event.epoch == args.stop_in_epoch and not event.done:
+            stop.set()
+
     if args.rank == 0:
         async with control.tcp_root(
             "127.0.0.1", args.port, nranks=args.nranks, secret=secret
@@ -271,8 +281,9 @@ async def main(argv: list[str]) -> None:
                 control=root,
                 optimizer_factory=optimizer,
                 loop=lampdist.LoopOptions(
-                    max_epochs=args.epochs, checkpoint_state=checkpoint_state
+                    max_epochs=args.epochs, checkpoint_state=checkpoint_state, on_event=on_event
                 ),
+                stop=stop,
                 resume=resume,
                 step=step,
                 timeouts=lampdist.Timeouts(join=30),

@@ -537,3 +537,21 @@ def test_fp16_loss_scaling_skips_and_steps_as_every_rank_does(tmp_path: Path) ->
     curves = [json.loads((out / "curve.json").read_text()) for out in (fsdp, every)]
     flat = [[value for point in curve for value in point] for curve in curves]
     assert flat[0] == pytest.approx(flat[1], rel=1e-6)
+
+
+def test_a_graceful_stop_ends_the_epoch_and_checkpoints_it(tmp_path: Path) -> None:
+    """The root's stop, asked for in the middle of epoch 1's training pass: every rank
+    finishes that epoch (its forwards still in step), the checkpoint holds every rank's
+    shards of it, and the run resumes from there to the uninterrupted run's end."""
+    saved = tmp_path / "saved"
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    run_ranks(stopped, 2, "--epochs", "4", "--stop-in-epoch", "1", "--checkpoint", str(saved))
+    assert len(json.loads((stopped / "curve.json").read_text())) == 2
+    resumed = lampdist.checkpoint.load_latest(saved)
+    assert resumed is not None and resumed.epoch == 2 and resumed.training_state.shards
+    after = tmp_path / "after"
+    after.mkdir()
+    run_ranks(after, 2, "--epochs", "4", "--resume", str(saved))
+    expected, train, valid = reference(2, epochs=4)
+    assert_matches(after, 2, expected, [[a, b] for a, b in zip(train, valid, strict=True)])
