@@ -599,6 +599,14 @@ MUTANTS = [
         new='    for record in [r for r in manifest.files if "/" not in r.name]:  # tensor files',
         tests=(FSDP + "::test_a_damaged_or_missing_shard_falls_back_to_the_previous_checkpoint",),
     ),
+    Mutant(
+        name="fsdp-peer-failure-blamed-on-the-model",
+        guarantee="a peer that leaves during fsdp's in-model collectives is named, not the model",
+        path="_epoch/_kernel.py",
+        old="            if self.design.lockstep and not self.alone:",
+        new="            if False:",
+        tests=(FSDP + "::test_a_cancelled_root_ends_every_follower_naming_it",),
+    ),
 ]
 
 

@@ -206,6 +206,9 @@ async def main(argv: list[str]) -> None:
     parser.add_argument(
         "--stop-in-epoch", type=int, default=None, help="the root's graceful stop, in epoch N"
     )
+    parser.add_argument(
+        "--cancel-in-epoch", type=int, default=None, help="cancel the root in epoch N"
+    )
     parser.add_argument("--shard-linear", action="store_true", help="fsdp: each Linear a unit")
     args = parser.parse_args(argv)
     step = lampdist.StepOptions(
@@ -263,31 +266,38 @@ async def main(argv: list[str]) -> None:
         validation_batches=unsized(valid, args.unsized),
     )
     stop = anyio.Event()
+    cancelled = anyio.CancelScope()
 
     async def on_event(event: lampdist.PassEvent) -> None:
         # a graceful stop asked for in the middle of a training pass of epoch --stop-in-epoch
         if event.kind == "train" and event.epoch == args.stop_in_epoch and not event.done:
             stop.set()
+        if event.kind == "train" and event.epoch == args.cancel_in_epoch and not event.done:
+            cancelled.cancel()  # the root's task is cancelled in the middle of a pass
 
     if args.rank == 0:
         async with control.tcp_root(
             "127.0.0.1", args.port, nranks=args.nranks, secret=secret
         ) as root:
             print(f"PORT {root.address[1]}", flush=True)
-            state = await lampdist.drive_distributed_training(
-                data=data,
-                nranks=args.nranks,
-                device=device,
-                control=root,
-                optimizer_factory=optimizer,
-                loop=lampdist.LoopOptions(
-                    max_epochs=args.epochs, checkpoint_state=checkpoint_state, on_event=on_event
-                ),
-                stop=stop,
-                resume=resume,
-                step=step,
-                timeouts=lampdist.Timeouts(join=30),
-            )
+            with cancelled:
+                state = await lampdist.drive_distributed_training(
+                    data=data,
+                    nranks=args.nranks,
+                    device=device,
+                    control=root,
+                    optimizer_factory=optimizer,
+                    loop=lampdist.LoopOptions(
+                        max_epochs=args.epochs, checkpoint_state=checkpoint_state, on_event=on_event
+                    ),
+                    stop=stop,
+                    resume=resume,
+                    step=step,
+                    timeouts=lampdist.Timeouts(join=30),
+                )
+        if cancelled.cancelled_caught:
+            print("CANCELLED", flush=True)
+            return
         curve = [[p.training_loss, p.validation_loss] for p in state.learning_curve]
         (args.out / "curve.json").write_text(json.dumps(curve))
         if args.metrics:

@@ -555,3 +555,20 @@ def test_a_graceful_stop_ends_the_epoch_and_checkpoints_it(tmp_path: Path) -> No
     run_ranks(after, 2, "--epochs", "4", "--resume", str(saved))
     expected, train, valid = reference(2, epochs=4)
     assert_matches(after, 2, expected, [[a, b] for a, b in zip(train, valid, strict=True)])
+
+
+def test_a_cancelled_root_ends_every_follower_naming_it(tmp_path: Path) -> None:
+    """The root's task cancelled in the middle of a training pass (the followers in FSDP2's
+    collectives with it): the root's clique and default group are torn down, and the
+    follower fails within seconds, naming rank 0, instead of waiting in a collective."""
+    started = time.monotonic()
+    (root_code, root_err), (follower_code, follower_err) = launch(
+        tmp_path, 2, "--epochs", "100000", "--cancel-in-epoch", "2"
+    )
+    took = time.monotonic() - started
+    assert root_code == 0, root_err  # the root's own cancellation, caught by its script
+    assert follower_code != 0
+    last = follower_err.strip().splitlines()[-1]
+    assert "RankFailed: rank 0" in last and "cancelled" in last, follower_err[-2000:]
+    assert "TrainingError" not in follower_err  # not the model's error on rank 1
+    assert took < 60  # a deadline, not a speed: the collective timeout is far longer

@@ -423,6 +423,12 @@ class StepKernel:
         except LampdistError:
             raise
         except Exception as exc:
+            if self.design.lockstep and not self.alone:
+                # The design's collectives run inside the model: a peer that left makes them
+                # raise here, and the clique knows which peer.
+                failure = self.clique.explain(exc, phase)
+                if failure is not None:
+                    raise failure from exc
             index = batch.number - self._first_batch
             raise TrainingError(
                 f"epoch {epoch}, batch {index}: the model raised {type(exc).__name__}: {exc} "

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from .._clique_id import CliqueId
 from .._defaults import COLLECTIVE_TIMEOUT, SETUP_TIMEOUT
 from .._device import resolve_device
-from .._errors import Collective, ConfigError, MismatchError, Phase
+from .._errors import Collective, ConfigError, LampdistError, MismatchError, Phase
 from ._backends import prefer_nccl_cleanup
 from ._bridge import PendingCollective
 from ._group import Group
@@ -61,6 +61,17 @@ class Clique:
     """``"nccl"`` or ``"gloo"`` for a process group; ``"local"`` for the ranks of one
     process (``"local-nccl"`` when they are on several GPUs)."""
     _transport: Transport = attrs.field(alias="transport", repr=False)
+
+    def explain(self, exc: BaseException, phase: Phase) -> LampdistError | None:
+        """The clique's account of ``exc``, a failure seen outside its collectives (one of
+        torch's default group, which ``step_on="fsdp"`` runs inside the model): the clique's
+        own failure, or a :class:`~lampdist.CollectiveFailed` naming the peer that left it;
+        ``None`` when the clique knows of none (``exc`` is then the caller's own)."""
+        found = self._transport.explain(exc, phase)
+        if found is None:
+            return None
+        kind, message = found
+        return kind(message, rank=self.rank, phase=phase)
 
     async def broadcast(self, tensors: Sequence[torch.Tensor], root: int = 0) -> None:
         """Copy ``root``'s tensors into every other rank's tensors, in place."""

@@ -372,6 +372,23 @@ class Group:
             return kind, f"{phase} did not complete within collective_timeout={limit} s ({detail})"
         return kind, message
 
+    def explain(self, exc: BaseException, phase: Phase) -> Failure | None:
+        """What this clique knows of ``exc``, a failure seen outside it (in a collective of
+        torch's default group, say): its own failure, or a peer's abort notice naming the
+        peer that left; ``None`` when it knows of none."""
+        with self._lock:
+            failure = self._failure
+        if failure is not None:
+            kind, message = failure
+            return kind, f"{message} ({type(exc).__name__}: {exc})"
+        notice = self._read_notice()
+        if notice is not None and notice[0] != str(self.rank):
+            return CollectiveFailed, (
+                f"{phase} failed: rank {notice[0]} left the clique: {notice[1]} "
+                f"({type(exc).__name__}: {exc})"
+            )
+        return None
+
     def _read_notice(self) -> tuple[str, str] | None:
         """A peer's abort notice, or ``None`` when there is none or the store is gone."""
         keys = self._keys

@@ -360,6 +360,9 @@ class _Member:
     def abort(self, reason: str) -> None:
         self.hub.abort(self.rank, reason)
 
+    def explain(self, exc: BaseException, phase: Phase) -> Failure | None:
+        return None  # every collective of the ranks of one process goes through the hub
+
 
 def _check_parts(name: Collective, parts: list[_Part]) -> None:
     """Raise :class:`CollectiveFailed` unless every rank passed alike tensors and root."""

@@ -19,7 +19,8 @@ from torch._C._distributed_c10d import (  # torch.distributed does not re-export
     ReduceScatterOptions,
 )
 
-from ._bridge import PendingCollective, Then
+from .._errors import Phase
+from ._bridge import Failure, PendingCollective, Then
 from ._gather import GATHER_MAX_BYTES, GatherReduce
 from ._group import Group
 
@@ -45,6 +46,10 @@ class Transport(Protocol):
 
     def abort(self, reason: str) -> None:
         """Break the clique on purpose (see :meth:`~lampdist.Clique.abort`)."""
+
+    def explain(self, exc: BaseException, phase: Phase) -> Failure | None:
+        """What the clique knows of a failure seen outside it (see
+        :meth:`~lampdist.Clique.explain`)."""
 
 
 @attrs.define(eq=False)
@@ -158,6 +163,9 @@ class GroupTransport:
 
     def abort(self, reason: str) -> None:
         self.group._announce_abort(reason)
+
+    def explain(self, exc: BaseException, phase: Phase) -> Failure | None:
+        return self.group.explain(exc, phase)
 
     def close(self) -> None:
         """Drop what the transport keeps (the root's gather buffers) once the clique closed."""
