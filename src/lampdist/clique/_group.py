@@ -15,6 +15,7 @@ import queue
 import selectors
 import socket
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -55,6 +56,9 @@ Issue = Callable[[Any, list[Any]], None]
 _TEARDOWN: Phase = "clique teardown"
 _STORE_OP_TIMEOUT = timedelta(seconds=10)  # store operations after setup (abort notices)
 _WATCH_INTERVAL = 0.05  # how often the watcher polls the store for an abort notice
+# How long explain() waits for the watcher to learn of a peer's death or abort notice: a few
+# of its polls (only on the failure path of a collective run outside the clique).
+_EXPLAIN_WAIT = 4 * _WATCH_INTERVAL
 _DRAIN_NO_LIMIT = 600.0  # how long close waits for pending work when collective_timeout is None
 # NCCL groups of one process are shut down and destroyed one at a time: one group's shutdown
 # beside another's destruction can crash the process (docs/reliability.md, Limits).
@@ -375,9 +379,16 @@ class Group:
     def explain(self, exc: BaseException, phase: Phase) -> Failure | None:
         """What this clique knows of ``exc``, a failure seen outside it (in a collective of
         torch's default group, say): its own failure, or a peer's abort notice naming the
-        peer that left; ``None`` when it knows of none."""
-        with self._lock:
-            failure = self._failure
+        peer that left; ``None`` when it knows of none. A peer's death can reach the caller's
+        collective before the watcher reads the tether: give the watcher
+        :data:`_EXPLAIN_WAIT` seconds to learn of it."""
+        deadline = time.monotonic() + _EXPLAIN_WAIT
+        while True:
+            with self._lock:
+                failure = self._failure
+            if failure is not None or time.monotonic() >= deadline:
+                break
+            time.sleep(_WATCH_INTERVAL / 5)
         if failure is not None:
             kind, message = failure
             return kind, f"{message} ({type(exc).__name__}: {exc})"
