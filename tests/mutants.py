@@ -607,6 +607,14 @@ MUTANTS = [
         new="            if False:",
         tests=(FSDP + "::test_a_cancelled_root_ends_every_follower_naming_it",),
     ),
+    Mutant(
+        name="fsdp-timeout-blamed-on-the-model",
+        guarantee="a collective of fsdp that times out inside the model is the clique's timeout",
+        path="clique/_group.py",
+        old="        if _from_a_backend(exc):  # a collective of another group of this process failed",
+        new="        if False:",
+        tests=(FSDP + "::test_a_stalled_follower_times_out_as_a_collective_not_as_the_model",),
+    ),
 ]
 
 

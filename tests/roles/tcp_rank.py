@@ -131,6 +131,23 @@ def count_reduce_scatters() -> list[int]:
     return count
 
 
+def stalling(batches: list[Any], at: int) -> Any:
+    """``batches``, the source sleeping 12 s before batch ``at`` of the first pass."""
+    import time
+
+    class Stalling(list):  # type: ignore[type-arg]
+        passes = 0
+
+        def __iter__(self) -> Any:
+            Stalling.passes += 1
+            for index, batch in enumerate(list.__iter__(self)):
+                if Stalling.passes == 1 and index == at:
+                    time.sleep(12)
+                yield batch
+
+    return Stalling(batches)
+
+
 def unsized(batches: list[Any], really: bool) -> Any:
     """A source of ``batches``: the list, or with ``really`` a generator (no length)."""
     if really:
@@ -209,6 +226,10 @@ async def main(argv: list[str]) -> None:
     parser.add_argument(
         "--cancel-in-epoch", type=int, default=None, help="cancel the root in epoch N"
     )
+    parser.add_argument(
+        "--stall-at", type=int, default=None, help="rank 1 sleeps 12 s before its batch N"
+    )
+    parser.add_argument("--collective-timeout", type=float, default=None)
     parser.add_argument("--shard-linear", action="store_true", help="fsdp: each Linear a unit")
     args = parser.parse_args(argv)
     step = lampdist.StepOptions(
@@ -246,6 +267,8 @@ async def main(argv: list[str]) -> None:
             (x, torch.full_like(y, float("nan"))),
             *train[args.nan_at + 1 :],
         ]
+    if args.stall_at is not None and args.rank == 1:
+        train = stalling(train, args.stall_at)
     if args.concatenated:  # one rank, each batch the two ranks' batches of its step
         train, valid = (
             concatenated(make_shards(SIZES, seed=1)),
@@ -265,6 +288,8 @@ async def main(argv: list[str]) -> None:
         train_batches=shuffled(train) if args.shuffle else unsized(train, args.unsized),
         validation_batches=unsized(valid, args.unsized),
     )
+    limits = {} if args.collective_timeout is None else {"collective": args.collective_timeout}
+    timeouts = lampdist.Timeouts(join=30, **limits)
     stop = anyio.Event()
     cancelled = anyio.CancelScope()
 
@@ -293,7 +318,7 @@ async def main(argv: list[str]) -> None:
                     stop=stop,
                     resume=resume,
                     step=step,
-                    timeouts=lampdist.Timeouts(join=30),
+                    timeouts=timeouts,
                 )
         if cancelled.cancelled_caught:
             print("CANCELLED", flush=True)
@@ -315,7 +340,7 @@ async def main(argv: list[str]) -> None:
                 control=follower,
                 optimizer_factory=optimizer,
                 step=step,
-                timeouts=lampdist.Timeouts(join=30),
+                timeouts=timeouts,
             )
     torch.save(local_parts(module), args.out / f"rank{args.rank}.pt")
     if reduces is not None:

@@ -572,3 +572,20 @@ def test_a_cancelled_root_ends_every_follower_naming_it(tmp_path: Path) -> None:
     assert "RankFailed: rank 0" in last and "cancelled" in last, follower_err[-2000:]
     assert "TrainingError" not in follower_err  # not the model's error on rank 1
     assert took < 60  # a deadline, not a speed: the collective timeout is far longer
+
+
+def test_a_stalled_follower_times_out_as_a_collective_not_as_the_model(tmp_path: Path) -> None:
+    """Rank 1's source sleeps 12 s in a step; with collective_timeout 4 s FSDP2's collective
+    on the root times out within that deadline, and the root reports the clique's timeout
+    (naming the limit), not the model's error."""
+    started = time.monotonic()
+    (root_code, root_err), (follower_code, _) = launch(
+        tmp_path, 2, "--stall-at", "1", "--collective-timeout", "4"
+    )
+    took = time.monotonic() - started
+    assert root_code != 0 and follower_code != 0
+    assert "TrainingError" not in root_err
+    assert re.search(r"CliqueTimeout: rank 0, .*collective_timeout=4.0 s", root_err), root_err[
+        -3000:
+    ]
+    assert took < 60

@@ -398,6 +398,13 @@ class Group:
                 f"{phase} failed: rank {notice[0]} left the clique: {notice[1]} "
                 f"({type(exc).__name__}: {exc})"
             )
+        if _from_a_backend(exc):  # a collective of another group of this process failed
+            kind, message = translate(exc, phase)
+            if kind is CliqueTimeout:
+                detail = message.removeprefix(f"{phase} failed: ")
+                limit = self.collective_timeout
+                message = f"{phase} did not complete within collective_timeout={limit} s ({detail})"
+            return kind, message
         return None
 
     def _read_notice(self) -> tuple[str, str] | None:
@@ -627,6 +634,15 @@ class Group:
             # Every reference above is dropped by reference counting; after a failure, also
             # collect the cycles that tracebacks form, in case one of them reaches a work.
             gc.collect()
+
+
+def _from_a_backend(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective backend's own error (torch's distributed errors, or
+    Gloo's and NCCL's runtime errors, which name their sources), not a model's."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("gloo/" in text or "NCCL" in text)
 
 
 class _Occupied(CliqueError):
