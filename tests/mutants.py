@@ -611,7 +611,7 @@ MUTANTS = [
         name="fsdp-timeout-blamed-on-the-model",
         guarantee="a collective of fsdp that times out inside the model is the clique's timeout",
         path="clique/_group.py",
-        old="        if _from_a_backend(exc):  # a collective of another group of this process failed",
+        old="        if _from_a_backend(exc):  # a collective of another group",
         new="        if False:",
         tests=(FSDP + "::test_a_stalled_follower_times_out_as_a_collective_not_as_the_model",),
     ),
