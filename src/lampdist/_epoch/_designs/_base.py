@@ -30,7 +30,7 @@ from .._shard import check_closure_free
 from .._stepper import LossScale, Stepper
 from .._tally import Tally
 
-__all__ = ["Backward", "CheckOptimizer", "Design", "StepBatches"]
+__all__ = ["Backward", "CheckOptimizer", "Design", "StepBatches", "build_optimizer"]
 
 
 class Backward(Protocol):
@@ -49,6 +49,28 @@ class Backward(Protocol):
 
 CheckOptimizer = Callable[[int, torch.optim.Optimizer], None]
 """Raises :class:`ConfigError` for an optimizer the configured design cannot step."""
+
+
+def build_optimizer(
+    rank: int,
+    factory: OptimizerFactory,
+    parameters: list[torch.nn.Parameter],
+    check: CheckOptimizer,
+) -> torch.optim.Optimizer:
+    """``factory(parameters)``, checked as every design checks it: a
+    :class:`torch.optim.Optimizer`, stepping without a closure, and one ``check`` accepts
+    (raises :class:`ConfigError` naming ``rank``)."""
+    optimizer = factory(parameters)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            "optimizer_factory must return a torch.optim.Optimizer, "
+            f"got {type(optimizer).__name__}",
+            rank=rank,
+            phase="configure",
+        )
+    check_closure_free(rank, optimizer)
+    check(rank, optimizer)
+    return optimizer
 
 
 @attrs.frozen
@@ -129,16 +151,8 @@ class Design(abc.ABC):
                 raise ConfigError(
                     "this rank steps and needs an optimizer_factory", rank=rank, phase="configure"
                 )
-            optimizer = optimizer_factory(flat.parameters)
-            if not isinstance(optimizer, torch.optim.Optimizer):
-                raise ConfigError(
-                    "optimizer_factory must return a torch.optim.Optimizer, "
-                    f"got {type(optimizer).__name__}",
-                    rank=rank,
-                    phase="configure",
-                )
-            check_closure_free(rank, optimizer)
-            (check_optimizer or cls.check_optimizer)(rank, optimizer)
+            check = check_optimizer or cls.check_optimizer
+            optimizer = build_optimizer(rank, optimizer_factory, flat.parameters, check)
             stepper = cls.create_stepper(rank, optimizer, flat, options, loss_scale)
         return cls(
             rank=rank,

@@ -52,11 +52,10 @@ from ...clique import PendingCollective
 from .._device import host_to_device
 from .._flat import FlatParameters, flat_order
 from .._objects import broadcast_object
-from .._shard import check_closure_free
 from .._stepper import Combine, LossScale, Stepper
 from .._tally import Tally
 from .._values import write_meta
-from ._base import CheckOptimizer, StepBatches
+from ._base import CheckOptimizer, StepBatches, build_optimizer
 from ._every_rank import EveryRankSteps
 from ._fsdp_model import check_sharded, check_units, local, materialize, shard, unit_sizes
 from ._solo import step_alone
@@ -251,16 +250,8 @@ class FsdpSteps(EveryRankSteps):
     def _build_stepper(self, trainable: list[torch.nn.Parameter]) -> Stepper:
         """The optimizer over the sharded parameters, checked as every design checks it."""
         assert self.optimizer_factory is not None
-        optimizer = self.optimizer_factory(trainable)
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(
-                "optimizer_factory must return a torch.optim.Optimizer, "
-                f"got {type(optimizer).__name__}",
-                rank=self.rank,
-                phase=_PHASE,
-            )
-        check_closure_free(self.rank, optimizer)
-        (self.check or self.check_optimizer)(self.rank, optimizer)
+        check = self.check or self.check_optimizer
+        optimizer = build_optimizer(self.rank, self.optimizer_factory, trainable, check)
         return Stepper.create(
             self.rank,
             optimizer,
