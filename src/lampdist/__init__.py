@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from ._monitor import Monitor as Monitor
     from ._options import LoopOptions as LoopOptions
     from ._options import ModelWithData as ModelWithData
+    from ._options import Recovery as Recovery
     from ._options import StepOptions as StepOptions
     from ._options import Timeouts as Timeouts
     from ._roles import drive_distributed_training as drive_distributed_training
@@ -70,6 +71,7 @@ if TYPE_CHECKING:
     from ._state import EarlyStoppingState as EarlyStoppingState
     from ._state import LoopState as LoopState
     from ._state import PassEvent as PassEvent
+    from ._state import Recovered as Recovered
     from ._state import TrainingState as TrainingState
     from .checkpoint import Resumed as Resumed
     from .clique import Clique as Clique
@@ -115,7 +117,7 @@ _FROM: dict[str, tuple[str, ...]] = {
     "._metric": ("Metric",),
     "._model": ("SupervisedModel",),
     "._monitor": ("EarlyStopping", "Monitor"),
-    "._options": ("LoopOptions", "ModelWithData", "StepOptions", "Timeouts"),
+    "._options": ("LoopOptions", "ModelWithData", "Recovery", "StepOptions", "Timeouts"),
     "._roles": (
         "drive_distributed_training",
         "follow_distributed_training",
@@ -124,7 +126,14 @@ _FROM: dict[str, tuple[str, ...]] = {
         "train",
     ),
     "._source": ("PassContext",),
-    "._state": ("CurvePoint", "EarlyStoppingState", "LoopState", "PassEvent", "TrainingState"),
+    "._state": (
+        "CurvePoint",
+        "EarlyStoppingState",
+        "LoopState",
+        "PassEvent",
+        "Recovered",
+        "TrainingState",
+    ),
     ".checkpoint": ("Resumed",),
     ".clique": ("Clique", "open_clique"),
 }
@@ -194,6 +203,8 @@ __all__ = [
     "Precision",
     "ProtocolError",
     "RankFailed",
+    "Recovered",
+    "Recovery",
     "Resumed",
     "SaveBestModel",
     "StepOptions",

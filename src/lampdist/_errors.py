@@ -92,6 +92,7 @@ Phase: TypeAlias = Literal[
     "checkpoint",
     "resume",
     "stop",
+    "recover",
     # the epoch driver
     "loop",
     "schedule",

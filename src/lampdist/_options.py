@@ -263,6 +263,46 @@ def _is_epoch_set(value: object) -> bool:
 
 
 @attrs.frozen(kw_only=True)
+class Recovery:
+    """In-job recovery of a lost follower, for :attr:`LoopOptions.recovery`.
+
+    When a follower is lost while the root trains (its process killed, its machine gone, its
+    heartbeats missed, its connection dropped), the root aborts the clique, tells the
+    survivors to hold, and waits up to ``rejoin_timeout`` seconds for a process that joins
+    the control channel as that rank: the same command that started the rank, started
+    again. The agreement check then runs on every rank of the clique's next generation; the
+    root gives every rank the state at the end of the last completed pass (the model, the
+    optimizer state, each rank's place in its training data and its RNG states, kept in the
+    root's memory after every pass) and redoes the pass in flight from its start, so that the
+    run ends where an uninterrupted run ends, bitwise.
+
+    The run still ends for the root's own loss, a follower not back within
+    ``rejoin_timeout`` (:class:`~lampdist.JoinTimeout` naming it), more than
+    ``max_recoveries`` recoveries, and a follower's own error (which a new process would
+    repeat). A replacement that fails the agreement check is refused (it raises
+    :class:`~lampdist.MismatchError`) and the root goes on waiting.
+
+    Raises :class:`~lampdist.ConfigError` for a ``rejoin_timeout`` that is not > 0 and a
+    ``max_recoveries`` that is not an int >= 1.
+    """
+
+    rejoin_timeout: float = attrs.field(
+        default=300.0,
+        validator=_check(_positive, "> 0 seconds", "pass how long a replacement may take"),
+    )
+    """Seconds the root waits for the lost ranks to be back, from the loss."""
+    max_recoveries: int = attrs.field(
+        default=3,
+        validator=_check(
+            lambda value: _is_int(value) and value >= 1,
+            "an int >= 1",
+            "pass LoopOptions(recovery=None) for no recovery",
+        ),
+    )
+    """Recoveries allowed over the run; one more loss ends it."""
+
+
+@attrs.frozen(kw_only=True)
 class LoopOptions:
     """The root's epoch loop; followers ignore it. The rules are :func:`lampdist.epochs`'.
 
@@ -348,6 +388,16 @@ class LoopOptions:
         ),
     )
     """Ends the loop once a watched value stops improving (:class:`~lampdist.EarlyStopping`)."""
+    recovery: Recovery | None = attrs.field(
+        default=None,
+        validator=_check(
+            _optional(lambda value: isinstance(value, Recovery)),
+            "a lampdist.Recovery or None",
+            "pass lampdist.Recovery(rejoin_timeout=...) to survive a lost follower",
+        ),
+    )
+    """Survive a lost follower within the job (:class:`~lampdist.Recovery`); ``None``: the
+    loss of any rank ends the run."""
 
     def __attrs_post_init__(self) -> None:
         if self.checkpoint_interval is not None and self.checkpoint_state is None:

@@ -7,7 +7,14 @@ from typing import Any, Literal
 
 import attrs
 
-__all__ = ["CurvePoint", "EarlyStoppingState", "LoopState", "PassEvent", "TrainingState"]
+__all__ = [
+    "CurvePoint",
+    "EarlyStoppingState",
+    "LoopState",
+    "PassEvent",
+    "Recovered",
+    "TrainingState",
+]
 
 
 @attrs.frozen(kw_only=True)
@@ -87,6 +94,25 @@ class TrainingState:
 
 
 @attrs.frozen(kw_only=True)
+class Recovered:
+    """One in-job recovery, as the root's progress reports it (:attr:`PassEvent.recovered`).
+
+    ``ranks`` were lost in ``phase`` of ``epoch`` (pass ``pass_index``, which is redone from
+    its start); ``seconds`` ran from the moment the root learned of the loss to the moment
+    every rank was back in step; ``recoveries`` counts the run's recoveries, this one
+    included.
+    """
+
+    ranks: tuple[int, ...]
+    phase: str
+    epoch: int
+    pass_index: int
+    seconds: float
+    recoveries: int
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
 class PassEvent:
     """Progress of a pass, reported on the root: during a training pass after its first step,
     then the newest at most every 50 ms (events in between are coalesced, never waited for),
@@ -111,6 +137,10 @@ class PassEvent:
     seconds: float
     done: bool
     metrics: Mapping[str, float | tuple[float, ...]] = attrs.field(factory=dict, hash=False)
+    recovered: Recovered | None = None
+    """Set on the one event that reports an in-job recovery (see :class:`lampdist.Recovery`),
+    sent before the pass in flight is redone: that event's ``step``, ``batches`` and
+    ``examples`` are 0 and its ``seconds`` the recovery's."""
 
     @property
     def examples_per_second(self) -> float:

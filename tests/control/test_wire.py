@@ -42,25 +42,44 @@ TAGS = ["hello", "challenge", "auth", "welcome", "reject", "clique", "command", 
 counts = st.integers(min_value=0, max_value=2**40)
 texts = st.text(max_size=200)
 positive = st.floats(min_value=1e-3, max_value=1e6, allow_nan=False)
-commands = st.builds(
-    Command,
-    kind=st.sampled_from(CommandKind),
-    epoch=counts,
-    pass_index=counts,
-    lr_factor=st.none() | st.floats(allow_nan=False, allow_infinity=False),
-).map(
-    lambda c: (
-        c
-        if c.kind is not CommandKind.STOP
-        else Command(kind=c.kind, epoch=c.epoch, pass_index=c.pass_index, error="a failure")
-    )
-)
 clique_ids = st.builds(
     CliqueId,
     host=st.text(min_size=1, max_size=50),
     port=st.integers(1, 65535),
     prefix=st.text(max_size=40),
     nranks=st.integers(1, 4096),
+)
+PLAIN_KINDS = [CommandKind.TRAIN, CommandKind.VALID, CommandKind.CHECKPOINT]
+commands = st.one_of(
+    st.builds(
+        Command,
+        kind=st.sampled_from(PLAIN_KINDS),
+        epoch=counts,
+        pass_index=counts,
+        lr_factor=st.none() | st.floats(allow_nan=False, allow_infinity=False),
+    ),
+    st.builds(
+        Command,
+        kind=st.just(CommandKind.STOP),
+        epoch=counts,
+        pass_index=counts,
+        error=st.none() | texts,
+    ),
+    st.builds(
+        Command,
+        kind=st.just(CommandKind.HOLD),
+        epoch=counts,
+        pass_index=counts,
+        error=st.none() | texts,
+        timeout=st.none() | positive,
+    ),
+    st.builds(
+        Command,
+        kind=st.just(CommandKind.REJOIN),
+        epoch=counts,
+        pass_index=counts,
+        clique_id=clique_ids,
+    ),
 )
 nonces = st.binary(min_size=NONCE_BYTES, max_size=NONCE_BYTES)
 messages: st.SearchStrategy[Message] = st.one_of(
@@ -77,6 +96,7 @@ messages: st.SearchStrategy[Message] = st.one_of(
 )
 FIELDS = ["rank", "nonce", "heartbeat_interval", "proof", "code", "reason", "clique_id"]
 FIELDS += ["seq", "command", "phase", "message", "kind", "epoch", "pass_index", "lr_factor"]
+FIELDS += ["timeout", "error"]
 field_names = st.sampled_from(FIELDS) | st.text(max_size=8)
 json_values = st.recursive(
     st.none()

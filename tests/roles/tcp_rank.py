@@ -148,6 +148,25 @@ def stalling(batches: list[Any], at: int) -> Any:
     return Stalling(batches)
 
 
+def dying(batches: list[Any], after: int, marker: Path) -> Any:
+    """``batches``, but the process kills itself (SIGKILL) as it takes its ``after``-th
+    training batch, unless ``marker`` exists (it is written first: a replacement process
+    started with the same command lives on). Each marker line is one death."""
+    import signal
+
+    taken = [0]
+
+    def source() -> Any:
+        for batch in batches:
+            taken[0] += 1
+            if taken[0] == after and not marker.exists():
+                marker.write_text("killed\n")
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield batch
+
+    return source
+
+
 def unsized(batches: list[Any], really: bool) -> Any:
     """A source of ``batches``: the list, or with ``really`` a generator (no length)."""
     if really:
@@ -231,8 +250,19 @@ async def main(argv: list[str]) -> None:
     )
     parser.add_argument("--collective-timeout", type=float, default=None)
     parser.add_argument("--shard-linear", action="store_true", help="fsdp: each Linear a unit")
+    parser.add_argument("--recovery", type=float, default=None, help="Recovery(rejoin_timeout)")
+    parser.add_argument("--max-recoveries", type=int, default=3)
+    parser.add_argument("--window", type=int, default=None, help="steps_per_epoch")
+    parser.add_argument("--heartbeat", type=float, default=None, help="heartbeat_timeout (s)")
+    parser.add_argument(
+        "--die-after",
+        type=int,
+        default=None,
+        help="SIGKILL this process when it takes its Nth training batch, once per DIR/died-r",
+    )
     args = parser.parse_args(argv)
     step = lampdist.StepOptions(
+        steps_per_epoch=args.window,
         accumulate_gradient_over_n_batches=args.accumulate,
         step_on=args.step_on,
         max_grad_norm=args.clip,
@@ -269,6 +299,8 @@ async def main(argv: list[str]) -> None:
         ]
     if args.stall_at is not None and args.rank == 1:
         train = stalling(train, args.stall_at)
+    if args.die_after is not None:
+        train = dying(train, args.die_after, args.out / f"died-{args.rank}")
     if args.concatenated:  # one rank, each batch the two ranks' batches of its step
         train, valid = (
             concatenated(make_shards(SIZES, seed=1)),
@@ -283,15 +315,27 @@ async def main(argv: list[str]) -> None:
     if args.fp16:
         module = module.float()
     model = lampdist.SupervisedModel(module, mse, metrics=metrics() if args.metrics else {})
+    if callable(train):  # dying
+        train_source = train
+    else:
+        train_source = shuffled(train) if args.shuffle else unsized(train, args.unsized)
     data = lampdist.ModelWithData(
         model=model,
-        train_batches=shuffled(train) if args.shuffle else unsized(train, args.unsized),
+        train_batches=train_source,
         validation_batches=unsized(valid, args.unsized),
     )
     limits = {} if args.collective_timeout is None else {"collective": args.collective_timeout}
     timeouts = lampdist.Timeouts(join=30, **limits)
     stop = anyio.Event()
     cancelled = anyio.CancelScope()
+    recovery = None
+    if args.recovery is not None:
+        recovery = lampdist.Recovery(
+            rejoin_timeout=args.recovery, max_recoveries=args.max_recoveries
+        )
+    liveness: dict[str, float] = {}
+    if args.heartbeat is not None:
+        liveness = {"heartbeat_interval": args.heartbeat / 4, "heartbeat_timeout": args.heartbeat}
 
     async def on_event(event: lampdist.PassEvent) -> None:
         # a graceful stop asked for in the middle of a training pass of epoch --stop-in-epoch
@@ -302,7 +346,7 @@ async def main(argv: list[str]) -> None:
 
     if args.rank == 0:
         async with control.tcp_root(
-            "127.0.0.1", args.port, nranks=args.nranks, secret=secret
+            "127.0.0.1", args.port, nranks=args.nranks, secret=secret, **liveness
         ) as root:
             print(f"PORT {root.address[1]}", flush=True)
             with cancelled:
@@ -313,7 +357,10 @@ async def main(argv: list[str]) -> None:
                     control=root,
                     optimizer_factory=optimizer,
                     loop=lampdist.LoopOptions(
-                        max_epochs=args.epochs, checkpoint_state=checkpoint_state, on_event=on_event
+                        max_epochs=args.epochs,
+                        checkpoint_state=checkpoint_state,
+                        on_event=on_event,
+                        recovery=recovery,
                     ),
                     stop=stop,
                     resume=resume,
@@ -330,7 +377,7 @@ async def main(argv: list[str]) -> None:
             (args.out / "metrics.json").write_text(json.dumps(points))
     else:
         async with control.tcp_follower(
-            "127.0.0.1", args.port, rank=args.rank, secret=secret
+            "127.0.0.1", args.port, rank=args.rank, secret=secret, **liveness
         ) as follower:
             await lampdist.follow_distributed_training(
                 data=data,

@@ -21,12 +21,14 @@ from ._flat import flat_order as flat_order
 from ._kernel import StepKernel as StepKernel
 from ._pass import PassRunner as PassRunner
 from ._progress import Progress as Progress
+from ._result import CheckpointParts as CheckpointParts
 from ._result import PassResult as PassResult
 from ._stepper import Stepper as Stepper
 
 __all__ = [
     "DESIGNS",
     "BatchFeed",
+    "CheckpointParts",
     "ComputeThread",
     "Design",
     "FlatParameters",

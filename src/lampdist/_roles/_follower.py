@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Awaitable, Callable
 from functools import partial
 
 import anyio
@@ -19,6 +20,7 @@ from .._errors import (
     CliqueTimeout,
     ConfigError,
     LampdistError,
+    LampdistTimeout,
     MismatchError,
     PeerDisconnected,
     Phase,
@@ -26,7 +28,7 @@ from .._errors import (
 )
 from .._options import ModelWithData, StepOptions, Timeouts
 from .._preload import preload
-from ..clique import CliqueFactory
+from ..clique import CliqueFactory, CliqueId
 from ..control import Command, CommandKind, FollowerChannel
 from ._failures import (
     CULPRIT_TIMEOUT,
@@ -154,12 +156,27 @@ async def _find_culprit(
     return found
 
 
+class _Held(Exception):
+    """The root's HOLD (``command``) ended the clique's generation: a rank was lost."""
+
+    def __init__(self, command: Command | None) -> None:
+        super().__init__(command)
+        self.command = command
+
+
 @attrs.define(eq=False)
 class _Follower:
-    """One run of a follower, from joining to STOP."""
+    """One run of a follower, from joining to STOP: one generation of the clique, or more
+    when the root recovers a lost rank (see :class:`lampdist.Recovery`)."""
 
     context: RankContext
     control: FollowerChannel
+    clique_id: CliqueId | None = None
+    """The current generation's clique id."""
+    pending: Command | None = None
+    """A command read while a pass ran (see :meth:`_interruptible`), to carry out next."""
+    hold_timeout: float | None = ROOT_REASON_TIMEOUT
+    """How long to wait for the root's next word while held (the last HOLD's timeout)."""
 
     @property
     def tracker(self) -> PhaseTracker:
@@ -170,18 +187,161 @@ class _Follower:
         commands: MemoryObjectReceiveStream[Command],
         send: anyio.abc.ObjectSendStream[Command],
     ) -> None:
-        clique_id = await self.control.join(send, timeout=self.context.timeouts.join)
+        clique_id: CliqueId | None = await self.control.join(
+            send, timeout=self.context.timeouts.join
+        )
+        recovering = False
+        while clique_id is not None:
+            held = await self._generation(clique_id, commands, recovering=recovering)
+            if not held:
+                return
+            clique_id = await self._rejoin(commands)
+            recovering = True
+
+    async def _generation(
+        self,
+        clique_id: CliqueId,
+        commands: MemoryObjectReceiveStream[Command],
+        *,
+        recovering: bool,
+    ) -> bool:
+        """One generation of the clique: ``False`` once the run stopped, ``True`` when the
+        root's HOLD ended it (the clique is closed on return)."""
+        self.clique_id = clique_id
         async with self.context.open_clique(clique_id) as runner:
             try:
                 await self._follow_commands(runner, commands)
+            except _Held as held:
+                if held.command is not None:
+                    self._hold(held.command)
+                runner.clique.abort(f"rank {self.context.rank} holds: a rank was lost")
+                return True
             except Exception as exc:
+                leaf = most_telling(exc)
+                if recovering and isinstance(leaf, MismatchError) and leaf.phase == "agreement":
+                    # The root refuses the replacement that joined and waits for another.
+                    logger.warning(
+                        "rank %d: the process that joined as rank(s) %s was refused: %s",
+                        self.context.rank,
+                        leaf.rank,
+                        leaf,
+                        extra={"rank": self.context.rank},
+                    )
+                    return True
                 # Report before the clique closes, so the root learns the cause before the
                 # collectives on other ranks fail.
-                if _root_must_hear(most_telling(exc)):
+                if _root_must_hear(leaf):
                     with anyio.CancelScope(shield=True):
                         await _report(self.control, self.tracker.current, exc)
                 self.tracker.reported = True
                 raise
+        return False
+
+    def _hold(self, command: Command) -> None:
+        self.tracker.current = "recover"
+        self.hold_timeout = command.timeout
+        logger.warning(
+            "rank %d holds: %s", self.context.rank, command.error, extra={"rank": self.context.rank}
+        )
+
+    async def _rejoin(self, commands: MemoryObjectReceiveStream[Command]) -> CliqueId:
+        """While held: the next generation's clique id, from the root's REJOIN. Raises
+        :class:`RankFailed` for the root's STOP with an error, :class:`PeerDisconnected` when
+        the root vanishes, :class:`LampdistTimeout` when no REJOIN comes in time."""
+        self.tracker.current = "recover"
+        while True:
+            waited = self.hold_timeout
+            with anyio.move_on_after(waited):
+                command = await self._next(commands)
+                if command.kind is CommandKind.REJOIN and command.clique_id != self.clique_id:
+                    assert command.clique_id is not None  # a REJOIN has one
+                    return command.clique_id
+                if command.kind is CommandKind.STOP:
+                    raise RankFailed(
+                        command.error or "the root stopped the run while this rank held",
+                        rank=0,
+                        phase="stop",
+                    )
+                if command.kind is CommandKind.HOLD:
+                    self._hold(command)
+                continue
+            raise LampdistTimeout(
+                f"rank {self.context.rank} held for {waited} s without the root's REJOIN",
+                rank=0,
+                phase="recover",
+            )
+
+    async def _next(self, commands: MemoryObjectReceiveStream[Command]) -> Command:
+        """The next command: one read ahead, or the next from the root. Raises
+        :class:`PeerDisconnected` when the channel ends without STOP."""
+        if self.pending is not None:
+            command, self.pending = self.pending, None
+            return command
+        try:
+            return await commands.receive()
+        except anyio.EndOfStream:
+            raise PeerDisconnected(
+                "the root closed the control channel without STOP",
+                rank=0,
+                phase=self.tracker.current,
+            ) from None
+
+    async def _interruptible(
+        self, commands: MemoryObjectReceiveStream[Command], work: Callable[[], Awaitable[None]]
+    ) -> None:
+        """``await work()`` while the next command is read ahead: the root's HOLD (a rank was
+        lost) cancels the work (which aborts the clique) and raises :class:`_Held`; another
+        command waits in :attr:`pending`. When the work fails in a collective, the root's
+        HOLD is waited for (for a moment) and raised instead."""
+        held: list[Command] = []
+
+        async def read_ahead(scope: anyio.CancelScope) -> None:
+            if self.pending is not None:
+                return
+            try:
+                command = await commands.receive()
+            except anyio.EndOfStream:
+                return  # the watch says why
+            if command.kind is CommandKind.HOLD:
+                held.append(command)
+                scope.cancel()
+            else:
+                self.pending = command
+
+        failure: Exception | None = None
+        async with anyio.create_task_group() as group:
+            group.start_soon(read_ahead, group.cancel_scope)
+            try:
+                await work()
+            except Exception as exc:
+                failure = exc
+            group.cancel_scope.cancel()
+        if held:
+            raise _Held(held[0])
+        if failure is None:
+            return
+        if isinstance(most_telling(failure), CliqueError | CliqueTimeout):
+            command = await self._root_word(commands)
+            if command is not None:
+                raise _Held(command) from failure
+        raise failure
+
+    async def _root_word(self, commands: MemoryObjectReceiveStream[Command]) -> Command | None:
+        """After a failed collective: the root's HOLD if it comes within
+        :data:`ROOT_REASON_TIMEOUT` (commands before it are moot: the root redoes them);
+        ``None`` otherwise, leaving a STOP for :meth:`tell_root` to find."""
+        with anyio.move_on_after(ROOT_REASON_TIMEOUT):
+            while True:
+                try:
+                    command = await self._next(commands)
+                except PeerDisconnected:
+                    return None
+                if command.kind is CommandKind.HOLD:
+                    return command
+                if command.kind is CommandKind.STOP:
+                    self.pending = command
+                    return None
+        return None
 
     async def tell_root(
         self, commands: MemoryObjectReceiveStream[Command], error: BaseException
@@ -194,6 +354,9 @@ class _Follower:
             return
         leaf = most_telling(error)
         if isinstance(leaf, CliqueError | CliqueTimeout):
+            pending, self.pending = self.pending, None  # read ahead: the root's STOP, if any
+            if pending is not None and pending.kind is CommandKind.STOP and pending.error:
+                raise RankFailed(pending.error, rank=0, phase="stop") from leaf
             culprit = await _find_culprit(commands, self.control, self.tracker)
             if culprit is not None:
                 raise culprit from leaf
@@ -206,7 +369,7 @@ class _Follower:
     async def _follow_commands(
         self, runner: PassRunner, commands: MemoryObjectReceiveStream[Command]
     ) -> None:
-        await self.context.agree_and_sync(runner)
+        await self._interruptible(commands, partial(self.context.agree_and_sync, runner))
         self.tracker.current = "wait for command"
         try:
             await self._run_commands(runner, commands)
@@ -216,8 +379,12 @@ class _Follower:
     async def _run_commands(
         self, runner: PassRunner, commands: MemoryObjectReceiveStream[Command]
     ) -> None:
-        tracker, data = self.tracker, self.context.data
-        async for command in commands:
+        tracker = self.tracker
+        while True:
+            try:
+                command = await self._next(commands)
+            except PeerDisconnected as exc:
+                raise PeerDisconnected(exc.message, rank=0, phase=tracker.current) from None
             if command.kind is CommandKind.STOP:
                 if command.error is not None:
                     raise RankFailed(command.error, rank=0, phase="stop")
@@ -225,28 +392,34 @@ class _Follower:
                 self.context.stopping.reached.set()
                 await runner.sync_parameters()
                 return
+            if command.kind is CommandKind.HOLD:
+                raise _Held(command)
+            if command.kind is CommandKind.REJOIN:
+                continue  # this generation's (a replacement joins with the new id)
             tracker.epoch = command.epoch
-            if command.kind is CommandKind.TRAIN:
-                tracker.current = "train"
-                await runner.train_pass(
-                    data.train_batches,
-                    epoch=command.epoch,
-                    pass_index=command.pass_index,
-                    lr_factor=command.lr_factor if command.lr_factor is not None else 1.0,
-                )
-            elif command.kind is CommandKind.CHECKPOINT:
-                tracker.current = "checkpoint"
-                await runner.checkpoint_parts()
-            elif command.kind is CommandKind.VALID:
-                tracker.current = "valid"
-                assert data.validation_batches is not None  # the agreement check ensures it
-                await runner.validation_pass(
-                    data.validation_batches, epoch=command.epoch, pass_index=command.pass_index
-                )
+            await self._interruptible(commands, partial(self._carry_out, runner, command))
             tracker.current = "wait for command"
-        raise PeerDisconnected(
-            "the root closed the control channel without STOP", rank=0, phase=tracker.current
-        )
+
+    async def _carry_out(self, runner: PassRunner, command: Command) -> None:
+        """One TRAIN, VALID or CHECKPOINT."""
+        tracker, data = self.tracker, self.context.data
+        if command.kind is CommandKind.TRAIN:
+            tracker.current = "train"
+            await runner.train_pass(
+                data.train_batches,
+                epoch=command.epoch,
+                pass_index=command.pass_index,
+                lr_factor=command.lr_factor if command.lr_factor is not None else 1.0,
+            )
+        elif command.kind is CommandKind.CHECKPOINT:
+            tracker.current = "checkpoint"
+            await runner.checkpoint_parts()
+        elif command.kind is CommandKind.VALID:
+            tracker.current = "valid"
+            assert data.validation_batches is not None  # the agreement check ensures it
+            await runner.validation_pass(
+                data.validation_batches, epoch=command.epoch, pass_index=command.pass_index
+            )
 
 
 def _root_must_hear(error: BaseException) -> bool:

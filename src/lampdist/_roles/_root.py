@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import attrs
@@ -14,26 +17,36 @@ import torch
 from .._checkpoint import by_index, new_shards_directory, read_whole
 from .._device import resolve_device
 from .._effects import EpochOutcome, OptimizerFactory
-from .._epoch import PassRunner, flat_order
+from .._epoch import CheckpointParts, PassResult, PassRunner, flat_order
 from .._errors import (
     CheckpointError,
     CliqueError,
     CliqueTimeout,
     ConfigError,
+    JoinTimeout,
     LampdistError,
+    MismatchError,
     RankFailed,
 )
 from .._loop import epochs
 from .._model import original_module
 from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts, check_monitors
 from .._preload import preload
-from .._state import LoopState, TrainingState
+from .._state import LoopState, PassEvent, Recovered, TrainingState
 from ..checkpoint import Resumed, check_before_training, directory_of
-from ..clique import CliqueFactory
+from ..clique import CliqueFactory, ProcessGroups
 from ..control import Command, CommandKind, RootChannel
 from ..schedules import LearningRateSchedule
-from ._failures import PhaseTracker, describe, find_culprit, most_telling, watch_peers
+from ._failures import (
+    PhaseTracker,
+    describe,
+    find_culprit,
+    most_telling,
+    single_error,
+    watch_peers,
+)
 from ._rank import RankContext, RunOptions, check_optimizer_factory, check_rank, open_rank
+from ._recovery import HOLD_MARGIN, fresh, is_consequence, is_lost, snapshot
 from ._resume import (
     check_schedule_state,
     fitting_model_state,
@@ -47,6 +60,8 @@ from ._stopping import Stopping
 __all__ = ["drive", "drive_distributed_training"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 ABORT_TIMEOUT = 2.0
 """How long the root tries to tell the followers why it stops."""
@@ -134,6 +149,7 @@ async def drive(
     entry points: the device resolved, the options built once."""
     check_optimizer_factory(0, run)
     _check_fsdp_loop(run.step, loop)
+    _check_recovery(nranks, run, loop)
     lr_state = resumed_schedule_state(loop.learning_rate_schedule, resume)
     check_monitors(loop, data)
     if resume is not None and loop.max_epochs <= resume.epoch:
@@ -147,9 +163,9 @@ async def drive(
     await check_before_training(loop.checkpoint_state, resume)
     async with open_rank(0, nranks, torch_device, data, run) as context:
         root = _Root(context=context, control=control, loop=loop, resume=resume, lr_state=lr_state)
-        tracker, stopping = context.tracker, context.stopping
+        stopping = context.stopping
         try:
-            async with context.supervised(partial(_watch, control, tracker), root.tell_followers):
+            async with context.supervised(root.watch, root.tell_followers):
                 state = await root.run()
         except Exception as exc:
             if stopping.ended_it(exc):
@@ -184,6 +200,29 @@ def _check_fsdp_loop(step: StepOptions, loop: LoopOptions) -> None:
                 rank=0,
                 phase="configure",
             )
+
+
+def _check_recovery(nranks: int, run: RunOptions, loop: LoopOptions) -> None:
+    """Raise :class:`ConfigError` for recovery where a lost rank's state is nowhere else
+    (``step_on="fsdp"``: each rank holds its own shards) or its process cannot be replaced
+    (followers in the root's process, over in-process cliques)."""
+    if loop.recovery is None or nranks == 1:
+        return
+    if run.step.step_on == "fsdp":
+        raise ConfigError(
+            "LoopOptions.recovery does not support step_on='fsdp' (each rank holds shards of "
+            "the model that no other rank has): pass recovery=None, and resume from the "
+            "checkpoint after a loss",
+            rank=0,
+            phase="configure",
+        )
+    if run.cliques is not None and not isinstance(run.cliques, ProcessGroups):
+        raise ConfigError(
+            f"LoopOptions.recovery needs one process per rank over process groups, not "
+            f"{type(run.cliques).__name__} cliques: pass cliques=None or ProcessGroups(...)",
+            rank=0,
+            phase="configure",
+        )
 
 
 async def _let_exit_first(
@@ -276,6 +315,13 @@ class _Root:
     resume: Resumed | None
     lr_state: Any
     runner: PassRunner | None = None
+    """The pass runner over the clique's current generation."""
+    generation: AsyncExitStack | None = None
+    """The current generation's rendezvous and clique, open."""
+    setup_watch: anyio.CancelScope = attrs.field(factory=anyio.CancelScope)
+    snapshot: Resumed | None = None
+    """Under recovery: the state at the end of the last completed pass."""
+    recoveries: int = 0
     last_checkpoint: float = 0.0
     best_model_state: dict[str, torch.Tensor] | None = None
     pass_index: int = 0
@@ -298,42 +344,320 @@ class _Root:
             self.best_model_state = await context.compute.run(self._restore, self.resume)
             loop_state = self.resume.training_state.loop_state
         self.epoch = (loop_state.epoch if loop_state is not None else 0) - 1
-        async with context.cliques.rendezvous(context.nranks) as clique_id:
-            await control.publish_clique_id(clique_id)
-            await control.wait_for_peers(context.nranks - 1, context.timeouts.join)
-            async with context.open_clique(clique_id, on_event=self.loop.on_event) as runner:
-                self.runner = runner
+        await self._open_generation(context.timeouts.join)
+        try:
+            try:
+                runner = self._runner()
+                await context.agree_and_sync(runner, resume=self.resume)
+                if self.resume is not None and self.resume.rng_states is not None:
+                    await context.compute.run(restore_rng, self.resume.rng_states)
+                self.last_checkpoint = time.monotonic()
+                if self.loop.recovery is not None:
+                    await self._take_snapshot()
+                    self.setup_watch.cancel()  # from now on each effect watches (_guarded)
                 try:
-                    await context.agree_and_sync(runner, resume=self.resume)
-                    if self.resume is not None and self.resume.rng_states is not None:
-                        await context.compute.run(restore_rng, self.resume.rng_states)
-                    self.last_checkpoint = time.monotonic()
-                    try:
-                        final = await self._epochs(loop_state)
-                    finally:
-                        runner.close()
-                    self.tracker.current = "stop"
-                    context.stopping.reached.set()
-                    if self.best_model_state is not None:
-                        module = original_module(self.data.model.module)
-                        await context.compute.run(module.load_state_dict, self.best_model_state)
-                    await control.broadcast(
-                        Command(
-                            kind=CommandKind.STOP, epoch=final.epoch, pass_index=self.pass_index
-                        )
-                    )
-                    await runner.sync_parameters()
-                except BaseException as exc:
-                    # Tell the followers before the clique closes, so that they learn the
-                    # reason rather than see the clique break.
-                    if not isinstance(most_telling(exc), CliqueError | CliqueTimeout):
-                        with anyio.CancelScope(shield=True):
-                            await _let_exit_first(control, self.tracker, self.tracker.cause)
-                            reason = _why(exc, self.tracker, context.stopping)
-                            await _abort_followers(control, self.tracker, reason)
-                        self.tracker.reported = True
-                    raise
+                    final = await self._epochs(loop_state)
+                finally:
+                    self._runner().close()
+                self.tracker.current = "stop"
+                context.stopping.reached.set()
+                await self._watched(partial(self._stop, final))
+            except BaseException as exc:
+                # Tell the followers before the clique closes, so that they learn the
+                # reason rather than see the clique break.
+                if not isinstance(most_telling(exc), CliqueError | CliqueTimeout):
+                    with anyio.CancelScope(shield=True):
+                        await _let_exit_first(control, self.tracker, self.tracker.cause)
+                        reason = _why(exc, self.tracker, context.stopping)
+                        await _abort_followers(control, self.tracker, reason)
+                    self.tracker.reported = True
+                raise
+        except BaseException as exc:
+            await self._close_generation(exc)
+            raise
+        await self._close_generation(None)
         return final
+
+    async def watch(self) -> None:
+        """Beside the run: a follower that fails ends it (see :func:`_watch`); under recovery
+        only until training begins, after which each effect watches for itself."""
+        with self.setup_watch:
+            await _watch(self.control, self.tracker)
+        await anyio.sleep_forever()
+
+    async def _stop(self, final: LoopState) -> None:
+        """STOP: every rank takes the final (or best) model."""
+        if self.best_model_state is not None:
+            module = original_module(self.data.model.module)
+            await self.context.compute.run(module.load_state_dict, self.best_model_state)
+        await self.control.broadcast(
+            Command(kind=CommandKind.STOP, epoch=final.epoch, pass_index=self.pass_index)
+        )
+        await self._runner().sync_parameters()
+
+    def _runner(self) -> PassRunner:
+        """The pass runner of the clique's current generation."""
+        assert self.runner is not None  # between _open_generation and _close_generation
+        return self.runner
+
+    # -- the clique's generations ---------------------------------------------------------
+
+    async def _open_generation(self, join_within: float | None, *, rejoin: bool = False) -> None:
+        """A rendezvous, its clique id published, the followers joined within ``join_within``
+        s (with ``rejoin``, the survivors of a loss told the new id by REJOIN), and this rank's
+        clique over it: :attr:`runner`, until :meth:`_close_generation`."""
+        context, control = self.context, self.control
+        stack = AsyncExitStack()
+        await stack.__aenter__()
+        try:
+            clique_id = await stack.enter_async_context(context.cliques.rendezvous(context.nranks))
+            await control.publish_clique_id(clique_id)
+            await control.wait_for_peers(context.nranks - 1, join_within)
+            if rejoin:
+                await control.broadcast(
+                    Command(
+                        kind=CommandKind.REJOIN,
+                        epoch=max(self.epoch, 0),
+                        pass_index=self.pass_index,
+                        clique_id=clique_id,
+                    )
+                )
+            opened = context.open_clique(clique_id, on_event=self.loop.on_event)
+            self.runner = await stack.enter_async_context(opened)
+        except BaseException as exc:
+            await stack.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        self.generation = stack
+
+    async def _close_generation(self, error: BaseException | None) -> None:
+        """Close the current generation's clique and rendezvous (``error``: what ends it)."""
+        stack, self.generation = self.generation, None
+        if stack is None:
+            return
+        if self.runner is not None:
+            self.runner.close()
+        if error is None:
+            await stack.aclose()
+        else:
+            await stack.__aexit__(type(error), error, error.__traceback__)
+
+    # -- recovery ---------------------------------------------------------------------------
+
+    async def _watched(self, work: Callable[[], Awaitable[T]]) -> T:
+        """``await work()`` while the control channel is watched: a follower's failure
+        cancels it (which aborts the clique) and is raised."""
+        if self.loop.recovery is None:
+            return await work()  # the watch beside the run (see :meth:`watch`) is on
+        failure: list[LampdistError] = []
+        results: list[T] = []
+
+        async def watch(scope: anyio.CancelScope) -> None:
+            try:
+                await watch_peers(self.control.watch, self.tracker)
+            except LampdistError as exc:
+                failure.append(exc)
+                scope.cancel()
+
+        with single_error():
+            async with anyio.create_task_group() as group:
+                group.start_soon(watch, group.cancel_scope)
+                results.append(await work())
+                group.cancel_scope.cancel()
+        if failure:
+            raise failure[0]
+        return results[0]
+
+    async def _guarded(self, work: Callable[[], Awaitable[T]], *, keep: bool) -> T:
+        """``await work()``, an effect that every rank carries out; under recovery a lost
+        follower is recovered and ``work`` redone from the last snapshot, which with
+        ``keep`` is then taken anew (the effect changed the ranks' state)."""
+        if self.loop.recovery is None:
+            return await work()
+        while True:
+            try:
+                result = await self._watched(work)
+                if keep:
+                    await self._watched(self._take_snapshot)
+            except Exception as exc:
+                lost = await self._lost(exc)
+                if not lost:
+                    raise
+                await self._recover(lost, exc)
+            else:
+                return result
+
+    async def _take_snapshot(self) -> None:
+        """Every rank hands the root its part of a checkpoint, which the root keeps in
+        memory with a copy of its model and optimizer state: what a recovery goes back to."""
+        runner = self._runner()
+        await self.control.broadcast(
+            Command(
+                kind=CommandKind.CHECKPOINT, epoch=max(self.epoch, 0), pass_index=self.pass_index
+            )
+        )
+        parts = await runner.checkpoint_parts()
+        assert parts is not None  # on the root
+        module = original_module(self.data.model.module)
+        self.snapshot = await self.context.compute.run(lambda: snapshot(module.state_dict(), parts))
+
+    async def _lost(self, error: BaseException) -> dict[int, LampdistError]:
+        """The followers lost (by rank, with their errors) when ``error`` is the consequence
+        of losing them, else nothing: the run ends for ``error`` as without recovery."""
+        leaf = most_telling(error)
+        if not is_consequence(leaf):
+            return {}
+        control = self.control
+        failures = await control.lost_followers()
+        if not failures and isinstance(leaf, CliqueError | CliqueTimeout):
+            await find_culprit(control.watch, self.tracker)
+            failures = await control.lost_followers()
+        if isinstance(leaf, LampdistError) and is_lost(leaf) and leaf.rank is not None:
+            failures.setdefault(leaf.rank, leaf)
+        if not failures or not all(is_lost(failure) for failure in failures.values()):
+            return {}
+        return failures
+
+    async def _recover(self, lost: dict[int, LampdistError], error: BaseException) -> None:
+        """Take the lost followers' replacements in and put every rank back at the last
+        snapshot, within ``recovery.rejoin_timeout`` of the loss. Raises when recoveries
+        are used up, a rank is not back in time, or the recovery itself fails."""
+        recovery = self.loop.recovery
+        assert recovery is not None and self.snapshot is not None
+        tracker = self.tracker
+        phase, epoch, pass_index = tracker.current, max(self.epoch, 0), self.pass_index
+        started = time.monotonic()
+        first = lost[min(lost)]
+        self.recoveries += 1
+        if self.recoveries > recovery.max_recoveries:
+            raise type(first)(
+                f"{first.message} (the run has had {recovery.max_recoveries} recoveries, as "
+                "many as Recovery.max_recoveries allows)",
+                rank=first.rank,
+                phase=first.phase,
+            ) from error
+        ranks = set(lost)
+        reason = "; ".join(f"rank {rank}: {describe(e)}" for rank, e in sorted(lost.items()))
+        logger.warning(
+            "lost rank(s) %s in phase %r of epoch %d: %s; recovery %d of %d: waiting up to "
+            "%s s for them to rejoin",
+            sorted(ranks),
+            phase,
+            epoch,
+            reason,
+            self.recoveries,
+            recovery.max_recoveries,
+            recovery.rejoin_timeout,
+            extra={"rank": 0, "epoch": epoch},
+        )
+        deadline = started + recovery.rejoin_timeout
+        while True:
+            tracker.current = "recover"
+            ranks |= await self._hold(ranks, reason)
+            try:
+                await self._regroup(deadline - time.monotonic())
+                break
+            except MismatchError as refused:
+                logger.warning(
+                    "refused the process that joined as rank(s) %s: %s; waiting for another",
+                    sorted(ranks),
+                    refused,
+                    extra={"rank": 0},
+                )
+            except JoinTimeout as late:
+                raise JoinTimeout(
+                    f"rank(s) {sorted(ranks)}, lost in phase {phase!r} of epoch {epoch} "
+                    f"({reason}), did not rejoin within {recovery.rejoin_timeout} s: "
+                    f"{late.message}",
+                    rank=min(ranks),
+                    phase="recover",
+                ) from error
+            except Exception as again:
+                more = await self._lost(again)
+                if not more:
+                    raise
+                ranks |= set(more)
+        seconds = time.monotonic() - started
+        logger.warning(
+            "recovered rank(s) %s in %.2f s: pass %d (epoch %d) is redone from its start",
+            sorted(ranks),
+            seconds,
+            pass_index,
+            epoch,
+            extra={"rank": 0, "epoch": epoch},
+        )
+        if self.loop.on_event is not None:
+            await self.loop.on_event(
+                PassEvent(
+                    epoch=epoch,
+                    kind="valid" if phase == "valid" else "train",
+                    pass_index=pass_index,
+                    step=0,
+                    batches=0,
+                    total_batches=None,
+                    examples=0,
+                    loss=math.nan,
+                    seconds=seconds,
+                    done=False,
+                    recovered=Recovered(
+                        ranks=tuple(sorted(ranks)),
+                        phase=phase,
+                        epoch=epoch,
+                        pass_index=pass_index,
+                        seconds=seconds,
+                        recoveries=self.recoveries,
+                        reason=reason,
+                    ),
+                )
+            )
+
+    async def _hold(self, ranks: set[int], reason: str) -> set[int]:
+        """End the clique's generation without ``ranks``: abort the clique (which frees the
+        root's collectives), forget the ranks (new processes may join as them), tell the
+        survivors to HOLD, close the clique. Returns the followers lost meanwhile."""
+        control = self.control
+        if self.runner is not None:
+            self.runner.clique.abort(f"rank(s) {sorted(ranks)} were lost")
+        await control.forget(ranks)
+        more: set[int] = set()
+        try:
+            await control.broadcast(
+                Command(
+                    kind=CommandKind.HOLD,
+                    epoch=max(self.epoch, 0),
+                    pass_index=self.pass_index,
+                    error=f"the root recovers from losing rank(s) {sorted(ranks)}: {reason}",
+                    timeout=self._hold_timeout(),
+                )
+            )
+        except LampdistError:
+            failures = await control.lost_followers()
+            if not failures or not all(is_lost(failure) for failure in failures.values()):
+                raise
+            more = set(failures)
+            await control.forget(more)
+        await self._close_generation(None)
+        return more
+
+    def _hold_timeout(self) -> float | None:
+        """How long a survivor holds for the root's REJOIN: the root's own deadlines, plus a
+        margin (``None`` when the clique setup has none)."""
+        recovery, setup = self.loop.recovery, self.context.timeouts.setup
+        assert recovery is not None
+        if setup is None:
+            return None
+        return recovery.rejoin_timeout + setup + HOLD_MARGIN
+
+    async def _regroup(self, join_within: float) -> None:
+        """The clique's next generation with the lost ranks' replacements (joined within
+        ``join_within`` s), every rank put back at the last snapshot."""
+        assert self.snapshot is not None
+        await self._open_generation(max(join_within, 0.0), rejoin=True)
+        state = fresh(self.snapshot)
+        context = self.context
+        await context.compute.run(self._restore, state)
+        await self._watched(partial(context.agree_and_sync, self._runner(), resume=state))
+        assert state.rng_states is not None  # a snapshot has the root's
+        await context.compute.run(restore_rng, state.rng_states)
 
     async def tell_followers(self, error: BaseException) -> None:
         """Whatever ended the run (``error``): tell the followers that still listen why, unless
@@ -412,7 +736,6 @@ class _Root:
         return _snapshot(best, self.context.device)
 
     async def _train_epoch(self, lr_factor: float) -> EpochOutcome:
-        assert self.runner is not None
         self.epoch += 1
         epoch, pass_index = self.epoch, self.pass_index
         self.tracker.current, self.tracker.epoch, self.tracker.pass_index = (
@@ -420,25 +743,36 @@ class _Root:
             epoch,
             pass_index,
         )
-        await self.control.broadcast(
-            Command(kind=CommandKind.TRAIN, epoch=epoch, pass_index=pass_index, lr_factor=lr_factor)
-        )
-        result = await self.runner.train_pass(
-            self.data.train_batches, epoch=epoch, pass_index=pass_index, lr_factor=lr_factor
-        )
+
+        async def attempt() -> PassResult:
+            self.tracker.current = "train"
+            await self.control.broadcast(
+                Command(
+                    kind=CommandKind.TRAIN, epoch=epoch, pass_index=pass_index, lr_factor=lr_factor
+                )
+            )
+            return await self._runner().train_pass(
+                self.data.train_batches, epoch=epoch, pass_index=pass_index, lr_factor=lr_factor
+            )
+
+        result = await self._guarded(attempt, keep=True)
         self.pass_index += 1
         return (result.loss, result.metrics) if result.metrics else result.loss
 
     async def _validation_epoch(self) -> EpochOutcome:
-        assert self.runner is not None and self.data.validation_batches is not None
+        batches = self.data.validation_batches
+        assert batches is not None
         epoch, pass_index = self.epoch, self.pass_index
-        self.tracker.current, self.tracker.pass_index = "valid", pass_index
-        await self.control.broadcast(
-            Command(kind=CommandKind.VALID, epoch=epoch, pass_index=pass_index)
-        )
-        result = await self.runner.validation_pass(
-            self.data.validation_batches, epoch=epoch, pass_index=pass_index
-        )
+        self.tracker.pass_index = pass_index
+
+        async def attempt() -> PassResult:
+            self.tracker.current = "valid"
+            await self.control.broadcast(
+                Command(kind=CommandKind.VALID, epoch=epoch, pass_index=pass_index)
+            )
+            return await self._runner().validation_pass(batches, epoch=epoch, pass_index=pass_index)
+
+        result = await self._guarded(attempt, keep=True)
         self.pass_index += 1
         return (result.loss, result.metrics) if result.metrics else result.loss
 
@@ -455,14 +789,10 @@ class _Root:
         await self._save(state, lr_state)
 
     async def _save(self, state: LoopState, lr_state: Any) -> None:
-        checkpoint_state, runner = self.loop.checkpoint_state, self.runner
-        assert checkpoint_state is not None and runner is not None
+        checkpoint_state = self.loop.checkpoint_state
+        assert checkpoint_state is not None
         self.unsaved = None
-        self.tracker.current = "checkpoint"
         check_schedule_state(self.loop.learning_rate_schedule, lr_state, epoch=state.epoch - 1)
-        await self.control.broadcast(
-            Command(kind=CommandKind.CHECKPOINT, epoch=state.epoch - 1, pass_index=self.pass_index)
-        )
         shards = None
         if self.context.design.loads_checkpoints:  # fsdp: every rank writes its shards
             directory = directory_of(checkpoint_state)
@@ -471,7 +801,17 @@ class _Root:
             shards = await anyio.to_thread.run_sync(
                 partial(new_shards_directory, directory, self.context.nranks, precision)
             )
-        parts = await runner.checkpoint_parts(shards)
+
+        async def attempt() -> CheckpointParts | None:
+            self.tracker.current = "checkpoint"
+            await self.control.broadcast(
+                Command(
+                    kind=CommandKind.CHECKPOINT, epoch=state.epoch - 1, pass_index=self.pass_index
+                )
+            )
+            return await self._runner().checkpoint_parts(shards)
+
+        parts = await self._guarded(attempt, keep=False)
         assert parts is not None  # on the root
         if shards is None:
             module = original_module(self.data.model.module)

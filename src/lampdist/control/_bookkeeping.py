@@ -80,6 +80,9 @@ class RootRegistry:
     stop_sent: bool = False
     clique_id: CliqueId | None = None
     """The published clique id (``None`` until :meth:`publish`)."""
+    renewing: bool = False
+    """Between :meth:`forget` and the next :meth:`publish`: the survivors hold the last
+    generation's id and still take commands (HOLD)."""
     joined: set[int] = attrs.field(factory=set)
     live: set[int] = attrs.field(factory=set)
     stopped: set[int] = attrs.field(factory=set)
@@ -109,8 +112,27 @@ class RootRegistry:
                 "a different clique id was already published", rank=0, phase="publish"
             )
         self.clique_id = clique_id
+        self.renewing = False
         self.changed.notify()
         return True
+
+    def lost_followers(self) -> dict[int, LampdistError]:
+        """See :meth:`RootChannel.lost_followers`."""
+        return {rank: copy_error(error) for rank, error in sorted(self.failures.items())}
+
+    def forget(self, ranks: Collection[int]) -> None:
+        """See :meth:`RootChannel.forget`: the ranks may join again, and the clique id is
+        withdrawn until the next :meth:`publish`."""
+        for rank in ranks:
+            self.joined.discard(rank)
+            self.live.discard(rank)
+            self.stopped.discard(rank)
+            self.left.discard(rank)
+            self.failures.pop(rank, None)
+        self.first_failure = next(iter(self.failures.values()), None)
+        self.clique_id = None
+        self.renewing = True
+        self.changed.notify()
 
     def admission_error(self, rank: int) -> str | None:
         """Why ``rank`` may not join now, or None."""
@@ -175,7 +197,7 @@ class RootRegistry:
 
     def check_broadcast(self, command: Command) -> None:
         """Refuse a broadcast before the clique id or after STOP."""
-        if self.clique_id is None:
+        if self.clique_id is None and not self.renewing:
             raise ControlError(
                 "publish the clique id before broadcasting commands", rank=0, phase="broadcast"
             )

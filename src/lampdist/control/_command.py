@@ -8,6 +8,7 @@ from typing import Any
 
 import attrs
 
+from .._clique_id import CliqueId
 from .._errors import ConfigError, Phase, ProtocolError
 
 __all__ = ["MAX_TEXT_CHARS", "Command", "CommandKind"]
@@ -18,17 +19,24 @@ MAX_TEXT_CHARS = 4096
 
 class CommandKind(enum.Enum):
     """What a follower does next: run a training pass, run a validation pass, hand the root
-    its part of a checkpoint, or stop."""
+    its part of a checkpoint, or stop; and under the root's recovery (see
+    :class:`lampdist.Recovery`), hold (a rank was lost: abandon the work in flight and wait)
+    and rejoin (open the clique of the new generation)."""
 
     TRAIN = "train"
     VALID = "valid"
     CHECKPOINT = "checkpoint"
     STOP = "stop"
+    HOLD = "hold"
+    REJOIN = "rejoin"
 
     @property
     def phase(self) -> Phase:
-        """The phase a rank is in while it carries this command out: the kind's value."""
-        return self.value
+        """The phase a rank is in while it carries this command out: the kind's value
+        (``'recover'`` for HOLD and REJOIN)."""
+        if self in (CommandKind.HOLD, CommandKind.REJOIN):
+            return "recover"
+        return self.value  # type: ignore[no-any-return]  # every other value is a Phase
 
 
 def _check_count(name: str, value: object) -> None:
@@ -48,8 +56,14 @@ class Command:
     its training data, its RNG states). ``error`` is set only on a STOP that aborts the run:
     followers then raise :class:`lampdist.RankFailed` (``rank=0``) with it.
 
-    Raises :class:`lampdist.ConfigError` for a negative count, a non-finite ``lr_factor`` or an
-    ``error`` on anything but STOP.
+    HOLD tells the survivors of a lost rank to abandon the work in flight and wait up to
+    ``timeout`` seconds for the root's next command; its ``error`` says which rank was lost
+    and why. REJOIN carries the ``clique_id`` of the clique's next generation, which every
+    rank opens before the root redoes the pass in flight.
+
+    Raises :class:`lampdist.ConfigError` for a negative count, a non-finite ``lr_factor``, an
+    ``error`` on anything but STOP and HOLD, a ``clique_id`` on anything but REJOIN (which
+    needs one) and a ``timeout`` on anything but HOLD.
     """
 
     kind: CommandKind
@@ -57,6 +71,8 @@ class Command:
     pass_index: int
     lr_factor: float | None = None
     error: str | None = None
+    clique_id: CliqueId | None = None
+    timeout: float | None = None
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.kind, CommandKind):
@@ -72,8 +88,19 @@ class Command:
         if self.error is not None:
             if not isinstance(self.error, str):
                 raise ConfigError(f"Command.error must be a string, got {self.error!r}")
-            if self.kind is not CommandKind.STOP:
-                raise ConfigError("only a STOP command carries an error")
+            if self.kind not in (CommandKind.STOP, CommandKind.HOLD):
+                raise ConfigError("only a STOP or HOLD command carries an error")
+        if (self.clique_id is not None) != (self.kind is CommandKind.REJOIN):
+            raise ConfigError("a REJOIN command, and only it, carries a clique_id")
+        if self.timeout is not None:
+            if self.kind is not CommandKind.HOLD:
+                raise ConfigError("only a HOLD command carries a timeout")
+            if (
+                not isinstance(self.timeout, int | float)
+                or isinstance(self.timeout, bool)
+                or not self.timeout > 0
+            ):
+                raise ConfigError(f"Command.timeout must be > 0 seconds, got {self.timeout!r}")
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (the wire form); an overlong ``error`` is cut to MAX_TEXT_CHARS."""
@@ -86,6 +113,10 @@ class Command:
             data["lr_factor"] = float(self.lr_factor)
         if self.error is not None:
             data["error"] = clip_text(self.error)
+        if self.clique_id is not None:
+            data["clique_id"] = self.clique_id.to_json()
+        if self.timeout is not None:
+            data["timeout"] = float(self.timeout)
         return data
 
     @classmethod
@@ -106,6 +137,10 @@ class Command:
             raise ProtocolError(f"a command's 'lr_factor' must be a number, got {lr_factor!r}")
         if error is not None and (not isinstance(error, str) or len(error) > MAX_TEXT_CHARS):
             raise ProtocolError("a command's 'error' must be a string of bounded length")
+        timeout, clique = data.get("timeout"), data.get("clique_id")
+        if timeout is not None and not isinstance(timeout, int | float):
+            raise ProtocolError(f"a command's 'timeout' must be a number, got {timeout!r}")
+        clique_id = None if clique is None else CliqueId.from_json(clique)
         try:
             return cls(
                 kind=kind,
@@ -113,6 +148,8 @@ class Command:
                 pass_index=pass_index,
                 lr_factor=lr_factor,
                 error=error,
+                clique_id=clique_id,
+                timeout=timeout,
             )
         except ConfigError as exc:
             raise ProtocolError(f"invalid command: {exc.message}") from None

@@ -29,7 +29,7 @@ from anyio.abc import ObjectSendStream
 
 from .._clique_id import CliqueId
 from .._defaults import JOIN_TIMEOUT
-from .._errors import ConfigError, Phase
+from .._errors import ConfigError, LampdistError, Phase
 from ._command import Command
 
 __all__ = [
@@ -130,6 +130,22 @@ class RootChannel(Protocol):
         :class:`lampdist.RankFailed`, :class:`lampdist.LampdistTimeout` for a missing
         acknowledgement), so a STOP carrying an error still reaches the survivors. Publish
         the clique id first; nothing follows STOP (:class:`lampdist.ControlError`).
+        """
+        ...
+
+    async def lost_followers(self) -> dict[int, LampdistError]:
+        """The followers that failed or left without STOP, by rank, with their errors (as
+        :meth:`watch` would raise them); empty while every follower is well."""
+        ...
+
+    async def forget(self, ranks: Collection[int]) -> None:
+        """Begin the clique's next generation without the followers ``ranks`` (the root's
+        recovery of lost ranks, see :class:`lampdist.Recovery`): close their connections if
+        any are still open, forget their failures, and let new processes join as them; the
+        clique id is withdrawn, and joiners wait for the next :meth:`publish_clique_id`.
+
+        Raises :class:`lampdist.ConfigError` where followers cannot be replaced (the
+        in-process channel: its followers are tasks of the root's process).
         """
         ...
 

@@ -161,7 +161,7 @@ class TcpRootChannel(ChannelLifecycle):
                 session.lost("the root's connection handler failed")
         finally:
             await aclose_shielded(framed, raw)
-            if session is not None:
+            if session is not None and not session.forgotten:
                 self._registry.leave(session.rank)
 
     async def _handshake(self, framed: FramedStream, peer: str) -> FollowerSession:
@@ -201,6 +201,7 @@ class TcpRootChannel(ChannelLifecycle):
         session.enqueue(encode_frame(welcome, self._settings.max_frame_bytes))
         if self._registry.clique_id is not None:
             session.enqueue(self._clique_frame(self._registry.clique_id))
+            session.clique_sent = True
         logger.debug("rank %d joined from %s", rank, peer, extra={"rank": rank})
         return session
 
@@ -215,7 +216,27 @@ class TcpRootChannel(ChannelLifecycle):
             return
         frame = self._clique_frame(clique_id)
         for session in self._sessions.values():
-            session.enqueue(frame)
+            if not session.clique_sent:  # the others learn a new generation's id by REJOIN
+                session.enqueue(frame)
+                session.clique_sent = True
+
+    async def lost_followers(self) -> dict[int, LampdistError]:
+        """See :meth:`RootChannel.lost_followers`."""
+        await anyio.lowlevel.checkpoint()
+        return self._registry.lost_followers()
+
+    async def forget(self, ranks: Collection[int]) -> None:
+        """See :meth:`RootChannel.forget`."""
+        self._check_open("recover")
+        await anyio.lowlevel.checkpoint()
+        for rank in ranks:
+            session = self._sessions.pop(rank, None)
+            if session is not None:
+                session.forget()
+        self._registry.forget(ranks)
+        logger.info(
+            "forgot ranks %s: new processes may join as them", sorted(ranks), extra={"rank": 0}
+        )
 
     async def peers(self) -> int:
         """See :meth:`RootChannel.peers`."""

@@ -53,6 +53,12 @@ class FollowerSession:
     stop_seq: int | None = None
     ack_round: AckRound | None = None
     ended: bool = False
+    clique_sent: bool = False
+    """Whether the follower has been sent the clique id (it takes one per connection)."""
+    forgotten: bool = False
+    """Whether the root forgot this follower (see :meth:`forget`): from then on the session
+    tells the registry nothing, since a new process may hold its rank."""
+    _scope: anyio.CancelScope | None = None
 
     def __attrs_post_init__(self) -> None:
         self._outbox, self._outbox_out = anyio.create_memory_object_stream[bytes](math.inf)
@@ -85,6 +91,16 @@ class FollowerSession:
             await self.framed.send_frame(frame)
             self._live.sending_since = None
 
+    def forget(self) -> None:
+        """End the session for good (the root's recovery replaces its follower): its
+        connection closes and its rank is no longer this session's to report on."""
+        self.forgotten = True
+        self.ended = True
+        if self.ack_round is not None:
+            self.ack_round.settle(self.rank)
+        if self._scope is not None:
+            self._scope.cancel()
+
     def _end(self, error: LampdistError) -> None:
         if not self.ended:
             self.ended = True
@@ -98,6 +114,9 @@ class FollowerSession:
     async def run(self) -> None:
         try:
             async with anyio.create_task_group() as task_group:
+                self._scope = task_group.cancel_scope
+                if self.forgotten:
+                    task_group.cancel_scope.cancel()
                 task_group.start_soon(self._read, task_group)
                 task_group.start_soon(self._write, task_group)
                 task_group.start_soon(self._watchdog, task_group)
@@ -126,7 +145,7 @@ class FollowerSession:
         task_group.cancel_scope.cancel()
 
     def _on_message(self, message: Message) -> None:
-        if isinstance(message, Ping):
+        if isinstance(message, Ping) or self.forgotten:
             return
         if isinstance(message, Ack):
             if self.stop_seq is not None and message.seq >= self.stop_seq:
