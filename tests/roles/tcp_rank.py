@@ -23,12 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import anyio
+import attrs
 import torch
 
 import lampdist
@@ -148,12 +150,10 @@ def stalling(batches: list[Any], at: int) -> Any:
     return Stalling(batches)
 
 
-def dying(batches: list[Any], after: int, marker: Path) -> Any:
-    """``batches``, but the process kills itself (SIGKILL) as it takes its ``after``-th
-    training batch, unless ``marker`` exists (it is written first: a replacement process
-    started with the same command lives on). Each marker line is one death."""
-    import signal
-
+def dying(batches: list[Any], after: int, marker: Path, signum: int) -> Any:
+    """``batches``, but the process sends itself ``signum`` (SIGKILL, or SIGSTOP: it stalls)
+    as it takes its ``after``-th training batch, unless ``marker`` exists (it is written
+    first: a replacement process started with the same command lives on)."""
     taken = [0]
 
     def source() -> Any:
@@ -161,7 +161,7 @@ def dying(batches: list[Any], after: int, marker: Path) -> Any:
             taken[0] += 1
             if taken[0] == after and not marker.exists():
                 marker.write_text("killed\n")
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), signum)
             yield batch
 
     return source
@@ -255,6 +255,9 @@ async def main(argv: list[str]) -> None:
     parser.add_argument("--window", type=int, default=None, help="steps_per_epoch")
     parser.add_argument("--heartbeat", type=float, default=None, help="heartbeat_timeout (s)")
     parser.add_argument(
+        "--signal", default="SIGKILL", choices=["SIGKILL", "SIGSTOP"], help="--die-after's"
+    )
+    parser.add_argument(
         "--die-after",
         type=int,
         default=None,
@@ -300,7 +303,8 @@ async def main(argv: list[str]) -> None:
     if args.stall_at is not None and args.rank == 1:
         train = stalling(train, args.stall_at)
     if args.die_after is not None:
-        train = dying(train, args.die_after, args.out / f"died-{args.rank}")
+        marker = args.out / f"died-{args.rank}"
+        train = dying(train, args.die_after, marker, getattr(signal, args.signal))
     if args.concatenated:  # one rank, each batch the two ranks' batches of its step
         train, valid = (
             concatenated(make_shards(SIZES, seed=1)),
@@ -343,6 +347,9 @@ async def main(argv: list[str]) -> None:
             stop.set()
         if event.kind == "train" and event.epoch == args.cancel_in_epoch and not event.done:
             cancelled.cancel()  # the root's task is cancelled in the middle of a pass
+        if event.recovered is not None:
+            with (args.out / "recovered.jsonl").open("a") as file:
+                file.write(json.dumps(attrs.asdict(event.recovered)) + "\n")
 
     if args.rank == 0:
         async with control.tcp_root(
@@ -397,4 +404,7 @@ async def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    import logging
+
+    logging.basicConfig(level=os.environ.get("TCP_RANK_LOG", "WARNING"))
     anyio.run(main, sys.argv[1:])

@@ -214,7 +214,7 @@ class _Follower:
             except _Held as held:
                 if held.command is not None:
                     self._hold(held.command)
-                runner.clique.abort(f"rank {self.context.rank} holds: a rank was lost")
+                runner.clique.abandon(f"rank {self.context.rank} holds: a rank was lost")
                 return True
             except Exception as exc:
                 leaf = most_telling(exc)

@@ -616,7 +616,7 @@ class _Root:
         survivors to HOLD, close the clique. Returns the followers lost meanwhile."""
         control = self.control
         if self.runner is not None:
-            self.runner.clique.abort(f"rank(s) {sorted(ranks)} were lost")
+            self.runner.clique.abandon(f"rank(s) {sorted(ranks)} were lost")
         await control.forget(ranks)
         more: set[int] = set()
         try:

@@ -117,6 +117,15 @@ class Clique:
         """
         self._transport.abort(reason)
 
+    def abandon(self, reason: str) -> None:
+        """:meth:`abort`, for a clique given up because a peer is lost: its teardown then
+        does not wait for the collectives in flight, which a stalled peer (a stopped
+        process, a machine gone without closing its connections) holds until they time
+        out. Over process groups the group is left to end in the background. The root's
+        recovery of a lost rank (:class:`lampdist.Recovery`) abandons the clique of the
+        generation it ends."""
+        self._transport.abandon(reason)
+
     def start_broadcast(self, tensors: Sequence[torch.Tensor], root: int = 0) -> PendingCollective:
         """Start :meth:`broadcast` and return at once; callable from any thread."""
         checked = self._tensors("broadcast", tensors)

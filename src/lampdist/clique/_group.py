@@ -67,6 +67,7 @@ _NCCL_TEARDOWN = threading.Lock()
 # before it leaves the group behind: a destructor may never return, and the clique's exit
 # must not wait for it forever (docs/reliability.md, Limits).
 _RELEASE_LIMIT = 60.0
+_ABANDON_LIMIT = 1.0  # the same for a clique abandoned (Clique.abandon): a stalled peer
 
 
 @attrs.define(eq=False)
@@ -90,6 +91,8 @@ class Group:
     _failure: Failure | None = attrs.field(default=None, init=False, repr=False)
     _closing: bool = attrs.field(default=False, init=False, repr=False)
     _threads: list[threading.Thread] = attrs.field(factory=list, init=False, repr=False)
+    _abandoned: bool = attrs.field(default=False, init=False)
+    """Whether the teardown leaves the collectives in flight behind (:meth:`abandon`)."""
     _queue: queue.SimpleQueue[Any] | None = attrs.field(default=None, init=False, repr=False)
     _wake_reader: socket.socket | None = attrs.field(default=None, init=False, repr=False)
     _wake_writer: socket.socket | None = attrs.field(default=None, init=False, repr=False)
@@ -509,6 +512,13 @@ class Group:
             finally:
                 del pg
 
+    def abandon(self, reason: str) -> None:
+        """Abort (see :meth:`_announce_abort`), and have the teardown leave the collectives
+        in flight behind rather than wait for them: a stalled peer may hold them until they
+        time out."""
+        self._abandoned = True
+        self._announce_abort(reason)
+
     def _announce_abort(self, reason: str) -> None:
         self._fail((CollectiveFailed, f"the clique was torn down on rank {self.rank}: {reason}"))
         post_notice(self._keys, self.rank, reason)
@@ -531,7 +541,9 @@ class Group:
                 await anyio.to_thread.run_sync(self._announce_abort, reason, limiter=limiter)
             # After an abort NCCL's kernels are gone and their completions may never be
             # reported; Gloo's works end once the peers, told above, close their sockets.
-            drained = (abnormal and self.backend == "nccl") or await self._drain()
+            drained = (
+                (abnormal and self.backend == "nccl") or self._abandoned or await self._drain()
+            )
             if not drained and not abnormal:
                 abnormal = True
                 await anyio.to_thread.run_sync(
@@ -615,9 +627,10 @@ class Group:
         del pg, pending
         drop_within(
             last,
-            _RELEASE_LIMIT,
+            _ABANDON_LIMIT if self._abandoned else _RELEASE_LIMIT,
             lock=_NCCL_TEARDOWN if self.backend == "nccl" else None,
             rank=self.rank,
+            abandoned=self._abandoned,
         )
         if self.owns_default and dist.is_initialized():
             try:
@@ -672,7 +685,14 @@ def open_default_group(
     )
 
 
-def drop_within(last: list[Any], limit: float, *, lock: threading.Lock | None, rank: int) -> bool:
+def drop_within(
+    last: list[Any],
+    limit: float,
+    *,
+    lock: threading.Lock | None,
+    rank: int,
+    abandoned: bool = False,
+) -> bool:
     """Empty ``last``, the only references to a process group and its works, in a thread of
     its own (under ``lock`` when given) and wait up to ``limit`` seconds for it.
 
@@ -690,6 +710,14 @@ def drop_within(last: list[Any], limit: float, *, lock: threading.Lock | None, r
     thread.join(limit)
     if not thread.is_alive():
         return True
+    if abandoned:
+        logger.info(
+            "rank %d: %s: the abandoned process group ends in the background once its "
+            "collectives in flight fail or time out",
+            rank,
+            _TEARDOWN,
+        )
+        return False
     logger.error(
         "rank %d: %s: the process group was not destroyed within %g s; leaving it behind "
         "(its threads and device memory stay until the process exits)",

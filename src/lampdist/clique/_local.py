@@ -360,6 +360,9 @@ class _Member:
     def abort(self, reason: str) -> None:
         self.hub.abort(self.rank, reason)
 
+    def abandon(self, reason: str) -> None:
+        self.hub.abort(self.rank, reason)  # in process, nothing is left in flight
+
     def explain(self, exc: BaseException, phase: Phase) -> Failure | None:
         return None  # every collective of the ranks of one process goes through the hub
 

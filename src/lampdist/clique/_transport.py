@@ -47,6 +47,10 @@ class Transport(Protocol):
     def abort(self, reason: str) -> None:
         """Break the clique on purpose (see :meth:`~lampdist.Clique.abort`)."""
 
+    def abandon(self, reason: str) -> None:
+        """Break the clique and leave what is in flight behind (see
+        :meth:`~lampdist.Clique.abandon`)."""
+
     def explain(self, exc: BaseException, phase: Phase) -> Failure | None:
         """What the clique knows of a failure seen outside it (see
         :meth:`~lampdist.Clique.explain`)."""
@@ -163,6 +167,9 @@ class GroupTransport:
 
     def abort(self, reason: str) -> None:
         self.group._announce_abort(reason)
+
+    def abandon(self, reason: str) -> None:
+        self.group.abandon(reason)
 
     def explain(self, exc: BaseException, phase: Phase) -> Failure | None:
         return self.group.explain(exc, phase)
