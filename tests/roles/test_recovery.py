@@ -361,3 +361,72 @@ def test_hold_and_rejoin_carry_what_they_need_and_nothing_else() -> None:
     ]:
         with pytest.raises(lampdist.ConfigError, match=message):
             Command(epoch=0, pass_index=0, **bad)  # type: ignore[arg-type]
+
+
+# -- a rank alone re-forms its clique (on a GPU too) -----------------------------------------
+
+
+def _reforming(device: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A root alone over process groups trains two passes, uninterrupted; then again, but
+    the second pass is abandoned half-way as if a rank were lost, and the root recovers:
+    its clique's next generation, its state put back from the snapshot, the pass redone.
+    Both runs' final weights."""
+    from lampdist._roles._rank import RunOptions, open_rank
+    from lampdist._roles._root import _Root
+    from lampdist.clique import ProcessGroups
+
+    from .reference import make_model, make_shards, mse
+
+    train = [(x.to(device), y.to(device)) for x, y in make_shards([[5, 7, 3, 9]], seed=1)[0]]
+
+    async def run(abandon: bool) -> dict[str, torch.Tensor]:
+        module = make_model(seed=0).to(device)
+        model = lampdist.SupervisedModel(module, mse)
+        data = lampdist.ModelWithData(model=model, train_batches=lambda: train)
+        options = RunOptions(
+            lambda p: torch.optim.AdamW(p, lr=0.05),
+            lampdist.StepOptions(),
+            lampdist.Timeouts(),
+            None,
+            ProcessGroups(),
+        )
+        loop = lampdist.LoopOptions(max_epochs=2, recovery=lampdist.Recovery(rejoin_timeout=10))
+        async with (
+            control.tcp_root("127.0.0.1", 0, nranks=1, secret="s") as channel,
+            open_rank(0, 1, torch.device(device), data, options) as context,
+        ):
+            root = _Root(context=context, control=channel, loop=loop, resume=None, lr_state=0)
+            await root._open_generation(10)
+            await context.agree_and_sync(root._runner())
+            await root._take_snapshot()
+            await root._train_epoch(1.0)
+            first = root._runner().clique
+            if abandon:  # half a pass of damage, then the loss of a (phantom) rank 1
+                await root._runner().train_pass(
+                    lambda: train[:2], epoch=1, pass_index=1, lr_factor=1.0
+                )
+                lost = lampdist.PeerDisconnected("gone", rank=1, phase="train")
+                await root._recover({1: lost}, lost)
+                assert root._runner().clique is not first  # the next generation
+            await root._train_epoch(1.0)
+            await root._close_generation(None)
+        return {name: t.detach().cpu().clone() for name, t in module.state_dict().items()}
+
+    async def both() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return await run(False), await run(True)
+
+    return anyio.run(both)
+
+
+def test_a_rank_alone_reforms_its_clique_and_goes_back_to_its_snapshot() -> None:
+    want, got = _reforming("cpu")
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_rank_alone_reforms_its_nccl_clique_and_goes_back_to_its_snapshot() -> None:
+    want, got = _reforming("cuda:0")
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
