@@ -51,6 +51,10 @@ STEPS = "tests/roles/test_local_steps.py"
 BLAME = "tests/roles/test_local_blame.py"
 FSDP = "tests/roles/test_fsdp.py"
 NAMES_RANKS = BLAME + "::test_a_non_finite_loss_names_the_ranks_it_came_from"
+RECOVERY = "tests/roles/test_recovery.py"
+KILLED = RECOVERY + "::test_a_killed_follower_is_replaced_and_the_run_ends_as_if_nothing_happened"
+STALLED = RECOVERY + "::test_a_stalled_follower_is_replaced_and_its_process_told_to_go"
+REFORMS = RECOVERY + "::test_a_rank_alone_reforms_its_clique_and_goes_back_to_its_snapshot"
 
 MUTANTS = [
     Mutant(
@@ -614,6 +618,79 @@ MUTANTS = [
         old="        if _from_a_backend(exc):  # a collective of another group",
         new="        if False:",
         tests=(FSDP + "::test_a_stalled_follower_times_out_as_a_collective_not_as_the_model",),
+    ),
+    Mutant(
+        name="recovery-keeps-the-live-state",
+        guarantee="a recovery puts the root's model and optimizer back at the snapshot",
+        path="_roles/_root.py",
+        old="        await context.compute.run(self._restore, state)\n",
+        new="",
+        tests=(REFORMS,),
+    ),
+    Mutant(
+        name="recovery-loads-the-snapshot-itself",
+        guarantee="a second loss in a pass goes back to the snapshot, not to what was stepped",
+        path="_roles/_root.py",
+        old="        state = fresh(self.snapshot)\n",
+        new="        state = self.snapshot\n",
+        tests=(REFORMS,),
+    ),
+    Mutant(
+        name="recovery-forgets-the-ranks-places",
+        guarantee="every rank goes back to its place in its data and its RNG states",
+        path="_roles/_root.py",
+        old="self._runner(), resume=state))",
+        new="self._runner()))",
+        tests=(KILLED + "[every_rank-windows]",),
+    ),
+    Mutant(
+        name="recovery-waits-for-the-stalled",
+        guarantee="a stalled peer does not hold the old generation's teardown",
+        path="_roles/_root.py",
+        old='            self.runner.clique.abandon(f"rank(s) {sorted(ranks)} were lost")',
+        new='            self.runner.clique.abort(f"rank(s) {sorted(ranks)} were lost")',
+        tests=(STALLED,),
+    ),
+    Mutant(
+        name="hold-not-read-during-a-pass",
+        guarantee="a follower blocked in a collective with a stalled peer is freed by HOLD",
+        path="_roles/_follower.py",
+        old="""            if command.kind is CommandKind.HOLD:
+                held.append(command)
+                scope.cancel()
+            else:
+                self.pending = command""",
+        new="""            self.pending = command""",
+        tests=(STALLED,),
+    ),
+    Mutant(
+        name="survivor-ignores-the-roots-hold",
+        guarantee="a follower whose collective broke waits for the root's HOLD",
+        path="_roles/_follower.py",
+        old="""                if command.kind is CommandKind.HOLD:
+                    return command
+                if command.kind is CommandKind.STOP:""",
+        new="""                if command.kind is CommandKind.STOP:""",
+        tests=(KILLED + "[root]",),
+    ),
+    Mutant(
+        name="replacement-refusal-ends-the-run",
+        guarantee="a replacement that fails the agreement check is refused and the root waits",
+        path="_roles/_root.py",
+        old="            except MismatchError as refused:",
+        new="            except ZeroDivisionError as refused:",
+        tests=(
+            RECOVERY
+            + "::test_a_replacement_that_disagrees_is_refused_and_the_root_waits_for_another",
+        ),
+    ),
+    Mutant(
+        name="recoveries-unbounded",
+        guarantee="more losses than max_recoveries end the run",
+        path="_roles/_root.py",
+        old="        if self.recoveries > recovery.max_recoveries:",
+        new="        if False:",
+        tests=(RECOVERY + "::test_recoveries_beyond_max_recoveries_end_the_run",),
     ),
 ]
 

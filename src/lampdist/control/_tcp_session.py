@@ -145,7 +145,7 @@ class FollowerSession:
         task_group.cancel_scope.cancel()
 
     def _on_message(self, message: Message) -> None:
-        if isinstance(message, Ping) or self.forgotten:
+        if isinstance(message, Ping):
             return
         if isinstance(message, Ack):
             if self.stop_seq is not None and message.seq >= self.stop_seq:
