@@ -63,3 +63,14 @@ def bench(session: nox.Session) -> None:
     """The benchmarks' short CPU configuration; pass arguments after ``--``."""
     install(session, "test")
     session.run("python", "benchmarks/throughput.py", *(session.posargs or ["--mode", "cpu"]))
+
+
+@nox.session
+def chaos(session: nox.Session) -> None:
+    """The chaos run (benchmarks/chaos.py): about 20 faults; arguments after ``--`` override.
+
+    A root and followers over TCP on 127.0.0.1, killed, stopped, signalled and cut off at
+    random moments of seed 1; ``-- --seed 7 --followers 3 --json chaos.json`` for others.
+    """
+    install(session, "test")
+    session.run("python", "benchmarks/chaos.py", "--faults", "20", "--seed", "1", *session.posargs)

@@ -671,7 +671,7 @@ MUTANTS = [
                     return command
                 if command.kind is CommandKind.STOP:""",
         new="""                if command.kind is CommandKind.STOP:""",
-        tests=(KILLED + "[root]",),
+        tests=(KILLED,),
     ),
     Mutant(
         name="replacement-refusal-ends-the-run",

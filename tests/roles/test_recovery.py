@@ -114,27 +114,28 @@ def assert_same_run(got: Path, want: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "args",
+    ("args", "die_after"),
     [
-        ["--step-on", "root"],
-        ["--step-on", "every_rank", "--optimizer", "adamw", "--window", "2"],
-        ["--step-on", "sharded", "--optimizer", "adamw", "--metrics", "--shuffle"],
+        (["--step-on", "root"], "3"),
+        (["--step-on", "every_rank", "--optimizer", "adamw", "--window", "2"], "13"),
+        (["--step-on", "sharded", "--optimizer", "adamw", "--metrics", "--shuffle"], "3"),
     ],
     ids=["root", "every_rank-windows", "sharded-metrics"],
 )
 def test_a_killed_follower_is_replaced_and_the_run_ends_as_if_nothing_happened(
-    tmp_path: Path, args: list[str]
+    tmp_path: Path, args: list[str], die_after: str
 ) -> None:
-    """Rank 2 is SIGKILLed in the middle of a training pass; the same command started again
-    joins, the survivors (rank 1) hold and go on without restarting, the pass in flight is
-    redone, and every rank's final weights and the learning curve equal an uninterrupted
-    run's bitwise."""
+    """Rank 2 is SIGKILLed in the middle of a training pass (with windows, of the second
+    window: every rank goes back to its place in its training stream); the same command
+    started again joins, the survivors (rank 1) hold and go on without restarting, the pass
+    in flight is redone, and every rank's final weights and the learning curve equal an
+    uninterrupted run's bitwise."""
     args = [*args, "--epochs", "3"]
     uninterrupted(tmp_path / "want", args)
     job = Job(
         tmp_path / "got",
         [*args, "--recovery", "60"],
-        {0: ["--die-after", NEVER], 1: ["--die-after", NEVER], 2: ["--die-after", "3"]},
+        {0: ["--die-after", NEVER], 1: ["--die-after", NEVER], 2: ["--die-after", die_after]},
     )
     try:
         assert job.wait_for(2) == -signal.SIGKILL
@@ -368,9 +369,9 @@ def test_hold_and_rejoin_carry_what_they_need_and_nothing_else() -> None:
 
 def _reforming(device: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """A root alone over process groups trains two passes, uninterrupted; then again, but
-    the second pass is abandoned half-way as if a rank were lost, and the root recovers:
-    its clique's next generation, its state put back from the snapshot, the pass redone.
-    Both runs' final weights."""
+    the second pass is abandoned half-way as if a rank were lost, twice, and each time the
+    root recovers: its clique's next generation, its state put back from the same
+    snapshot, the pass redone. Both runs' final weights."""
     from lampdist._roles._rank import RunOptions, open_rank
     from lampdist._roles._root import _Root
     from lampdist.clique import ProcessGroups
@@ -379,7 +380,7 @@ def _reforming(device: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Te
 
     train = [(x.to(device), y.to(device)) for x, y in make_shards([[5, 7, 3, 9]], seed=1)[0]]
 
-    async def run(abandon: bool) -> dict[str, torch.Tensor]:
+    async def run(losses: int) -> dict[str, torch.Tensor]:
         module = make_model(seed=0).to(device)
         model = lampdist.SupervisedModel(module, mse)
         data = lampdist.ModelWithData(model=model, train_batches=lambda: train)
@@ -401,7 +402,7 @@ def _reforming(device: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Te
             await root._take_snapshot()
             await root._train_epoch(1.0)
             first = root._runner().clique
-            if abandon:  # half a pass of damage, then the loss of a (phantom) rank 1
+            for _ in range(losses):  # damage, then the loss of a (phantom) rank 1
                 await root._runner().train_pass(
                     lambda: train[:2], epoch=1, pass_index=1, lr_factor=1.0
                 )
@@ -413,7 +414,7 @@ def _reforming(device: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Te
         return {name: t.detach().cpu().clone() for name, t in module.state_dict().items()}
 
     async def both() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        return await run(False), await run(True)
+        return await run(0), await run(2)
 
     return anyio.run(both)
 

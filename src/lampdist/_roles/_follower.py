@@ -40,6 +40,7 @@ from ._failures import (
     watch_peers,
 )
 from ._rank import RankContext, RunOptions, check_optimizer_factory, check_rank, open_rank
+from ._stopping import abandoned_stop
 
 __all__ = ["follow", "follow_distributed_training"]
 
@@ -362,9 +363,12 @@ class _Follower:
                 raise culprit from leaf
         if not self.tracker.reported and _root_must_hear(leaf):
             # Only an original error: a failed or timed-out collective here is the
-            # consequence of a failure elsewhere, and the root must not blame us.
+            # consequence of a failure elsewhere, and the root must not blame us. A stop
+            # this rank abandoned (a signal) is reported in phase 'stop': the root's
+            # recovery takes such a rank as lost, since a new process would not repeat it.
+            phase: Phase = "stop" if abandoned_stop(leaf) else self.tracker.current
             with anyio.CancelScope(shield=True):
-                await _report(self.control, self.tracker.current, error)
+                await _report(self.control, phase, error)
 
     async def _follow_commands(
         self, runner: PassRunner, commands: MemoryObjectReceiveStream[Command]

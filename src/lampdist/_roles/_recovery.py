@@ -28,6 +28,7 @@ from .._errors import (
     LampdistError,
     LampdistTimeout,
     PeerDisconnected,
+    RankFailed,
 )
 from .._state import LoopState, TrainingState
 from ..checkpoint import Resumed
@@ -42,12 +43,15 @@ setup) before it gives up on the root's REJOIN."""
 def is_lost(error: LampdistError) -> bool:
     """Whether ``error`` (a follower's, as the control channel reports it) is the loss of its
     process or connection, which a new process can make good: its channel closed or broke,
-    its heartbeats stopped, it acknowledged no command. A failure the follower reported
+    its heartbeats stopped, it acknowledged no command, or it left on a signal (it reports
+    the stop it abandoned in phase ``'stop'``). Any other failure the follower reported
     (:class:`~lampdist.RankFailed`: its own error) would come back with a new process."""
     if error.rank is None or error.rank < 1:
         return False
     if isinstance(error, PeerDisconnected):
         return True
+    if isinstance(error, RankFailed):
+        return error.phase == "stop"
     return isinstance(error, LampdistTimeout) and error.phase == "broadcast"
 
 

@@ -490,6 +490,7 @@ class _Root:
         """Every rank hands the root its part of a checkpoint, which the root keeps in
         memory with a copy of its model and optimizer state: what a recovery goes back to."""
         runner = self._runner()
+        self.tracker.current = "checkpoint"
         await self.control.broadcast(
             Command(
                 kind=CommandKind.CHECKPOINT, epoch=max(self.epoch, 0), pass_index=self.pass_index
