@@ -319,6 +319,7 @@ async def main(argv: list[str]) -> None:
     if args.fp16:
         module = module.float()
     model = lampdist.SupervisedModel(module, mse, metrics=metrics() if args.metrics else {})
+    train_source: Any
     if callable(train):  # dying
         train_source = train
     else:
@@ -337,7 +338,7 @@ async def main(argv: list[str]) -> None:
         recovery = lampdist.Recovery(
             rejoin_timeout=args.recovery, max_recoveries=args.max_recoveries
         )
-    liveness: dict[str, float] = {}
+    liveness: dict[str, Any] = {}
     if args.heartbeat is not None:
         liveness = {"heartbeat_interval": args.heartbeat / 4, "heartbeat_timeout": args.heartbeat}
 

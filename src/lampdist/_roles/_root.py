@@ -35,7 +35,7 @@ from .._preload import preload
 from .._state import LoopState, PassEvent, Recovered, TrainingState
 from ..checkpoint import Resumed, check_before_training, directory_of
 from ..clique import CliqueFactory, ProcessGroups
-from ..control import Command, CommandKind, RootChannel
+from ..control import Command, CommandKind, RecoverableRootChannel, RootChannel
 from ..schedules import LearningRateSchedule
 from ._failures import (
     PhaseTracker,
@@ -149,7 +149,7 @@ async def drive(
     entry points: the device resolved, the options built once."""
     check_optimizer_factory(0, run)
     _check_fsdp_loop(run.step, loop)
-    _check_recovery(nranks, run, loop)
+    _check_recovery(nranks, run, loop, control)
     lr_state = resumed_schedule_state(loop.learning_rate_schedule, resume)
     check_monitors(loop, data)
     if resume is not None and loop.max_epochs <= resume.epoch:
@@ -202,10 +202,10 @@ def _check_fsdp_loop(step: StepOptions, loop: LoopOptions) -> None:
             )
 
 
-def _check_recovery(nranks: int, run: RunOptions, loop: LoopOptions) -> None:
+def _check_recovery(nranks: int, run: RunOptions, loop: LoopOptions, control: RootChannel) -> None:
     """Raise :class:`ConfigError` for recovery where a lost rank's state is nowhere else
     (``step_on="fsdp"``: each rank holds its own shards) or its process cannot be replaced
-    (followers in the root's process, over in-process cliques)."""
+    (followers in the root's process, over in-process cliques or channels)."""
     if loop.recovery is None or nranks == 1:
         return
     if run.step.step_on == "fsdp":
@@ -216,10 +216,13 @@ def _check_recovery(nranks: int, run: RunOptions, loop: LoopOptions) -> None:
             rank=0,
             phase="configure",
         )
-    if run.cliques is not None and not isinstance(run.cliques, ProcessGroups):
+    in_process = not isinstance(control, RecoverableRootChannel)
+    if in_process or (run.cliques is not None and not isinstance(run.cliques, ProcessGroups)):
         raise ConfigError(
-            f"LoopOptions.recovery needs one process per rank over process groups, not "
-            f"{type(run.cliques).__name__} cliques: pass cliques=None or ProcessGroups(...)",
+            "LoopOptions.recovery needs one process per rank over process groups and a "
+            f"channel that can replace a follower, not {type(run.cliques).__name__} cliques "
+            f"over {type(control).__name__}: pass cliques=None or ProcessGroups(...) and "
+            "control=lampdist.control.tcp_root(...)",
             rank=0,
             phase="configure",
         )
@@ -507,7 +510,7 @@ class _Root:
         leaf = most_telling(error)
         if not is_consequence(leaf):
             return {}
-        control = self.control
+        control = self._recoverable()
         failures = await control.lost_followers()
         if not failures and isinstance(leaf, CliqueError | CliqueTimeout):
             await find_culprit(control.watch, self.tracker)
@@ -615,7 +618,7 @@ class _Root:
         """End the clique's generation without ``ranks``: abort the clique (which frees the
         root's collectives), forget the ranks (new processes may join as them), tell the
         survivors to HOLD, close the clique. Returns the followers lost meanwhile."""
-        control = self.control
+        control = self._recoverable()
         if self.runner is not None:
             self.runner.clique.abandon(f"rank(s) {sorted(ranks)} were lost")
         await control.forget(ranks)
@@ -638,6 +641,12 @@ class _Root:
             await control.forget(more)
         await self._close_generation(None)
         return more
+
+    def _recoverable(self) -> RecoverableRootChannel:
+        """The control channel, which :func:`_check_recovery` found able to replace
+        followers."""
+        assert isinstance(self.control, RecoverableRootChannel)
+        return self.control
 
     def _hold_timeout(self) -> float | None:
         """How long a survivor holds for the root's REJOIN: the root's own deadlines, plus a

@@ -14,6 +14,7 @@ from ._protocols import DEFAULT_BROADCAST_TIMEOUT as DEFAULT_BROADCAST_TIMEOUT
 from ._protocols import DEFAULT_JOIN_TIMEOUT as DEFAULT_JOIN_TIMEOUT
 from ._protocols import USE_CHANNEL_DEFAULT as USE_CHANNEL_DEFAULT
 from ._protocols import FollowerChannel as FollowerChannel
+from ._protocols import RecoverableRootChannel as RecoverableRootChannel
 from ._protocols import RootChannel as RootChannel
 from ._protocols import UseChannelDefault as UseChannelDefault
 from ._settings import DEFAULT_HANDSHAKE_TIMEOUT as DEFAULT_HANDSHAKE_TIMEOUT
@@ -37,6 +38,7 @@ __all__ = [  # noqa: RUF022  # plain sorted(), as tests/test_public_api.py check
     "DEFAULT_MAX_FRAME_BYTES",
     "FollowerChannel",
     "PROTOCOL_VERSION",
+    "RecoverableRootChannel",
     "RootChannel",
     "TcpFollowerChannel",
     "TcpRootChannel",

@@ -128,22 +128,6 @@ class LocalRootChannel(ChannelLifecycle):
                 )
             raise errors[0]
 
-    async def lost_followers(self) -> dict[int, LampdistError]:
-        """See :meth:`RootChannel.lost_followers`."""
-        await anyio.lowlevel.checkpoint()
-        return self._hub.registry.lost_followers()
-
-    async def forget(self, ranks: Collection[int]) -> None:
-        """See :meth:`RootChannel.forget`: in process, followers cannot be replaced."""
-        await anyio.lowlevel.checkpoint()
-        raise ConfigError(
-            "the in-process channel's followers are tasks of the root's process and cannot be "
-            f"replaced (ranks {sorted(ranks)}): recovery needs one process per rank over "
-            "lampdist.control.tcp_root",
-            rank=0,
-            phase="recover",
-        )
-
     async def wait_until_left(self, ranks: Collection[int], timeout: float) -> None:  # noqa: ASYNC109
         """See :meth:`RootChannel.wait_until_left`: returns at once, as the followers are
         tasks of this process, which has no order of exits to keep (and whose channels may

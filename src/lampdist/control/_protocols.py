@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Collection
 from types import TracebackType
-from typing import Final, NoReturn, Protocol, Self
+from typing import Final, NoReturn, Protocol, Self, runtime_checkable
 
 from anyio.abc import ObjectSendStream
 
@@ -37,6 +37,7 @@ __all__ = [
     "DEFAULT_JOIN_TIMEOUT",
     "USE_CHANNEL_DEFAULT",
     "FollowerChannel",
+    "RecoverableRootChannel",
     "RootChannel",
     "UseChannelDefault",
     "resolve_timeout",
@@ -133,22 +134,6 @@ class RootChannel(Protocol):
         """
         ...
 
-    async def lost_followers(self) -> dict[int, LampdistError]:
-        """The followers that failed or left without STOP, by rank, with their errors (as
-        :meth:`watch` would raise them); empty while every follower is well."""
-        ...
-
-    async def forget(self, ranks: Collection[int]) -> None:
-        """Begin the clique's next generation without the followers ``ranks`` (the root's
-        recovery of lost ranks, see :class:`lampdist.Recovery`): close their connections if
-        any are still open, forget their failures, and let new processes join as them; the
-        clique id is withdrawn, and joiners wait for the next :meth:`publish_clique_id`.
-
-        Raises :class:`lampdist.ConfigError` where followers cannot be replaced (the
-        in-process channel: its followers are tasks of the root's process).
-        """
-        ...
-
     async def wait_until_left(self, ranks: Collection[int], timeout: float) -> None:  # noqa: ASYNC109
         """Wait until the followers ``ranks`` have closed their channels, for at most
         ``timeout`` seconds; never raises on the timeout.
@@ -167,6 +152,27 @@ class RootChannel(Protocol):
         STOP or whose heartbeats stopped, :class:`lampdist.RankFailed` for one that reported
         a failure. A follower that leaves after it received STOP is no failure. Run it in a
         task group beside the training work so that a dead follower cancels the root.
+        """
+        ...
+
+
+@runtime_checkable
+class RecoverableRootChannel(RootChannel, Protocol):
+    """A root channel whose lost followers can be replaced, which the root's recovery needs
+    (see :class:`lampdist.Recovery`); the TCP channel is one. The in-process channel is not:
+    its followers are tasks of the root's process.
+    """
+
+    async def lost_followers(self) -> dict[int, LampdistError]:
+        """The followers that failed or left without STOP, by rank, with their errors (as
+        :meth:`watch` would raise them); empty while every follower is well."""
+        ...
+
+    async def forget(self, ranks: Collection[int]) -> None:
+        """Begin the clique's next generation without the followers ``ranks`` (the root's
+        recovery of lost ranks, see :class:`lampdist.Recovery`): close their connections if
+        any are still open, forget their failures, and let new processes join as them; the
+        clique id is withdrawn, and joiners wait for the next :meth:`publish_clique_id`.
         """
         ...
 
