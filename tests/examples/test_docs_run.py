@@ -315,6 +315,13 @@ def _big_models_page(directory: Path) -> dict[str, Any]:
     return namespace
 
 
+def _recovery_page(directory: Path) -> dict[str, Any]:
+    """The root alone (a one-rank launch) with recovery: a snapshot after every window."""
+    namespace = _shared(directory)
+    namespace["__given__"]["steps_per_epoch"] = 2
+    return namespace
+
+
 def _given(*parts: Callable[[Path], dict[str, Any]]) -> Callable[[Path], dict[str, Any]]:
     def given(directory: Path) -> dict[str, Any]:
         namespace: dict[str, Any] = {}
@@ -338,6 +345,7 @@ PAGES: dict[str, Page] = {
     "docs/howto-checkpoint-resume.md": Page(given=_shared),
     "docs/howto-metrics.md": Page(),
     "docs/howto-multinode.md": Page(given=_shared),
+    "docs/howto-recovery.md": Page(given=_recovery_page),
     "docs/howto-service.md": Page(given=_service, then=_open_the_service),
     "docs/howto-tls-secrets.md": Page(given=_given(_shared, _tls_files)),
     "docs/howto-trackers.md": Page(given=_trackers_page, then=then_trackers),

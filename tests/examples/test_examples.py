@@ -1,5 +1,6 @@
-"""The examples run as documented: in-process for the anyio script and the service, under
-torchrun (as a subprocess, two CPU ranks) for the torchrun script."""
+"""The examples run as documented: in-process for the anyio script and the service (whose
+jobs with followers start follower processes of their own), under torchrun (as a
+subprocess, two CPU ranks) for the torchrun script."""
 
 from __future__ import annotations
 
@@ -144,6 +145,112 @@ async def test_job_service_stops_a_job_after_its_epoch(service: ModuleType) -> N
             assert passes[-2:] == [(last_epoch, "train"), (last_epoch, "valid")]
             assert last_epoch < 100_000 - 1
             assert (await client.post("/jobs/99/stop")).status_code == 404
+
+
+def _passes(lines: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    return [(e["epoch"], e["kind"]) for e in lines if "epoch" in e]
+
+
+def _every_pass(epochs: int) -> list[tuple[int, str]]:
+    return [(epoch, kind) for epoch in range(epochs) for kind in ("train", "valid")]
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended and been waited for (no zombie left)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+async def _running(client: httpx.AsyncClient, job: int) -> dict[str, Any]:
+    """The job's summary once its first pass has ended (every follower joined by then)."""
+    while (summary := (await client.get(f"/jobs/{job}")).json())["last"] is None:
+        assert summary["status"] == "running", summary
+        await anyio.sleep(0.05)
+    return summary  # type: ignore[no-any-return]
+
+
+async def test_job_service_runs_a_job_with_follower_processes(service: ModuleType) -> None:
+    app, client = await _client_for(service)
+    with anyio.fail_after(60):
+        async with app.router.lifespan_context(app), client:
+            started = await client.post("/jobs", json={"epochs": 2, "followers": 2})
+            assert started.status_code == 201
+            assert started.json()["followers"] == 2
+            job = started.json()["id"]
+            lines = [
+                json.loads(line)
+                for line in (await client.get(f"/jobs/{job}/events")).text.splitlines()
+            ]
+            assert _passes(lines) == _every_pass(2)
+            assert lines[-1] == {"status": "done"}
+            summary = (await client.get(f"/jobs/{job}")).json()
+            assert summary["status"] == "done" and summary["restarts"] == 0, summary
+            assert sorted(summary["pids"]) == ["1", "2"]
+            assert all(_gone(pid) for pid in summary["pids"].values())  # waited for
+            for bad in (0, -1, 9, "2", 1.5, True):
+                answer = await client.post("/jobs", json={"epochs": 1, "followers": bad})
+                assert answer.status_code == 422, bad
+
+
+async def test_job_service_restarts_a_killed_follower_and_the_job_goes_on(
+    service: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A follower SIGKILLed in the middle of the job: the service starts it again, the root
+    takes it back in and redoes the pass in flight, and the job ends done."""
+    monkeypatch.setenv("JOB_SERVICE_BATCH_SECONDS", "0.01")  # a job of a few seconds
+    epochs = 30
+    app, client = await _client_for(service)
+    with anyio.fail_after(90):
+        async with app.router.lifespan_context(app), client:
+            job = (await client.post("/jobs", json={"epochs": epochs, "followers": 1})).json()
+            killed = (await _running(client, job["id"]))["pids"]["1"]
+            os.kill(killed, signal.SIGKILL)
+            lines = [
+                json.loads(line)
+                for line in (await client.get(f"/jobs/{job['id']}/events")).text.splitlines()
+            ]
+            summary = (await client.get(f"/jobs/{job['id']}")).json()
+    assert lines[-1] == {"status": "done"}, lines[-3:]
+    restarted = [e["restarted"] for e in lines if "restarted" in e]
+    assert restarted == [{"rank": 1, "returncode": -signal.SIGKILL, "restarts": 1}]
+    (recovered,) = [e["recovered"] for e in lines if "recovered" in e]
+    assert recovered["ranks"] == [1] and recovered["recoveries"] == 1, recovered
+    assert 0 < recovered["seconds"] < 60
+    assert recovered["phase"] in ("train", "checkpoint", "valid")
+    assert lines.index({"restarted": restarted[0]}) < lines.index({"recovered": recovered})
+    # every pass ended, once, but for the one in flight, which may end twice (a loss in the
+    # snapshot after it redoes it)
+    passes = _passes(lines)
+    assert list(dict.fromkeys(passes)) == _every_pass(epochs)
+    assert len(passes) <= 2 * epochs + 1
+    assert summary["status"] == "done" and summary["restarts"] == 1, summary
+    replacement = summary["pids"]["1"]
+    assert replacement != killed
+    assert _gone(killed) and _gone(replacement)
+
+
+async def test_job_service_cancels_a_job_with_followers_and_ends_their_processes(
+    service: ModuleType,
+) -> None:
+    """Cancelling a job ends its follower processes before it answers; so does the
+    service's own shutdown."""
+    app, client = await _client_for(service)
+    with anyio.fail_after(90):
+        async with app.router.lifespan_context(app), client:
+            job = (await client.post("/jobs", json={"epochs": 100_000, "followers": 2})).json()
+            pids = list((await _running(client, job["id"]))["pids"].values())
+            assert len(pids) == 2 and not any(_gone(pid) for pid in pids)
+            cancelled = await client.delete(f"/jobs/{job['id']}")
+            assert cancelled.json()["status"] == "cancelled"
+            assert cancelled.json()["restarts"] == 0  # a follower ended by its job is not lost
+            assert [pid for pid in pids if not _gone(pid)] == []
+            # a job still running when the service shuts down
+            job = (await client.post("/jobs", json={"epochs": 100_000, "followers": 1})).json()
+            last = list((await _running(client, job["id"]))["pids"].values())
+        assert [pid for pid in last if not _gone(pid)] == []
 
 
 def test_torchrun_script_stops_in_order_on_ctrl_c(tmp_path: Path) -> None:
