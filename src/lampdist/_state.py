@@ -99,7 +99,8 @@ class Recovered:
 
     ``ranks`` were lost in ``phase`` of ``epoch`` (pass ``pass_index``, which is redone from
     its start); ``seconds`` ran from the moment the root learned of the loss to the moment
-    every rank was back in step; ``recoveries`` counts the run's recoveries, this one
+    every rank was back in step, ``rejoin_seconds`` of them until the lost ranks' replacements
+    had joined (their start-up, mostly); ``recoveries`` counts the run's recoveries, this one
     included.
     """
 
@@ -108,6 +109,7 @@ class Recovered:
     epoch: int
     pass_index: int
     seconds: float
+    rejoin_seconds: float
     recoveries: int
     reason: str
 

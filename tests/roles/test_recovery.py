@@ -151,7 +151,7 @@ def test_a_killed_follower_is_replaced_and_the_run_ends_as_if_nothing_happened(
     (event,) = [json.loads(line) for line in (tmp_path / "got" / "recovered.jsonl").open()]
     assert event["ranks"] == [2] and event["recoveries"] == 1
     assert event["phase"] in ("train", "checkpoint", "valid")
-    assert 0 < event["seconds"] < 60
+    assert 0 < event["rejoin_seconds"] <= event["seconds"] < 60
 
 
 def test_a_stalled_follower_is_replaced_and_its_process_told_to_go(tmp_path: Path) -> None:

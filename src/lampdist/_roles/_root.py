@@ -325,6 +325,8 @@ class _Root:
     snapshot: Resumed | None = None
     """Under recovery: the state at the end of the last completed pass."""
     recoveries: int = 0
+    rejoined: float = 0.0
+    """When every follower had last joined (``time.monotonic()``)."""
     last_checkpoint: float = 0.0
     best_model_state: dict[str, torch.Tensor] | None = None
     pass_index: int = 0
@@ -416,6 +418,7 @@ class _Root:
             clique_id = await stack.enter_async_context(context.cliques.rendezvous(context.nranks))
             await control.publish_clique_id(clique_id)
             await control.wait_for_peers(context.nranks - 1, join_within)
+            self.rejoined = time.monotonic()
             if rejoin:
                 await control.broadcast(
                     Command(
@@ -581,10 +584,13 @@ class _Root:
                     raise
                 ranks |= set(more)
         seconds = time.monotonic() - started
+        waited = self.rejoined - started
         logger.warning(
-            "recovered rank(s) %s in %.2f s: pass %d (epoch %d) is redone from its start",
+            "recovered rank(s) %s in %.2f s (%.2f s of it until they rejoined): pass %d "
+            "(epoch %d) is redone from its start",
             sorted(ranks),
             seconds,
+            waited,
             pass_index,
             epoch,
             extra={"rank": 0, "epoch": epoch},
@@ -608,6 +614,7 @@ class _Root:
                         epoch=epoch,
                         pass_index=pass_index,
                         seconds=seconds,
+                        rejoin_seconds=waited,
                         recoveries=self.recoveries,
                         reason=reason,
                     ),
