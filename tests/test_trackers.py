@@ -601,3 +601,40 @@ def test_the_metrics_of_a_pass_end_are_scalars_of_their_own() -> None:
     assert scalars["valid/accuracy"] == 0.75
     assert (scalars["valid/per_class/0"], scalars["valid/per_class/1"]) == (1.0, 0.5)
     assert scalars["valid/loss"] == 0.5
+
+
+def test_a_recovery_takes_back_the_steps_of_the_pass_it_redoes() -> None:
+    """A follower lost during the snapshot after pass 0: pass 0 ended, then the recovery's
+    event, then pass 0 again. The redone pass's events keep their global steps, the next
+    pass's follow on as if the pass had run once, and the recovery is its own scalars."""
+    from lampdist.trackers._base import StepClock, event_scalars
+
+    clock = StepClock()
+    first = [clock.advance(event(0, step, done=step == 3)) for step in (1, 2, 3)]
+    recovered = lampdist.PassEvent(
+        epoch=0,
+        kind="train",
+        pass_index=0,
+        step=0,
+        batches=0,
+        total_batches=None,
+        examples=0,
+        loss=float("nan"),
+        seconds=1.5,
+        done=False,
+        recovered=lampdist.Recovered(
+            ranks=(2,),
+            phase="checkpoint",
+            epoch=0,
+            pass_index=0,
+            seconds=1.5,
+            rejoin_seconds=1.2,
+            recoveries=1,
+            reason="rank 2: PeerDisconnected",
+        ),
+    )
+    assert clock.advance(recovered) == 0
+    again = [clock.advance(event(0, step, done=step == 3)) for step in (1, 2, 3)]
+    assert again == first == [1, 2, 3]
+    assert clock.advance(event(1, 1)) == 4
+    assert event_scalars(recovered) == {"recovery/seconds": 1.5, "recovery/recoveries": 1.0}

@@ -152,9 +152,16 @@ def event_scalars(event: PassEvent) -> dict[str, float]:
     far) and ``train/examples_per_second``; the end of a training pass adds ``train/loss``;
     the end of a validation pass gives ``valid/loss`` and ``valid/examples_per_second``. The
     end of either adds the pass's metrics (:attr:`PassEvent.metrics`) as ``KIND/NAME``, a
-    vector-valued one as ``KIND/NAME/INDEX``.
+    vector-valued one as ``KIND/NAME/INDEX``. The event that reports an in-job recovery
+    (:attr:`PassEvent.recovered`) gives ``recovery/seconds`` and ``recovery/recoveries``
+    instead.
     """
     scalars: dict[str, float] = {}
+    if event.recovered is not None:
+        return {
+            "recovery/seconds": event.recovered.seconds,
+            "recovery/recoveries": float(event.recovered.recoveries),
+        }
     if event.kind == "train":
         scalars = {
             "train/running_loss": event.loss,
@@ -185,6 +192,8 @@ class StepClock:
 
     first_step: int = 0
     _finished: int = attrs.field(default=0, init=False)
+    _passes: dict[int, int] = attrs.field(factory=dict, init=False)
+    """The steps of each finished training pass, by pass index (a recovery may redo one)."""
 
     @property
     def step(self) -> int:
@@ -192,12 +201,17 @@ class StepClock:
         return self.first_step + self._finished
 
     def advance(self, event: PassEvent) -> int:
-        """The global step of ``event``; a training pass's last event ends its pass."""
+        """The global step of ``event``; a training pass's last event ends its pass. A
+        recovery's event takes back the steps of the pass it redoes, if that had ended."""
+        if event.recovered is not None:
+            self._finished -= self._passes.pop(event.pass_index, 0)
+            return self.step
         if event.kind != "train":
             return self.step
         step = self.step + event.step
         if event.done:
             self._finished += event.step
+            self._passes[event.pass_index] = event.step
         return step
 
 
