@@ -622,15 +622,15 @@ MUTANTS = [
     Mutant(
         name="recovery-keeps-the-live-state",
         guarantee="a recovery puts the root's model and optimizer back at the snapshot",
-        path="_roles/_root.py",
-        old="        await context.compute.run(self._restore, state)\n",
+        path="_roles/_generations.py",
+        old="        await context.compute.run(self.restore, state)\n",
         new="",
         tests=(REFORMS,),
     ),
     Mutant(
         name="recovery-loads-the-snapshot-itself",
         guarantee="a second loss in a pass goes back to the snapshot, not to what was stepped",
-        path="_roles/_root.py",
+        path="_roles/_generations.py",
         old="        state = fresh(self.snapshot)\n",
         new="        state = self.snapshot\n",
         tests=(REFORMS,),
@@ -638,15 +638,15 @@ MUTANTS = [
     Mutant(
         name="recovery-forgets-the-ranks-places",
         guarantee="every rank goes back to its place in its data and its RNG states",
-        path="_roles/_root.py",
-        old="self._runner(), resume=state))",
-        new="self._runner()))",
+        path="_roles/_generations.py",
+        old="self.current(), resume=state))",
+        new="self.current()))",
         tests=(KILLED + "[every_rank-windows]",),
     ),
     Mutant(
         name="recovery-waits-for-the-stalled",
         guarantee="a stalled peer does not hold the old generation's teardown",
-        path="_roles/_root.py",
+        path="_roles/_generations.py",
         old='            self.runner.clique.abandon(f"rank(s) {sorted(ranks)} were lost")',
         new='            self.runner.clique.abort(f"rank(s) {sorted(ranks)} were lost")',
         tests=(STALLED,),
@@ -676,7 +676,7 @@ MUTANTS = [
     Mutant(
         name="replacement-refusal-ends-the-run",
         guarantee="a replacement that fails the agreement check is refused and the root waits",
-        path="_roles/_root.py",
+        path="_roles/_generations.py",
         old="            except MismatchError as refused:",
         new="            except ZeroDivisionError as refused:",
         tests=(
@@ -687,7 +687,7 @@ MUTANTS = [
     Mutant(
         name="recoveries-unbounded",
         guarantee="more losses than max_recoveries end the run",
-        path="_roles/_root.py",
+        path="_roles/_generations.py",
         old="        if self.recoveries > recovery.max_recoveries:",
         new="        if False:",
         tests=(RECOVERY + "::test_recoveries_beyond_max_recoveries_end_the_run",),

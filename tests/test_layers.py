@@ -37,8 +37,9 @@ LAYER = {name: index for index, names in enumerate(LAYERS) for name in names}
 
 ROLES_LAYERS = [
     {"_agreement", "_failures"},
-    {"_resume", "_stopping"},
+    {"_resume", "_stopping", "_recovery"},
     {"_rank"},
+    {"_generations"},
     {"_root", "_follower"},
     {"_local", "_train"},
     {"__init__"},

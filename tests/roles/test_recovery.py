@@ -159,7 +159,9 @@ def test_a_stalled_follower_is_replaced_and_its_process_told_to_go(tmp_path: Pat
     rank 1 (blocked in a collective with rank 2, which the HOLD frees), and takes a
     replacement in; the stalled process, continued, finds itself forgotten and exits
     non-zero; the run ends bitwise as without the stall."""
-    args = ["--epochs", "3", "--heartbeat", "2"]
+    # The stalled process, continued, may be waiting in a collective of the old generation:
+    # it ends when that times out (Timeouts.collective, 10 s here).
+    args = ["--epochs", "3", "--heartbeat", "2", "--collective-timeout", "10"]
     uninterrupted(tmp_path / "want", args)
     job = Job(
         tmp_path / "got",
@@ -176,8 +178,19 @@ def test_a_stalled_follower_is_replaced_and_its_process_told_to_go(tmp_path: Pat
         while _state(stalled.pid) != "T":
             assert time.monotonic() < deadline and stalled.poll() is None
             time.sleep(0.05)
-        time.sleep(4)  # past the heartbeat deadline: until then rank 2 is the stalled one
-        job.ranks[2] = spawn(2, job.out, job.port, job.per_rank[2])
+        # Until the root misses its heartbeats rank 2 is the stalled process's, and a
+        # replacement is refused; a supervisor starts it again, as this loop does.
+        for _ in range(20):
+            replacement = spawn(2, job.out, job.port, job.per_rank[2])
+            try:
+                code = replacement.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                break  # joined, and training
+            if code == 0:
+                break  # joined, trained and finished (its stderr is read below)
+            refused = _stderr(replacement)
+            assert "has already joined" in refused, refused
+        job.ranks[2] = replacement
         ended = job.finish()
         stalled.send_signal(signal.SIGCONT)
         assert stalled.wait(timeout=60) != 0
@@ -397,9 +410,9 @@ def _reforming(device: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Te
             open_rank(0, 1, torch.device(device), data, options) as context,
         ):
             root = _Root(context=context, control=channel, loop=loop, resume=None, lr_state=0)
-            await root._open_generation(10)
+            await root.generations.open(10)
             await context.agree_and_sync(root._runner())
-            await root._take_snapshot()
+            await root.generations.take_snapshot()
             await root._train_epoch(1.0)
             first = root._runner().clique
             for _ in range(losses):  # damage, then the loss of a (phantom) rank 1
@@ -407,10 +420,10 @@ def _reforming(device: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Te
                     lambda: train[:2], epoch=1, pass_index=1, lr_factor=1.0
                 )
                 lost = lampdist.PeerDisconnected("gone", rank=1, phase="train")
-                await root._recover({1: lost}, lost)
+                await root.generations.recover({1: lost}, lost)
                 assert root._runner().clique is not first  # the next generation
             await root._train_epoch(1.0)
-            await root._close_generation(None)
+            await root.generations.close(None)
         return {name: t.detach().cpu().clone() for name, t in module.state_dict().items()}
 
     async def both() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
