@@ -55,6 +55,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+REFUSED_LEAVE_TIMEOUT = 2.0
+"""How long the root lets a replacement that failed the agreement check end by itself."""
+
 
 def check_recovery(nranks: int, run: RunOptions, loop: LoopOptions, control: RootChannel) -> None:
     """Raise :class:`ConfigError` for recovery where a lost rank's state is nowhere else
@@ -281,6 +284,9 @@ class Generations:
                     refused,
                     extra={"rank": 0},
                 )
+                # It raises the same MismatchError: let it end on that before its channel
+                # is closed, which it would otherwise report as the root going away.
+                await self.control.wait_until_left(ranks, REFUSED_LEAVE_TIMEOUT)
             except JoinTimeout as late:
                 raise JoinTimeout(
                     f"rank(s) {sorted(ranks)}, lost in phase {phase!r} of epoch {epoch} "
