@@ -126,7 +126,7 @@ class Generations:
     async def open(self, join_within: float | None, *, rejoin: bool = False) -> None:
         """A rendezvous, its clique id published, the followers joined within ``join_within``
         s (with ``rejoin``, the survivors of a loss told the new id by REJOIN), and this rank's
-        clique over it: :attr:`runner`, until :meth:`_close_generation`."""
+        clique over it: :attr:`runner`, until :meth:`close`."""
         context, control = self.context, self.control
         stack = AsyncExitStack()
         await stack.__aenter__()
@@ -169,7 +169,7 @@ class Generations:
         """``await work()`` while the control channel is watched: a follower's failure
         cancels it (which aborts the clique) and is raised."""
         if self.loop.recovery is None:
-            return await work()  # the watch beside the run (see :meth:`watch`) is on
+            return await work()  # the root's watch beside the whole run is on
         failure: list[LampdistError] = []
         results: list[T] = []
 
