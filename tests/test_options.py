@@ -40,6 +40,7 @@ LOOP_BAD = [
     ("on_event", "print"),
     ("best_model_monitor", "validation_accuracy"),
     ("early_stopping", Monitor()),
+    ("recovery", 30.0),
 ]
 
 
