@@ -503,7 +503,7 @@ MUTANTS = [
         name="closure-check-not-called",
         guarantee="every design checks the optimizer for a closure when it is built",
         path="_epoch/_designs/_base.py",
-        old="            check_closure_free(rank, optimizer)\n",
+        old="    check_closure_free(rank, optimizer)\n",
         new="",
         tests=(BLAME + "::test_an_optimizer_that_needs_a_closure_is_refused_before_training",),
     ),
