@@ -631,8 +631,8 @@ MUTANTS = [
         name="recovery-loads-the-snapshot-itself",
         guarantee="a second loss in a pass goes back to the snapshot, not to what was stepped",
         path="_roles/_generations.py",
-        old="        state = fresh(self.snapshot)\n",
-        new="        state = self.snapshot\n",
+        old="await self.context.compute.run(fresh, self.snapshot)",
+        new="self.snapshot",
         tests=(REFORMS,),
     ),
     Mutant(

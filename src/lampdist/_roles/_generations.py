@@ -386,7 +386,7 @@ class Generations:
         ``join_within`` s), every rank put back at the last snapshot."""
         assert self.snapshot is not None
         await self.open(max(join_within, 0.0), rejoin=True)
-        state = fresh(self.snapshot)
+        state = await self.context.compute.run(fresh, self.snapshot)  # copies: not on the loop
         context = self.context
         await context.compute.run(self.restore, state)
         await self.watched(partial(context.agree_and_sync, self.current(), resume=state))
