@@ -262,3 +262,89 @@ def test_a_rank_alone_in_one_process_is_compared_with_the_plain_loop_and_another
     assert list(configs) == ["plain", "lampdist", "again"]
     assert configs["plain"]["of_plain"] == 1.0
     assert all(config["samples_per_s"] > 0 for config in configs.values())
+
+
+CHECKPOINT_WRITE = BENCHMARKS / "checkpoint_write.py"
+
+
+def run_checkpoint_write(*args: str, json_path: Path) -> dict[str, Any]:
+    command = [sys.executable, str(CHECKPOINT_WRITE), *args, "--json", str(json_path)]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=RUN_TIMEOUT, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    report: dict[str, Any] = json.loads(json_path.read_text())
+    assert json.loads(result.stdout.splitlines()[-1]) == report
+    return report
+
+
+def test_the_checkpoint_write_benchmark_times_every_way_to_write(tmp_path: Path) -> None:
+    """torch.save (with and without fsync), to_directory, dcp.save and the asynchronous
+    to_directory (blocked and committed), each read back where the benchmark writes it."""
+    report = run_checkpoint_write(
+        *("--size-mb", "4", "--tensors", "2", "--repeats", "2", "--dir", str(tmp_path)),
+        json_path=tmp_path / "write.json",
+    )
+    methods = [row["method"] for row in report["results"]]
+    assert methods == [
+        *("torch.save", "torch.save + fsync", "to_directory", "dcp.save"),
+        "to_directory async",
+    ]
+    assert all(len(row["all_s"]) == 2 for row in report["results"])
+    assert len(report["results"][-1]["all_blocked_s"]) == 2
+    for key in (
+        *("torch_save_seconds", "torch_save_fsync_seconds", "sync_seconds"),
+        *("dcp_save_seconds", "async_blocked_seconds", "async_total_seconds"),
+        *("sync_vs_torch_save", "async_blocked_vs_sync", "async_blocked_fraction_of_sync"),
+    ):
+        assert report[key] > 0, key
+    assert report["sync_vs_torch_save"] == pytest.approx(  # of medians rounded to 0.1 ms
+        report["torch_save_seconds"] / report["sync_seconds"], rel=0.05
+    )
+    assert report["device"] == "cpu"
+    assert "s3_put_seconds" not in report
+    assert list(tmp_path.iterdir()) == [tmp_path / "write.json"]  # the scratch is removed
+
+
+def test_the_checkpoint_write_benchmark_compares_to_url_with_obstore(tmp_path: Path) -> None:
+    """``--s3``: moto's server on a free port, a plain put and get against to_url and
+    load_latest of the URL (which the benchmark checks loads back the last epoch)."""
+    for module in ("moto.server", "obstore", "boto3"):
+        pytest.importorskip(module)
+    report = run_checkpoint_write(
+        *("--size-mb", "4", "--tensors", "2", "--repeats", "1", "--s3", "--dir", str(tmp_path)),
+        json_path=tmp_path / "s3.json",
+    )
+    assert report["s3_bytes"] == 4 * 2**20  # --s3-size-mb defaults to --size-mb below 256
+    for key in (
+        *("s3_put_seconds", "to_url_seconds", "s3_get_load_seconds"),
+        *("load_latest_url_seconds", "to_url_vs_put", "load_vs_get_load"),
+    ):
+        assert report[key] > 0, key
+    assert [row["method"] for row in report["s3_results"]] == [
+        *("obstore.put", "to_url", "obstore.get + torch.load", "load_latest url")
+    ]
+
+
+def test_the_checkpoint_write_benchmark_trains_with_each_kind_of_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """``--train``: one rank trains three times (no checkpoint, synchronous, asynchronous);
+    every checkpoint between two epochs gets its gap and its steps after it."""
+    report = run_checkpoint_write(
+        *("--train", "mlp", "--mlp-width", "64", "--mlp-depth", "2", "--batch-size", "8"),
+        *("--epochs", "3", "--steps", "6", "--after", "2", "--dir", str(tmp_path)),
+        json_path=tmp_path / "train.json",
+    )
+    assert report["mode"] == "train"
+    assert list(report["ways"]) == ["none", "sync", "async"]
+    assert report["state_bytes"] == 3 * 4 * (2 * 64 * 64 + 2 * 64)  # weights, Adam's 2 moments
+    for way, row in report["ways"].items():
+        assert row["median_step_seconds"] > 0, way
+        assert len(row["epoch_gap_seconds"]) == 2, way
+        assert len(row["blocked_per_checkpoint_all_seconds"]) == 2, way
+        assert [len(after) for after in row["steps_after_checkpoint_vs_median_all"]] == [2, 2]
+        assert row["steps_after_checkpoint_vs_median"]["max"] > 0, way
+    assert report["ways"]["none"]["blocked_per_checkpoint_all_seconds"] == [0.0, 0.0]
+    assert "target_async_blocked_met" in report
+    assert list(tmp_path.iterdir()) == [tmp_path / "train.json"]

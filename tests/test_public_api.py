@@ -88,6 +88,7 @@ PUBLIC_NAMES = {
         "consolidate",
         "load_latest",
         "to_directory",
+        "to_url",
     ],
     "lampdist.clique": [
         "Clique",

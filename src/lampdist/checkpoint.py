@@ -22,10 +22,13 @@ everything else is JSON.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 import os
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import anyio.from_thread
@@ -35,16 +38,33 @@ import attrs
 from ._checkpoint import (
     FORMAT_VERSION,
     RngStates,
+    StageOn,
+    background_writes,
     capture_rng_states,
+    check_store_writable,
     check_writable,
+    is_url,
     read_latest,
+    read_latest_from_store,
     write_checkpoint,
+    write_to_store,
 )
 from ._effects import CheckpointState
 from ._errors import CheckpointError, ConfigError
 from ._state import TrainingState
 
-__all__ = ["FORMAT_VERSION", "Resumed", "consolidate", "load_latest", "to_directory"]
+__all__ = [
+    "FORMAT_VERSION",
+    "Resumed",
+    "consolidate",
+    "load_latest",
+    "to_directory",
+    "to_url",
+]
+
+_WRITE_TIMEOUT = 600.0
+"""How long, by default, a checkpoint due (or the run's end) waits for an asynchronous
+write still in flight before that write is aborted and the run ends with a CheckpointError."""
 
 
 @attrs.frozen(kw_only=True)
@@ -63,8 +83,8 @@ class Resumed:
     training_state: TrainingState
     schedule_state: Any = None
     rng_states: RngStates | None = attrs.field(default=None, repr=False)
-    path: Path | None = None
-    """The checkpoint directory it was read from."""
+    path: Path | str | None = None
+    """The checkpoint directory it was read from (its URL, from an object store)."""
 
     @property
     def epoch(self) -> int:
@@ -72,7 +92,13 @@ class Resumed:
         return self.training_state.loop_state.epoch
 
 
-def to_directory(path: str | os.PathLike[str], *, keep: int = 3) -> CheckpointState:
+def to_directory(
+    path: str | os.PathLike[str],
+    *,
+    keep: int = 3,
+    asynchronous: bool = False,
+    timeout: float = _WRITE_TIMEOUT,
+) -> CheckpointState:
     """A ``checkpoint_state`` effect that writes one atomic checkpoint into ``path`` per call.
 
     Each call writes the loop state (learning curve included), the schedule state, the
@@ -86,6 +112,17 @@ def to_directory(path: str | os.PathLike[str], *, keep: int = 3) -> CheckpointSt
     (the training loop awaits it before the next epoch). Cancelling the call before the
     commit removes the partial write.
 
+    With ``asynchronous=True`` the training entry points copy the state into host memory
+    (one buffer, pinned when the model is on a GPU, reused by every checkpoint), go on
+    training, and write on a thread of their own: training waits only for the copies. At
+    most one write is in flight: a checkpoint due while the previous one is still writing
+    waits for it, up to ``timeout`` seconds (past it, that write is aborted and the run ends
+    with a CheckpointError of phase ``checkpoint``). A write that fails ends the run with a
+    CheckpointError of phase ``checkpoint`` at the next epoch boundary at the latest. The
+    end of the run, a graceful stop and a failure wait for the write in flight (so its
+    checkpoint is committed); a cancellation aborts it and removes its partial output.
+    Awaited directly (outside a training entry point), the effect writes before returning.
+
     Give each run its own directory: the effect owns it. Before training, the root refuses
     (CheckpointError) a new run into a directory that holds checkpoints, and a resumed run
     into one whose newest checkpoint is newer than the first it would write; the effect
@@ -94,44 +131,163 @@ def to_directory(path: str | os.PathLike[str], *, keep: int = 3) -> CheckpointSt
     (The training entry points check before each checkpoint that the schedule state comes
     back from its JSON form as it was, so that a resumed run gets the same state.)
 
-    Raises ConfigError for ``keep < 1`` and, when awaited, CheckpointError when the state
-    cannot be checkpointed (a value that neither the tensor file nor
-    ``torch.load(weights_only=True)`` could load back, a
+    Raises ConfigError for ``keep < 1`` or a ``timeout`` that is not a positive number and,
+    when awaited, CheckpointError when the state cannot be checkpointed (a value that
+    neither the tensor file nor ``torch.load(weights_only=True)`` could load back, a
     schedule state not made of numbers) or the disk write fails.
     """
+    _check_options(keep, asynchronous, timeout)
+    return _DirectoryCheckpoint(
+        directory=Path(path), keep=keep, asynchronous=asynchronous, timeout=float(timeout)
+    )
+
+
+def to_url(
+    url: str,
+    *,
+    keep: int = 3,
+    asynchronous: bool = False,
+    timeout: float = _WRITE_TIMEOUT,
+    options: Mapping[str, str] | None = None,
+) -> CheckpointState:
+    """A ``checkpoint_state`` effect that writes one checkpoint per call into an object
+    store: ``s3://bucket/run``, ``gs://bucket/run``, ``az://container/run`` (needs
+    ``pip install "lampdist[object-store]"``).
+
+    The checkpoint is the same files as :func:`to_directory` writes, under
+    ``url/epoch-000012/``, uploaded in parallel parts with retries; ``manifest.json`` is
+    uploaded last and is the commit: a checkpoint without it does not exist for
+    :func:`load_latest`, and the next write removes it. Old checkpoints beyond ``keep`` are
+    deleted only after a newer one is committed (their manifest first). ``asynchronous`` and
+    ``timeout`` are those of :func:`to_directory`.
+
+    Credentials come from the object store library's usual sources (environment variables
+    such as ``AWS_ACCESS_KEY_ID``, configuration files, instance metadata); ``options`` are
+    that library's (obstore's) store configuration, e.g. ``{"endpoint": ..., "region":
+    ...}``. Neither is written into a checkpoint or a log.
+
+    Raises ConfigError for a ``url`` that names no object store or for bad values, and,
+    when awaited, CheckpointError when an upload fails after its retries (naming the
+    object): the checkpoints committed before it are intact.
+    """
+    if not is_url(url):
+        raise ConfigError(
+            f"{url!r} names no object store (s3://, gs://, az://...): for a directory use "
+            "checkpoint.to_directory",
+            phase="configure",
+        )
+    _check_options(keep, asynchronous, timeout)
+    return _UrlCheckpoint(
+        url=str(url).rstrip("/"),
+        keep=keep,
+        asynchronous=asynchronous,
+        timeout=float(timeout),
+        options=None if options is None else dict(options),
+    )
+
+
+def _check_options(keep: int, asynchronous: bool, timeout: float) -> None:
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ConfigError(f"keep must be an int >= 1, not {keep!r}", phase="checkpoint")
-    return _DirectoryCheckpoint(directory=Path(path), keep=keep)
+    if not isinstance(asynchronous, bool):
+        raise ConfigError(
+            f"asynchronous must be True or False, not {asynchronous!r}", phase="checkpoint"
+        )
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
+        raise ConfigError(
+            f"timeout must be a positive number of seconds, not {timeout!r}", phase="checkpoint"
+        )
 
 
 @attrs.frozen(kw_only=True)
-class _DirectoryCheckpoint:
-    """The effect :func:`to_directory` returns."""
+class _Checkpoint:
+    """What the effects of :func:`to_directory` and :func:`to_url` share: a blocking
+    ``write`` and ``check_writable``, run on a worker thread."""
 
-    directory: Path
     keep: int
+    asynchronous: bool = False
+    timeout: float = _WRITE_TIMEOUT
+
+    def where(self) -> str:
+        raise NotImplementedError
+
+    def write(
+        self,
+        training_state: TrainingState,
+        lr_state: Any,
+        rng: RngStates,
+        check: Any,
+    ) -> object:
+        raise NotImplementedError
+
+    def check_writable(self, next_epoch: int, *, resumed: bool) -> None:
+        raise NotImplementedError
 
     async def check_before_training(self, resume: Resumed | None) -> None:
         """Raise CheckpointError now, not after an epoch, when this run's checkpoints cannot
-        go into the directory (see :func:`to_directory`)."""
+        go where this effect writes (see :func:`to_directory`)."""
         next_epoch = resume.epoch if resume is not None else 0
-        check = functools.partial(
-            check_writable, self.directory, next_epoch, resumed=resume is not None
-        )
+        check = functools.partial(self.check_writable, next_epoch, resumed=resume is not None)
         await anyio.to_thread.run_sync(check)
 
     async def __call__(self, training_state: TrainingState, lr_state: Any, /) -> None:
         rng = capture_rng_states()  # on the caller's thread, at the moment of the call
         write = functools.partial(
-            write_checkpoint,
-            self.directory,
+            self.write, training_state, lr_state, rng, anyio.from_thread.check_cancelled
+        )
+        await anyio.to_thread.run_sync(write)
+
+
+@attrs.frozen(kw_only=True)
+class _DirectoryCheckpoint(_Checkpoint):
+    """The effect :func:`to_directory` returns."""
+
+    directory: Path
+
+    def where(self) -> str:
+        return str(self.directory)
+
+    def write(
+        self, training_state: TrainingState, lr_state: Any, rng: RngStates, check: Any
+    ) -> object:
+        return write_checkpoint(
+            self.directory, training_state, lr_state, rng, keep=self.keep, check=check
+        )
+
+    def check_writable(self, next_epoch: int, *, resumed: bool) -> None:
+        check_writable(self.directory, next_epoch, resumed=resumed)
+
+
+@attrs.frozen(kw_only=True)
+class _UrlCheckpoint(_Checkpoint):
+    """The effect :func:`to_url` returns."""
+
+    url: str
+    options: Mapping[str, str] | None = attrs.field(default=None, repr=False)
+
+    def where(self) -> str:
+        return self.url
+
+    def write(
+        self, training_state: TrainingState, lr_state: Any, rng: RngStates, check: Any
+    ) -> object:
+        return write_to_store(
+            self.url,
             training_state,
             lr_state,
             rng,
             keep=self.keep,
-            check=anyio.from_thread.check_cancelled,
+            check=check,
+            options=self.options,
         )
-        await anyio.to_thread.run_sync(write)
+
+    def check_writable(self, next_epoch: int, *, resumed: bool) -> None:
+        check_store_writable(self.url, next_epoch, resumed=resumed, options=self.options)
 
 
 def directory_of(effect: CheckpointState | None) -> Path | None:
@@ -141,16 +297,64 @@ def directory_of(effect: CheckpointState | None) -> Path | None:
 
 
 async def check_before_training(effect: CheckpointState | None, resume: Resumed | None) -> None:
-    """What the root awaits before training: an effect of :func:`to_directory` checks its
-    directory (any other effect is the caller's own)."""
-    if isinstance(effect, _DirectoryCheckpoint):
+    """What the root awaits before training: an effect of :func:`to_directory` or
+    :func:`to_url` checks where it writes (any other effect is the caller's own)."""
+    if isinstance(effect, _Checkpoint):
         await effect.check_before_training(resume)
 
 
+class Saver(Protocol):
+    """How the root saves a checkpoint with the run's effect (see :func:`open_saver`)."""
+
+    async def save(
+        self, training_state: TrainingState, lr_state: Any, *, stage_on: StageOn
+    ) -> None: ...
+
+    def check(self) -> None: ...
+
+    async def finish(self) -> None: ...
+
+
+@attrs.frozen
+class _Awaiting:
+    """A synchronous effect: awaited, it writes before returning."""
+
+    effect: CheckpointState
+
+    async def save(
+        self, training_state: TrainingState, lr_state: Any, *, stage_on: StageOn
+    ) -> None:
+        await self.effect(training_state, lr_state)
+
+    def check(self) -> None:
+        pass
+
+    async def finish(self) -> None:
+        pass
+
+
+@contextlib.asynccontextmanager
+async def open_saver(effect: CheckpointState) -> AsyncIterator[Saver]:
+    """The run's :class:`Saver`: the writes of an asynchronous effect of
+    :func:`to_directory` or :func:`to_url` in the background (the rules of
+    :mod:`lampdist._checkpoint._background`), any other effect awaited."""
+    if isinstance(effect, _Checkpoint) and effect.asynchronous:
+        async with background_writes(effect) as writer:
+            yield writer
+    else:
+        yield _Awaiting(effect)
+
+
 def load_latest(
-    path: str | os.PathLike[str], *, map_location: Any = None, restore_rng: bool = False
+    path: str | os.PathLike[str],
+    *,
+    map_location: Any = None,
+    restore_rng: bool = False,
+    options: Mapping[str, str] | None = None,
 ) -> Resumed | None:
-    """The newest intact checkpoint in ``path`` as a :class:`Resumed`, or ``None``.
+    """The newest intact checkpoint in ``path`` (a directory, or the URL of an object
+    store's prefix that :func:`to_url` writes to, read with ``options``) as a
+    :class:`Resumed`, or ``None``.
 
     Pass the result as ``resume=`` to any training entry point; ``None`` means there is no
     checkpoint yet (the directory is missing, empty, or holds only scratch of an interrupted
@@ -172,7 +376,11 @@ def load_latest(
     lampdist), and CheckpointError when there are checkpoints but none is intact, or when a
     file cannot be loaded (e.g. a bad ``map_location``, a tensor file of the other byte order).
     """
-    loaded = read_latest(Path(path), map_location=map_location)
+    if is_url(path):
+        assert isinstance(path, str)
+        loaded = read_latest_from_store(path, map_location=map_location, options=options)
+    else:
+        loaded = read_latest(Path(path), map_location=map_location)
     if loaded is None:
         return None
     stored = loaded.lr_state_json
@@ -186,7 +394,7 @@ def load_latest(
     )
 
 
-def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path | str:
     """Write the model of the newest intact checkpoint in ``path`` to ``out`` as one plain
     ``state_dict`` (``torch.load(out, weights_only=True)`` reads it back; load it into the
     model for inference), whether every rank wrote its own shards (``step_on="fsdp"``) or

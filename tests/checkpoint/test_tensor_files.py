@@ -8,7 +8,6 @@ import logging
 import math
 import shutil
 import struct
-import subprocess
 import sys
 import zlib
 from collections import OrderedDict
@@ -348,28 +347,3 @@ async def test_a_format_1_checkpoint_with_a_flipped_bit_is_skipped(tmp_path: Pat
     model.write_bytes(bytes(data))
     with pytest.raises(lampdist.CheckpointError, match="sha256"):
         checkpoint.load_latest(tmp_path)
-
-
-# ---------------------------------------------------------------------------------------------
-# the benchmark runs and reports every row
-
-
-def test_the_write_benchmark_reports_every_method(tmp_path: Path) -> None:
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "checkpoint_write.py"
-    result = subprocess.run(
-        [sys.executable, str(script), "--size-mb", "4", "--tensors", "2", "--repeats", "1"]
-        + ["--dir", str(tmp_path), "--json", str(tmp_path / "report.json")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    report = json.loads((tmp_path / "report.json").read_text())
-    rows = {row["method"]: row for row in report["results"]}
-    assert list(rows) == ["torch.save", "torch.save + fsync", "to_directory"]
-    assert rows["torch.save"]["median_vs_torch_save"] == 1.0
-    assert rows["torch.save + fsync"]["median_vs_durable_save"] == 1.0
-    assert rows["to_directory"]["median_gb_per_s"] > 0
-    assert report["directory"] == str(tmp_path)
-    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]  # its scratch is removed

@@ -1,7 +1,17 @@
-"""The machinery behind :mod:`lampdist.checkpoint`: format, files, RNG, writer, reader."""
+"""The machinery behind :mod:`lampdist.checkpoint`: format, files, RNG, writers, readers
+(a local directory, an object store), the inventory."""
 
+from ._background import StageOn as StageOn
+from ._background import background_writes as background_writes
 from ._format import FORMAT_VERSION as FORMAT_VERSION
 from ._format import FileRecord as FileRecord
+from ._inventory import Listed as Listed
+from ._inventory import list_checkpoints as list_checkpoints
+from ._object_store import check_store_writable as check_store_writable
+from ._object_store import is_url as is_url
+from ._object_store import read_latest_from_store as read_latest_from_store
+from ._object_store import write_to_store as write_to_store
+from ._read import Loaded as Loaded
 from ._read import read_latest as read_latest
 from ._rng import RngStates as RngStates
 from ._rng import capture_rng_states as capture_rng_states
@@ -21,17 +31,26 @@ __all__ = [
     "FORMAT_VERSION",
     "SHARDS",
     "FileRecord",
+    "Listed",
+    "Loaded",
     "RngStates",
     "ShardedState",
+    "StageOn",
+    "background_writes",
     "by_index",
     "by_name",
     "capture_rng_states",
+    "check_store_writable",
     "check_writable",
+    "is_url",
+    "list_checkpoints",
     "load_rank_shards",
     "new_shards_directory",
     "read_latest",
+    "read_latest_from_store",
     "read_whole",
     "restore_rng_states",
     "write_checkpoint",
     "write_rank_shards",
+    "write_to_store",
 ]

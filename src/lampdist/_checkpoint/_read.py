@@ -1,21 +1,33 @@
-"""Reading the newest intact checkpoint; damaged ones are skipped with a warning."""
+"""Reading the newest intact checkpoint; damaged ones are skipped with a warning.
+
+What is read, checked and decoded is the same wherever a checkpoint is stored; only the way
+to its files differs. :class:`CheckpointFiles` is that way: a local directory
+(:class:`DirectoryFiles`) or an object store's prefix (``_object_store.StoreFiles``). Every
+function here takes one and reads through it alone.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
+import os
 import pickle
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import attrs
 import torch
 
 from .._errors import CheckpointError
 from .._state import TrainingState
-from ._files import hash_file
+from ._files import block_hash
 from ._format import (
     BEST_MODEL,
+    BLOCK_BYTES,
     MANIFEST,
     MODEL,
     OPTIMIZER,
@@ -32,25 +44,105 @@ from ._format import (
 )
 from ._rng import RngStates
 from ._shards import SHARDS, ShardedState
-from ._tensor_read import read_tensor_file
+from ._tensor_file import decode, parse_header, read_prefix
+from ._tensor_read import _CheckedReader, _place
 from ._write import committed_checkpoints
 
-__all__ = ["Loaded", "read_latest"]
+__all__ = [
+    "CheckpointFiles",
+    "DirectoryFiles",
+    "Loaded",
+    "Stream",
+    "read_checkpoint",
+    "read_latest",
+    "read_manifest",
+    "read_newest",
+    "verify_checkpoint",
+]
 
 _log = logging.getLogger("lampdist.checkpoint")
 
 _RESCANS = 5
-"""How often to list the directory again when a writer removes a checkpoint while we read."""
+"""How often to list the checkpoints again when a writer removes one while we read."""
 
 
 @attrs.frozen(kw_only=True, eq=False)
 class Loaded:
-    """One checkpoint as read from disk."""
+    """One checkpoint as read back."""
 
-    path: Path
+    path: Path | str
+    """Its directory, or its URL in an object store."""
     training_state: TrainingState
     lr_state_json: dict[str, Any]
     rng: RngStates
+
+
+class Stream(Protocol):
+    """One file's bytes, front to back (``readinto`` returns 0 at its end)."""
+
+    def readinto(self, buffer: memoryview, /) -> int | None: ...
+
+    def read(self, size: int = -1, /) -> bytes | None: ...
+
+
+class CheckpointFiles(Protocol):
+    """The files of one committed checkpoint, wherever they are stored.
+
+    ``read`` and ``open`` raise FileNotFoundError for a missing file, OSError for a file that
+    cannot be read (damage), and CheckpointError for a failure of the store itself (a
+    network error: no damage, so no reason to fall back to an older checkpoint).
+    """
+
+    @property
+    def name(self) -> str:
+        """``epoch-000012``."""
+
+    @property
+    def location(self) -> Path | str:
+        """Its directory or URL: in messages, and as :attr:`Loaded.path`."""
+
+    @property
+    def directory(self) -> Path | None:
+        """Its local directory (where a sharded checkpoint's shards are); None in a store."""
+
+    def read(self, name: str) -> bytes:
+        """The whole of file ``name``."""
+
+    def open(self, name: str) -> AbstractContextManager[tuple[int, Stream]]:
+        """File ``name``'s size and a stream of its bytes."""
+
+    def committed(self) -> bool:
+        """Whether the checkpoint is still there (a writer's pruning may remove it)."""
+
+
+@attrs.frozen(kw_only=True)
+class DirectoryFiles:
+    """The files of a checkpoint directory."""
+
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def location(self) -> Path:
+        return self.path
+
+    @property
+    def directory(self) -> Path:
+        return self.path
+
+    def read(self, name: str) -> bytes:
+        return (self.path / name).read_bytes()
+
+    @contextlib.contextmanager
+    def open(self, name: str) -> Iterator[tuple[int, Stream]]:
+        with open(self.path / name, "rb", buffering=0) as file:
+            yield os.fstat(file.fileno()).st_size, file
+
+    def committed(self) -> bool:
+        return self.path.exists()
 
 
 class _Vanished(Exception):
@@ -63,54 +155,100 @@ def read_latest(directory: Path, *, map_location: Any) -> Loaded | None:
     Raises CheckpointVersionError for a newer format and CheckpointError when there are
     checkpoints but none of them is intact.
     """
-    for _ in range(_RESCANS):
+
+    def listed() -> list[CheckpointFiles]:
         try:
             found = committed_checkpoints(directory)
         except FileNotFoundError:
-            return None
+            return []
         except OSError as exc:
             raise CheckpointError(
                 f"cannot list checkpoints in {directory} ({exc})", phase="resume"
             ) from exc
+        return [DirectoryFiles(path=path) for _, path in found]
+
+    return read_newest(str(directory), listed, map_location=map_location)
+
+
+def read_newest(
+    where: str,
+    listed: Callable[[], Sequence[CheckpointFiles]],
+    *,
+    map_location: Any,
+) -> Loaded | None:
+    """The newest intact one of the committed checkpoints ``listed`` (newest first) returns,
+    or None when it returns none; a damaged one is skipped with a WARNING log.
+
+    Raises CheckpointVersionError for a newer format and CheckpointError when there are
+    checkpoints but none of them is intact, or when they keep disappearing.
+    """
+    for _ in range(_RESCANS):
+        found = listed()
         if not found:
             return None
         damaged = []
         try:
-            for _name, path in found:
+            for files in found:
                 try:
-                    return _read_one(path, map_location=map_location)
+                    return read_checkpoint(files, map_location=map_location)
                 except Damaged as exc:
-                    _log.warning("skipping damaged checkpoint %s: %s", path, exc)
-                    damaged.append(f"{path.name} ({exc})")
+                    _log.warning("skipping damaged checkpoint %s: %s", files.location, exc)
+                    damaged.append(f"{files.name} ({exc})")
         except _Vanished:
             continue
         raise CheckpointError(
-            f"every checkpoint in {directory} is damaged: {'; '.join(damaged)}; "
+            f"every checkpoint in {where} is damaged: {'; '.join(damaged)}; "
             "remove them to start afresh",
             phase="resume",
         )
     raise CheckpointError(
-        f"checkpoints in {directory} kept disappearing while being read: is another process "
+        f"checkpoints in {where} kept disappearing while being read: is another process "
         "pruning them?",
         phase="resume",
     )
 
 
-def _read_one(path: Path, *, map_location: Any) -> Loaded:
+@contextlib.contextmanager
+def _reading(files: CheckpointFiles) -> Iterator[None]:
+    """Missing or unreadable files as damage, or as the checkpoint vanishing."""
     try:
-        return _read_files(path, map_location=map_location)
+        yield
     except FileNotFoundError as exc:
-        if not path.exists():
+        if not files.committed():
             raise _Vanished from exc
         raise Damaged(f"missing file ({exc.filename})") from exc
     except OSError as exc:
         raise Damaged(f"unreadable ({exc})") from exc
 
 
-def _read_files(path: Path, *, map_location: Any) -> Loaded:
-    manifest = parse_manifest((path / MANIFEST).read_bytes(), where=str(path))
-    records = {record.name: record for record in manifest.files}
-    if STATE not in records:
+def read_manifest(files: CheckpointFiles) -> Manifest:
+    """The checkpoint's manifest; raises Damaged (a missing one included) and
+    CheckpointVersionError."""
+    try:
+        data = files.read(MANIFEST)
+    except OSError as exc:
+        raise Damaged(f"unreadable manifest ({exc})") from exc
+    return parse_manifest(data, where=str(files.location))
+
+
+def verify_checkpoint(files: CheckpointFiles) -> Manifest:
+    """Check every file of a checkpoint against its manifest (sizes and block checksums)
+    without decoding any; its manifest. Raises Damaged naming what is wrong (a checkpoint
+    removed while being checked included), and CheckpointVersionError."""
+    try:
+        with _reading(files):
+            manifest = read_manifest(files)
+            _stems(manifest)
+            for record in manifest.files:
+                _check(files, record, manifest.checksum)
+    except _Vanished:
+        raise Damaged("removed while being checked") from None
+    return manifest
+
+
+def _stems(manifest: Manifest) -> dict[str, FileRecord]:
+    """The record of each state dict's file; raises Damaged when a required one is missing."""
+    if STATE not in manifest.names():
         raise Damaged("the manifest lists no state.json")
     stems = {}
     for stem in (RNG, MODEL, OPTIMIZER, BEST_MODEL, RANKS):
@@ -118,12 +256,30 @@ def _read_files(path: Path, *, map_location: Any) -> Loaded:
         if record is not None:
             stems[stem] = record
         elif stem not in (BEST_MODEL, RANKS):
-            raise Damaged(f"the manifest lists {sorted(records)}, not every required file")
-    for record in manifest.files:  # tensor files are checked while they are read
-        if not record.name.endswith(TENSORS):
-            _check(path, record, manifest.checksum)
+            raise Damaged(f"the manifest lists {sorted(manifest.names())}, not every required file")
+    return stems
+
+
+def read_checkpoint(files: CheckpointFiles, *, map_location: Any) -> Loaded:
+    """One checkpoint, every file checked against its manifest as it is read.
+
+    Raises Damaged, CheckpointVersionError, and CheckpointError when a file cannot be placed
+    or loaded (a bad ``map_location``) or the store fails.
+    """
+    with _reading(files):
+        return _read_files(files, map_location=map_location)
+
+
+def _read_files(files: CheckpointFiles, *, map_location: Any) -> Loaded:
+    manifest = read_manifest(files)
+    stems = _stems(manifest)
+    records = {record.name: record for record in manifest.files}
+    # state.json, tensor files and .pt files are checked while they are read; the rest now
+    for record in manifest.files:
+        if record.name != STATE and record not in stems.values():
+            _check(files, record, manifest.checksum)
     try:
-        state = json.loads((path / STATE).read_bytes())
+        state = json.loads(_read_checked(files, records[STATE], manifest.checksum))
         if state["format_version"] != manifest.version:
             raise Damaged(f"state.json has format version {state['format_version']}")
         loop_state = loop_state_from_json(state["loop_state"])
@@ -132,27 +288,29 @@ def _read_files(path: Path, *, map_location: Any) -> Loaded:
         rng_json = state["rng"]
         lr_state_json = state["lr_state"]
         sharded = state.get("sharded")
-        shards = (
-            None
-            if sharded is None
-            else ShardedState(
-                path=path / SHARDS,
-                nranks=int(sharded["nranks"]),
-                precision=dict(sharded["precision"]),
-            )
-        )
+        nranks = None if sharded is None else int(sharded["nranks"])
+        precision = None if sharded is None else dict(sharded["precision"])
     except (ValueError, TypeError, KeyError, RecursionError) as exc:
         raise Damaged(f"malformed state.json ({exc!r})") from exc
     if has_best != (BEST_MODEL in stems):
         raise Damaged("state.json and the manifest disagree about the best model")
     if has_ranks != (RANKS in stems):
         raise Damaged("state.json and the manifest disagree about the ranks' states")
+    shards = None
+    if nranks is not None and precision is not None:
+        if files.directory is None:
+            raise CheckpointError(
+                f"{files.location} is a sharded checkpoint (step_on='fsdp'), which loads from "
+                "a local directory only: copy it to one and load it from there",
+                phase="resume",
+            )
+        shards = ShardedState(path=files.directory / SHARDS, nranks=nranks, precision=precision)
 
     def load(stem: str, location: Any) -> Any:
         record = stems[stem]
         if record.name.endswith(TENSORS):
-            return read_tensor_file(path / record.name, record, manifest.checksum, location)
-        return _load(path / record.name, location)
+            return _read_tensor_file(files, record, manifest.checksum, location)
+        return _load(files, record, manifest.checksum, location)
 
     rng_tensors = load(RNG, "cpu")
     training_state = TrainingState(
@@ -167,7 +325,9 @@ def _read_files(path: Path, *, map_location: Any) -> Loaded:
         rng = RngStates.from_stored(rng_tensors, rng_json)
     except (ValueError, TypeError, KeyError) as exc:
         raise Damaged(f"malformed RNG states ({exc!r})") from exc
-    return Loaded(path=path, training_state=training_state, lr_state_json=lr_state_json, rng=rng)
+    return Loaded(
+        path=files.location, training_state=training_state, lr_state_json=lr_state_json, rng=rng
+    )
 
 
 def _file_of(manifest: Manifest, stem: str) -> FileRecord | None:
@@ -179,20 +339,98 @@ def _file_of(manifest: Manifest, stem: str) -> FileRecord | None:
     return found[0] if found else None
 
 
-def _check(path: Path, record: FileRecord, checksum: str) -> None:
-    size, digests = hash_file(path / record.name, checksum)
+def _digests(data: memoryview, checksum: str) -> tuple[str, ...]:
+    digests = []
+    for start in range(0, len(data), BLOCK_BYTES):
+        block = block_hash(checksum)
+        block.update(data[start : start + BLOCK_BYTES])
+        digests.append(block.hexdigest())
+    return tuple(digests)
+
+
+def _compare(record: FileRecord, size: int, digests: tuple[str, ...], checksum: str) -> None:
     if size != record.size:
         raise Damaged(f"{record.name} has {size} bytes, the manifest says {record.size}")
     if digests != record.digests:
         raise Damaged(f"{record.name} does not match its {checksum} checksums")
 
 
-def _load(path: Path, map_location: Any) -> Any:
+def _check(files: CheckpointFiles, record: FileRecord, checksum: str) -> None:
+    """Raise Damaged unless the file matches its record; read block by block."""
+    buffer = bytearray(BLOCK_BYTES)
+    view = memoryview(buffer)
+    digests: list[str] = []
+    size = 0
+    with files.open(record.name) as (_, stream):
+        while count := stream.readinto(view):
+            filled = count
+            while filled < BLOCK_BYTES and (more := stream.readinto(view[filled:])):
+                filled += more
+            digests.extend(_digests(view[:filled], checksum))
+            size += filled
+    _compare(record, size, tuple(digests), checksum)
+
+
+def _read_checked(files: CheckpointFiles, record: FileRecord, checksum: str) -> bytes:
+    """The whole of a file, once it matches its record (raises Damaged)."""
+    data = files.read(record.name)
+    _compare(record, len(data), _digests(memoryview(data), checksum), checksum)
+    return data
+
+
+def _read_tensor_file(
+    files: CheckpointFiles, record: FileRecord, checksum: str, map_location: Any
+) -> Any:
+    """The value stored in a tensor file, its tensors placed by ``map_location``, read in one
+    pass into fresh (writable) tensors while its block checksums are checked.
+
+    Raises Damaged when the file does not match ``record`` (size, block checksums) or is no
+    well-formed tensor file, and CheckpointError when ``map_location`` cannot be applied.
+    """
+    with files.open(record.name) as (size, stream):
+        if size != record.size:
+            raise Damaged(f"{record.name} has {size} bytes, the manifest says {record.size}")
+        # The checked reader calls only readinto and read, which every Stream has.
+        reader = _CheckedReader(cast("io.FileIO", stream), record, checksum)
+        header_length = read_prefix(reader.read(16), file_size=size)
+        layout = parse_header(reader.read(header_length), file_size=size)
+        buffers = []
+        for spec in layout.tensors:
+            reader.skip_to(spec.offset)
+            buffer = torch.empty(spec.nbytes, dtype=torch.uint8)
+            if spec.nbytes:
+                reader.readinto(buffer.numpy().data)
+            buffers.append(buffer)
+        reader.skip_to(size)
+        reader.finish()
+    tensors = []
+    for spec, buffer in zip(layout.tensors, buffers, strict=True):
+        tensor = buffer.view(spec.dtype).reshape(spec.shape)
+        try:
+            tensors.append(_place(tensor, spec.device, map_location))
+        except Exception as exc:  # map_location may be the caller's own function
+            raise CheckpointError(
+                f"cannot load {_where(files, record)} onto map_location {map_location!r} "
+                f"({exc}); check map_location",
+                phase="resume",
+            ) from exc
+    return decode(layout.value, tensors)
+
+
+def _where(files: CheckpointFiles, record: FileRecord) -> str:
+    location = files.location
+    return (
+        str(location / record.name) if isinstance(location, Path) else f"{location}/{record.name}"
+    )
+
+
+def _load(files: CheckpointFiles, record: FileRecord, checksum: str, map_location: Any) -> Any:
+    data = _read_checked(files, record, checksum)
     # The checksum matched: the file is what the writer wrote, so a failure here is no
     # damage to skip past but a real problem (a bad map_location, an unknown type).
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as exc:
         raise CheckpointError(
-            f"cannot load {path} ({exc}); check map_location", phase="resume"
+            f"cannot load {_where(files, record)} ({exc}); check map_location", phase="resume"
         ) from exc

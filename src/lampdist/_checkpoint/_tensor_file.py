@@ -39,7 +39,17 @@ import torch
 
 from ._format import Damaged
 
-__all__ = ["ALIGN", "MAGIC", "Encoded", "Layout", "decode", "encode", "parse_header"]
+__all__ = [
+    "ALIGN",
+    "MAGIC",
+    "SAVED_DEVICE",
+    "Encoded",
+    "Layout",
+    "decode",
+    "device_of",
+    "encode",
+    "parse_header",
+]
 
 MAGIC = b"LDTENSOR"
 ALIGN = 64
@@ -98,6 +108,18 @@ class Encoded:
     """The size of the whole file."""
 
 
+SAVED_DEVICE = "_lampdist_saved_device"
+"""The attribute of a host copy of a tensor staged for an asynchronous checkpoint that names
+the device of the tensor it copies: the file records that device, as a synchronous write of
+the tensor itself would."""
+
+
+def device_of(tensor: torch.Tensor) -> str:
+    """The device a tensor file records for ``tensor`` (see :data:`SAVED_DEVICE`)."""
+    saved = getattr(tensor, SAVED_DEVICE, None)
+    return saved if isinstance(saved, str) else str(tensor.device)
+
+
 def encode(value: Any) -> Encoded | None:
     """The tensor-file form of ``value``, or None when it holds something outside the grammar."""
     tensors: list[torch.Tensor] = []
@@ -153,7 +175,7 @@ def encode(value: Any) -> Encoded | None:
                 {
                     "dtype": str(t.dtype).removeprefix("torch."),
                     "shape": list(t.shape),
-                    "device": str(t.device),
+                    "device": device_of(t),
                     "offset": offset,
                 }
                 for t, offset in zip(tensors, relative, strict=True)

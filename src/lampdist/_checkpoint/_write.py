@@ -15,10 +15,10 @@ import secrets
 import shutil
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
@@ -52,14 +52,24 @@ from ._tensor_file import encode
 from ._torch_io import check_weights_only_loadable, save_tensors
 
 __all__ = [
+    "PlannedFiles",
+    "Where",
     "check_writable",
     "committed_checkpoints",
+    "name_to_write",
     "new_shards_directory",
+    "plan_files",
+    "refuse_unwritable",
+    "state_json",
+    "superseded",
     "verify_shards",
     "write_checkpoint",
 ]
 
 _log = logging.getLogger("lampdist.checkpoint")
+
+Where = Literal["directory", "prefix"]
+"""What holds the checkpoints: a local directory, or an object store's prefix."""
 
 _THREADS = max(2, min(8, os.cpu_count() or 1))
 """Threads checksumming and writing blocks while the writer thread plans them."""
@@ -100,7 +110,7 @@ def write_checkpoint(
     epoch = training_state.loop_state.epoch
     if epoch < 0:
         raise CheckpointError(f"cannot checkpoint a negative epoch {epoch}", phase="checkpoint")
-    state_json = _state_json(training_state, lr_state, rng)
+    state = state_json(training_state, lr_state, rng)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         shards: ShardedState | None = training_state.shards
@@ -116,7 +126,7 @@ def write_checkpoint(
             try:
                 if shards is not None:
                     verify_shards(temp, shards)
-                records = _write_files(temp, state_json, training_state, rng, check)
+                records = _write_files(temp, plan_files(training_state, rng, state), check)
                 fsync_directory(temp)
                 check()  # the last point at which a cancellation aborts the write
                 target = directory / name.name
@@ -147,18 +157,25 @@ def write_checkpoint(
     return target
 
 
-def _write_files(
-    temp: Path,
-    state_json: bytes,
-    training_state: TrainingState,
-    rng: RngStates,
-    check: Callable[[], None],
-) -> list[FileRecord]:
-    """Write every file but the manifest, then the manifest; the records of all of them.
+@attrs.frozen(kw_only=True, eq=False)
+class PlannedFiles:
+    """Every file of one checkpoint but the manifest, as both writers write them."""
 
-    State dicts go into tensor files, written block by block on a pool; one holding a value
-    a tensor file cannot represent is written with torch.save instead (after checking that
-    ``torch.load(weights_only=True)`` can load it).
+    tensor_files: list[PlannedFile]
+    """state.json, then a tensor file per state dict: what goes where in each."""
+    fallbacks: list[tuple[str, Any]]
+    """``(file name, value)`` of each state dict a tensor file cannot hold: written with
+    :func:`save_tensors` (torch.save) instead."""
+    shard_records: tuple[FileRecord, ...]
+    """The records of the ranks' shards, already written (a sharded checkpoint's)."""
+
+
+def plan_files(training_state: TrainingState, rng: RngStates, state: bytes) -> PlannedFiles:
+    """The files of a checkpoint of ``training_state``, its ``rng`` and its ``state.json``.
+
+    State dicts go into tensor files; one holding a value a tensor file cannot represent
+    becomes a fallback (after checking that ``torch.load(weights_only=True)`` can load it:
+    raises CheckpointError otherwise).
     """
     parts: list[tuple[str, str, Any]] = [
         (RNG, "rng_state", rng.tensors()),
@@ -171,7 +188,7 @@ def _write_files(
     if training_state.rank_states is not None:
         ranks = [dict(state) for state in training_state.rank_states]
         parts.append((RANKS, "rank_states", ranks))
-    plans = [PlannedFile(name=STATE, size=len(state_json), parts=((0, state_json),))]
+    plans = [PlannedFile(name=STATE, size=len(state), parts=((0, state),))]
     fallbacks = []
     for stem, label, value in parts:
         encoded = encode(value)
@@ -184,17 +201,34 @@ def _write_files(
             *zip(encoded.offsets, encoded.tensors, strict=True),
         )
         plans.append(PlannedFile(name=stem + TENSORS, size=encoded.size, parts=pieces))
+    shards = training_state.shards
+    return PlannedFiles(
+        tensor_files=plans,
+        fallbacks=fallbacks,
+        shard_records=() if shards is None else tuple(shards.records),
+    )
+
+
+def _write_files(temp: Path, files: PlannedFiles, check: Callable[[], None]) -> list[FileRecord]:
+    """Write every file but the manifest, then the manifest; the records of all of them.
+
+    Tensor files are written block by block on a pool; fallbacks with torch.save.
+    """
     with ThreadPoolExecutor(_THREADS, thread_name_prefix="lampdist-checkpoint") as pool:
         records = write_planned(
-            temp, plans, check=check, pool=pool, window=_WINDOW, algorithm=WRITE_CHECKSUM
+            temp,
+            files.tensor_files,
+            check=check,
+            pool=pool,
+            window=_WINDOW,
+            algorithm=WRITE_CHECKSUM,
         )
-        for filename, value in fallbacks:
+        for filename, value in files.fallbacks:
             save = functools.partial(save_tensors, value)
             records.append(
                 write_file(temp / filename, save, check=check, pool=pool, algorithm=WRITE_CHECKSUM)
             )
-        if training_state.shards is not None:
-            records.extend(training_state.shards.records)
+        records.extend(files.shard_records)
         manifest = manifest_to_bytes(records)
         manifest_plan = PlannedFile(name=MANIFEST, size=len(manifest), parts=((0, manifest),))
         write_planned(
@@ -203,7 +237,9 @@ def _write_files(
     return records
 
 
-def _state_json(training_state: TrainingState, lr_state: Any, rng: RngStates) -> bytes:
+def state_json(training_state: TrainingState, lr_state: Any, rng: RngStates) -> bytes:
+    """The bytes of ``state.json``; raises CheckpointError for a schedule state that is not
+    plain JSON."""
     try:
         schedule_json = state_to_json(lr_state)
     except ConfigError as exc:
@@ -284,38 +320,62 @@ def check_writable(directory: Path, next_epoch: int, *, resumed: bool) -> None:
     """
     if not directory.is_dir():
         return
-    existing = committed_checkpoints(directory)
+    existing = [name for name, _ in committed_checkpoints(directory)]
+    refuse_unwritable(existing, str(directory), next_epoch, resumed=resumed, kind="directory")
+
+
+def refuse_unwritable(
+    existing: Sequence[CheckpointName],
+    where: str,
+    next_epoch: int,
+    *,
+    resumed: bool,
+    kind: Where,
+) -> None:
+    """The rules of :func:`check_writable`, given the committed checkpoints at ``where`` (a
+    checkpoint directory, or an object store's prefix); raises CheckpointError."""
     if not existing:
         return
-    newest = existing[0][0].epoch
+    newest = max(existing).epoch
     if not resumed:
         raise CheckpointError(
-            f"{directory} already holds checkpoints (the newest of epoch {newest}) and this is "
-            "a new run: pass resume=load_latest(directory) to continue that run, or give this "
-            "run its own checkpoint directory",
+            f"{where} already holds checkpoints (the newest of epoch {newest}) and this is "
+            f"a new run: pass resume=load_latest({'directory' if kind == 'directory' else 'url'}) "
+            f"to continue that run, or give this run its own checkpoint {kind}",
             rank=0,
             phase="configure",
         )
     if newest > next_epoch + 1:
         raise CheckpointError(
-            f"{directory} already holds a checkpoint of epoch {newest}, newer than the run "
+            f"{where} already holds a checkpoint of epoch {newest}, newer than the run "
             f"resumed at epoch {next_epoch} would write: resume from the newest checkpoint "
-            "there, give this run its own checkpoint directory, or remove the newer checkpoints",
+            f"there, give this run its own checkpoint {kind}, or remove the newer checkpoints",
             rank=0,
             phase="configure",
         )
 
 
 def _next_name(directory: Path, epoch: int) -> CheckpointName:
-    existing = committed_checkpoints(directory)
+    existing = [name for name, _ in committed_checkpoints(directory)]
+    return name_to_write(existing, epoch, str(directory), kind="directory")
+
+
+def name_to_write(
+    existing: Sequence[CheckpointName], epoch: int, where: str, *, kind: Where
+) -> CheckpointName:
+    """The name of the checkpoint of ``epoch`` beside the committed ``existing`` ones (the
+    next generation when that epoch is there already).
+
+    Raises CheckpointError when a newer epoch is there: the write would be shadowed by it.
+    """
     if not existing:
         return CheckpointName(epoch=epoch)
-    newest = existing[0][0]
+    newest = max(existing)
     if newest.epoch > epoch:
         raise CheckpointError(
-            f"{directory} already holds a checkpoint of epoch {newest.epoch}, newer than the "
+            f"{where} already holds a checkpoint of epoch {newest.epoch}, newer than the "
             f"epoch {epoch} being written: resume with load_latest, give each run its own "
-            "checkpoint directory, or remove the newer checkpoints",
+            f"checkpoint {kind}, or remove the newer checkpoints",
             phase="checkpoint",
         )
     if newest.epoch == epoch:
@@ -323,18 +383,27 @@ def _next_name(directory: Path, epoch: int) -> CheckpointName:
     return CheckpointName(epoch=epoch)
 
 
-def _prune(directory: Path, written: CheckpointName, *, keep: int) -> None:
-    """Remove checkpoints superseded by ``written`` (same epoch) and all but the newest keep."""
-    existing = committed_checkpoints(directory)
+def superseded(
+    existing: Sequence[CheckpointName], written: CheckpointName, *, keep: int
+) -> list[CheckpointName]:
+    """The checkpoints to remove once ``written`` is committed: those of its epoch it
+    supersedes, and all but the newest ``keep``."""
     kept = 0
     doomed = []
-    for name, path in existing:
+    for name in sorted(existing, reverse=True):
         if name != written and name.epoch == written.epoch:
-            doomed.append(path)
+            doomed.append(name)
         elif kept < keep:
             kept += 1
         else:
-            doomed.append(path)
+            doomed.append(name)
+    return doomed
+
+
+def _prune(directory: Path, written: CheckpointName, *, keep: int) -> None:
+    """Remove checkpoints superseded by ``written`` (same epoch) and all but the newest keep."""
+    existing = dict(committed_checkpoints(directory))
+    doomed = [existing[name] for name in superseded(list(existing), written, keep=keep)]
     if not doomed:
         return
     removing = []

@@ -46,7 +46,11 @@ _LOAD_ERRORS = (RuntimeError, ValueError, KeyError, TypeError, IndexError)
 
 
 def fitting_model_state(
-    module: torch.nn.Module, state: Mapping[str, Any], *, path: Path | None, what: str = "model"
+    module: torch.nn.Module,
+    state: Mapping[str, Any],
+    *,
+    path: Path | str | None,
+    what: str = "model",
 ) -> Mapping[str, Any]:
     """``state`` (a checkpoint's ``what`` state dict) keyed as ``module``'s original module's
     state dict: the keys of a compiled module lose their ``_orig_mod.`` prefix.
@@ -87,7 +91,7 @@ def fitting_model_state(
 
 
 def load_model_state(
-    module: torch.nn.Module, state: Mapping[str, Any], *, path: Path | None
+    module: torch.nn.Module, state: Mapping[str, Any], *, path: Path | str | None
 ) -> None:
     """Load a checkpoint's model state dict into ``module``'s original module.
 
@@ -105,7 +109,9 @@ def load_model_state(
         ) from exc
 
 
-def load_optimizer_state(stepper: Stepper, state: Mapping[str, Any], *, path: Path | None) -> None:
+def load_optimizer_state(
+    stepper: Stepper, state: Mapping[str, Any], *, path: Path | str | None
+) -> None:
     """Load a checkpoint's optimizer state dict into ``stepper`` (sharded: its slice).
 
     Raises :class:`CheckpointError` naming ``path`` when the state has other parameter groups
@@ -214,7 +220,7 @@ def restore_rng(states: RngStates) -> None:
     restore_rng_states(states)
 
 
-def _where(path: Path | None) -> str:
+def _where(path: Path | str | None) -> str:
     return f"checkpoint {path}" if path is not None else "the checkpoint given as resume="
 
 

@@ -28,7 +28,7 @@ from .._model import original_module
 from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts, check_monitors
 from .._preload import preload
 from .._state import LoopState, TrainingState
-from ..checkpoint import Resumed, check_before_training, directory_of
+from ..checkpoint import Resumed, Saver, check_before_training, directory_of, open_saver
 from ..clique import CliqueFactory
 from ..control import Command, CommandKind, RootChannel
 from ..schedules import LearningRateSchedule
@@ -291,6 +291,7 @@ class _Root:
     pass_index: int = 0
     epoch: int = -1
     unsaved: tuple[LoopState, Any] | None = None  # the last epoch, if the interval skipped it
+    saver: Saver | None = None  # while the epochs run with a checkpoint_state
 
     def __attrs_post_init__(self) -> None:
         self.generations = Generations(
@@ -329,7 +330,7 @@ class _Root:
                     await self.generations.take_snapshot()
                     self.setup_watch.cancel()  # from now on each effect watches (guarded)
                 try:
-                    final = await self._epochs(loop_state)
+                    final = await self._epochs_saving(loop_state)
                 finally:
                     self._runner().close()
                 self.tracker.current = "stop"
@@ -396,6 +397,15 @@ class _Root:
         if culprit is not None:
             raise culprit from leaf
 
+    async def _epochs_saving(self, loop_state: LoopState | None) -> LoopState:
+        """The epochs, with the checkpoint effect's saver open around them (an asynchronous
+        one writes in the background and is waited for, or aborted, on the way out)."""
+        effect = self.loop.checkpoint_state
+        if effect is None:
+            return await self._epochs(loop_state)
+        async with open_saver(effect) as self.saver:
+            return await self._epochs(loop_state)
+
     async def _epochs(self, loop_state: LoopState | None) -> LoopState:
         loop = self.loop
         validates = self.data.validation_batches is not None
@@ -449,6 +459,8 @@ class _Root:
         return _snapshot(best, self.context.device)
 
     async def _train_epoch(self, lr_factor: float) -> EpochOutcome:
+        if self.saver is not None:
+            self.saver.check()  # an asynchronous checkpoint that failed ends the run here
         self.epoch += 1
         epoch, pass_index = self.epoch, self.pass_index
         self.tracker.current, self.tracker.epoch, self.tracker.pass_index = (
@@ -502,12 +514,13 @@ class _Root:
         await self._save(state, lr_state)
 
     async def _save(self, state: LoopState, lr_state: Any) -> None:
-        checkpoint_state = self.loop.checkpoint_state
-        assert checkpoint_state is not None
+        checkpoint_state, saver = self.loop.checkpoint_state, self.saver
+        assert checkpoint_state is not None and saver is not None
         self.unsaved = None
         check_schedule_state(self.loop.learning_rate_schedule, lr_state, epoch=state.epoch - 1)
         shards = None
         if self.context.design.loads_checkpoints:  # fsdp: every rank writes its shards
+            await saver.finish()  # the write in flight owns the directory's scratch until done
             directory = directory_of(checkpoint_state)
             assert directory is not None  # _check_fsdp_loop
             precision = self.context.options.step.fsdp.precision.to_plain()
@@ -542,7 +555,7 @@ class _Root:
         )
         self.last_checkpoint = time.monotonic()
         try:
-            await checkpoint_state(training_state, lr_state)
+            await saver.save(training_state, lr_state, stage_on=self.context.compute.run)
         except LampdistError:
             raise
         except Exception as exc:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from .._errors import ConfigError, LampdistError
+from ._checkpoint import add_inventory_actions, run_ls, run_verify
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -50,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     if args.command == "checkpoint":
-        return _checkpoint(args, commands["checkpoint"])
+        return _checkpoint(args, commands)
     try:
         from rich.console import Console
     except ImportError:
@@ -61,7 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    """The top-level parser, and the parser of each command by name."""
+    """The top-level parser, and the parser of each command by name (``"checkpoint ls"``
+    for an action's)."""
     parser = argparse.ArgumentParser(
         prog="lampdist", description="Data-parallel PyTorch training driven from async Python."
     )
@@ -78,8 +80,12 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
     saved = commands.add_parser(
         "checkpoint",
-        help="work with checkpoint directories",
-        description="Work with the checkpoint directories of checkpoint.to_directory.",
+        help="work with checkpoints: list, verify, consolidate",
+        description=(
+            "Work with the checkpoints of checkpoint.to_directory (a directory) and\n"
+            "checkpoint.to_url (an object store URL such as s3://bucket/run)."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     actions = saved.add_subparsers(dest="action", metavar="ACTION")
     consolidate = actions.add_parser(
@@ -94,6 +100,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
     consolidate.add_argument("directory", metavar="DIR", type=Path, help="a checkpoint directory")
     consolidate.add_argument("out", metavar="OUT", type=Path, help="the state_dict file to write")
+    inventory = add_inventory_actions(actions)
     demo.add_argument("-v", "--verbose", action="store_true", help="log lampdist's INFO lines")
     demo.add_argument("--ranks", type=int, help="ranks in this process (default: 2; GPUs)")
     demo.add_argument("--epochs", type=int, default=10, help="epochs to train (default: 10)")
@@ -119,11 +126,20 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     ranks.add_argument("--nranks", type=int, help="ranks in the run")
     ranks.add_argument("--host", default="127.0.0.1", help="the root's address")
     ranks.add_argument("--port", type=int, help="the root's control port")
-    return parser, {"demo": demo, "checkpoint": saved}
+    return parser, {
+        "demo": demo,
+        "checkpoint": saved,
+        **{f"checkpoint {name}": action for name, action in inventory.items()},
+    }
 
 
-def _checkpoint(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def _checkpoint(args: argparse.Namespace, commands: dict[str, argparse.ArgumentParser]) -> int:
     """``lampdist checkpoint ACTION``."""
+    parser = commands["checkpoint"]
+    if args.action == "ls":
+        return run_ls(args, commands["checkpoint ls"])
+    if args.action == "verify":
+        return run_verify(args, commands["checkpoint verify"])
     if args.action != "consolidate":
         parser.print_help()
         return 2

@@ -1,0 +1,132 @@
+"""``lampdist checkpoint ls`` and ``lampdist checkpoint verify``: what a checkpoint directory or
+an object store's prefix holds, and whether it is intact."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .._errors import ConfigError, LampdistError
+
+if TYPE_CHECKING:
+    from .._checkpoint import Listed
+
+__all__ = ["add_inventory_actions", "run_ls", "run_verify"]
+
+
+def add_inventory_actions(
+    actions: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> dict[str, argparse.ArgumentParser]:
+    """Add ``ls`` and ``verify`` to ``lampdist checkpoint``'s actions; their parsers."""
+    ls = actions.add_parser(
+        "ls",
+        help="list the committed checkpoints, newest first",
+        description=(
+            "List the committed checkpoints in LOCATION (a checkpoint directory, or an object\n"
+            "store URL such as s3://bucket/run), newest first: name, epoch, size, and with\n"
+            "--verify whether every file matches its manifest's checksums."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    verify = actions.add_parser(
+        "verify",
+        help="check every committed checkpoint against its manifest",
+        description=(
+            "Read every file of every committed checkpoint in LOCATION (a directory or an\n"
+            "object store URL) and check it against its manifest's sizes and checksums.\n"
+            "Exit status: 0 when all verify, 1 when any is damaged, 2 for bad arguments."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    for parser in (ls, verify):
+        parser.add_argument(
+            "location", metavar="LOCATION", help="a checkpoint directory or an object store URL"
+        )
+        parser.add_argument(
+            "-o",
+            "--option",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="an object store option, e.g. endpoint=http://127.0.0.1:9000 (repeatable)",
+        )
+    ls.add_argument("--verify", action="store_true", help="check every file's checksums too")
+    return {"ls": ls, "verify": verify}
+
+
+def _options(values: Sequence[str], parser: argparse.ArgumentParser) -> dict[str, str] | None:
+    options = {}
+    for value in values:
+        key, separator, setting = value.partition("=")
+        if not separator or not key:
+            parser.error(f"--option takes KEY=VALUE, not {value!r}")
+        options[key.strip()] = setting
+    return options or None
+
+
+def _listed(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, *, verify: bool
+) -> list[Listed] | int:
+    """The checkpoints, or the exit status of a failure (its message printed)."""
+    from .._checkpoint import is_url, list_checkpoints
+
+    if not is_url(args.location) and not Path(args.location).is_dir():
+        parser.error(f"{args.location} is neither a directory nor an object store URL")
+    options = _options(args.option, parser)
+    try:
+        return list_checkpoints(args.location, verify=verify, options=options)
+    except ConfigError as exc:
+        print(f"lampdist checkpoint {args.action}: {exc}", file=sys.stderr)
+        return 2
+    except LampdistError as exc:
+        print(f"lampdist checkpoint {args.action}: {exc}", file=sys.stderr)
+        return 1
+
+
+def run_ls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``lampdist checkpoint ls``: a table of the checkpoints; 0, or 1 when listing fails."""
+    listed = _listed(args, parser, verify=args.verify)
+    if isinstance(listed, int):
+        return listed
+    if not listed:
+        print(f"no checkpoints in {args.location}")
+        return 0
+    rows = [("NAME", "EPOCH", "SIZE (MB)", "VERIFIED", "PROBLEM")]
+    for item in listed:
+        verified = "-" if item.verified is None else ("yes" if item.verified else "no")
+        size = f"{item.size / 1e6:.1f}"
+        rows.append((item.name, str(item.epoch), size, verified, item.problem or ""))
+    widths = [max(len(row[column]) for row in rows) for column in range(4)]
+    for row in rows:
+        cells = [
+            row[0].ljust(widths[0]),
+            row[1].rjust(widths[1]),
+            row[2].rjust(widths[2]),
+            row[3].ljust(widths[3]),
+            row[4],
+        ]
+        print("  ".join(cells).rstrip())
+    return 0
+
+
+def run_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``lampdist checkpoint verify``: 0 when every checkpoint verifies, 1 when any is
+    damaged (each named, with what is wrong) or listing fails, 2 for bad arguments."""
+    listed = _listed(args, parser, verify=True)
+    if isinstance(listed, int):
+        return listed
+    damaged = [item for item in listed if not item.verified]
+    for item in listed:
+        if item.verified:
+            print(f"ok       {item.location}")
+        else:
+            print(f"DAMAGED  {item.location}: {item.problem}")
+    if damaged:
+        names = ", ".join(item.name for item in damaged)
+        print(f"{len(damaged)} of {len(listed)} checkpoints damaged: {names}", file=sys.stderr)
+        return 1
+    print(f"{len(listed)} checkpoints verified in {args.location}")
+    return 0
