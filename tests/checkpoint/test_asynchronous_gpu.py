@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -36,30 +37,45 @@ def test_a_gpu_state_is_snapshotted_on_the_gpu_before_later_kernels_change_it() 
     staged = staging.stage({"w": weight, "step": torch.tensor(3)})
     weight.mul_(3.0)  # queued after the snapshot on the same stream: must not reach it
     (copy,) = staged.finish()  # on the writer's thread, in a run
-    assert staging.pinned.pinned and staging.host.capacity == 64
+    assert staging.host.capacity == 64 and staging.from_devices.capacity == 4096 * 1024 * 4
     assert torch.equal(copy["w"], expected) and copy["step"].item() == 3
     assert copy["w"].device.type == "cpu"
     pointer = copy["w"].data_ptr()
     (again,) = staging.stage({"w": weight, "step": torch.tensor(4)}).finish()
-    assert again["w"].data_ptr() == pointer  # the pinned buffer is reused
+    assert again["w"].data_ptr() == pointer  # the host buffer is reused
     assert torch.equal(again["w"], expected * 3.0)
 
 
-def test_without_room_for_a_snapshot_the_state_goes_straight_to_pinned_memory() -> None:
+def _fill_the_gpu() -> list[torch.Tensor]:
+    """Allocate every byte the caching allocator can get, in shrinking pieces."""
+    torch.cuda.empty_cache()
+    hogs = []
+    piece = 1 << 30
+    while piece >= 1 << 20:
+        try:
+            hogs.append(torch.empty(piece, dtype=torch.uint8, device="cuda:0"))
+        except torch.OutOfMemoryError:
+            piece //= 2
+    return hogs
+
+
+def test_without_room_for_a_snapshot_the_state_goes_straight_to_the_host(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="lampdist")
     weight = torch.randn(1024, 1024, device="cuda:0")
     expected = weight.cpu()
-    torch.cuda.empty_cache()
-    free, _ = torch.cuda.mem_get_info()
-    hog = torch.empty(max(free - (2 << 20), 0), dtype=torch.uint8, device="cuda:0")
+    hogs = _fill_the_gpu()
     try:
         staging = Staging()
         staged = staging.stage({"w": weight})
         weight.mul_(3.0)
         (copy,) = staged.finish()
     finally:
-        del hog
+        del hogs
         torch.cuda.empty_cache()
-    assert torch.equal(copy["w"], expected) and staging.pinned.pinned
+    assert torch.equal(copy["w"], expected)
+    assert "no room on cuda:0" in caplog.text
 
 
 def adam(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
