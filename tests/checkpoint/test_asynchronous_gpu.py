@@ -37,44 +37,33 @@ def test_a_gpu_state_is_snapshotted_on_the_gpu_before_later_kernels_change_it() 
     staged = staging.stage({"w": weight, "step": torch.tensor(3)})
     weight.mul_(3.0)  # queued after the snapshot on the same stream: must not reach it
     (copy,) = staged.finish()  # on the writer's thread, in a run
-    assert staging.host.capacity == 64 and staging.from_devices.capacity == 4096 * 1024 * 4
+    assert staging.host.capacity == 64 and staging.pinned.pinned
     assert torch.equal(copy["w"], expected) and copy["step"].item() == 3
     assert copy["w"].device.type == "cpu"
     pointer = copy["w"].data_ptr()
     (again,) = staging.stage({"w": weight, "step": torch.tensor(4)}).finish()
-    assert again["w"].data_ptr() == pointer  # the host buffer is reused
+    assert again["w"].data_ptr() == pointer  # the pinned buffer is reused
     assert torch.equal(again["w"], expected * 3.0)
 
 
-def _fill_the_gpu() -> list[torch.Tensor]:
-    """Allocate every byte the caching allocator can get, in shrinking pieces."""
-    torch.cuda.empty_cache()
-    hogs = []
-    piece = 1 << 30
-    while piece >= 1 << 20:
-        try:
-            hogs.append(torch.empty(piece, dtype=torch.uint8, device="cuda:0"))
-        except torch.OutOfMemoryError:
-            piece //= 2
-    return hogs
-
-
-def test_without_room_for_a_snapshot_the_state_goes_straight_to_the_host(
+def test_without_room_for_a_snapshot_the_state_goes_straight_to_pinned_memory(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger="lampdist")
-    weight = torch.randn(1024, 1024, device="cuda:0")
+    weight = torch.randn(4096, 1024, device="cuda:0")  # 16 MB: a segment of its own
     expected = weight.cpu()
-    hogs = _fill_the_gpu()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    allowed = torch.cuda.memory_reserved(0) + (1 << 20)  # no room for a 16 MB snapshot
+    torch.cuda.set_per_process_memory_fraction(allowed / total, 0)
     try:
         staging = Staging()
         staged = staging.stage({"w": weight})
         weight.mul_(3.0)
         (copy,) = staged.finish()
     finally:
-        del hogs
-        torch.cuda.empty_cache()
-    assert torch.equal(copy["w"], expected)
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    assert torch.equal(copy["w"], expected) and staging.pinned.pinned
     assert "no room on cuda:0" in caplog.text
 
 
