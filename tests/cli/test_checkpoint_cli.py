@@ -166,6 +166,22 @@ def test_verify_on_s3_fails_naming_the_damaged_part(
     assert "model.tensors" in capsys.readouterr().out
 
 
+def test_consolidate_reads_the_newest_checkpoint_of_a_url(s3_url: str, tmp_path: Path) -> None:
+    import torch
+
+    from lampdist._checkpoint import write_to_store
+
+    state, lr_state = expected_state(3)
+    write_to_store(
+        s3_url, state, lr_state, capture_rng_states(), keep=3, check=lambda: None, options=None
+    )
+    out = tmp_path / "model.pt"
+    assert main(["checkpoint", "consolidate", s3_url, str(out)]) == 0
+    model = torch.load(out, weights_only=True)
+    assert model.keys() == state.model_state.keys()
+    assert all(torch.equal(model[name], state.model_state[name]) for name in model)
+
+
 def test_a_store_that_cannot_be_reached_exits_1(
     s3_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

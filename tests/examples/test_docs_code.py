@@ -20,6 +20,8 @@ PAGES = [
     "docs/howto-multinode.md",
     "docs/howto-tls-secrets.md",
     "docs/howto-checkpoint-resume.md",
+    "docs/howto-object-store.md",
+    "docs/checkpoints.md",
     "docs/howto-uneven-data.md",
     "docs/howto-metrics.md",
     "docs/howto-service.md",

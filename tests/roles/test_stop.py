@@ -26,7 +26,12 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-async def test_the_local_loop_finishes_the_epoch_checkpoints_and_stops(tmp_path: Path) -> None:
+@pytest.mark.parametrize("asynchronous", [False, True])
+async def test_the_local_loop_finishes_the_epoch_checkpoints_and_stops(
+    tmp_path: Path, asynchronous: bool
+) -> None:
+    """An asynchronous checkpoint's write is waited for: the stopped run returns with it
+    committed."""
     stop = anyio.Event()
 
     async def on_event(event: lampdist.PassEvent) -> None:
@@ -41,7 +46,7 @@ async def test_the_local_loop_finishes_the_epoch_checkpoints_and_stops(tmp_path:
             loop=lampdist.LoopOptions(
                 max_epochs=50,
                 on_event=on_event,
-                checkpoint_state=checkpoint.to_directory(tmp_path),
+                checkpoint_state=checkpoint.to_directory(tmp_path, asynchronous=asynchronous),
             ),
             stop=stop,
         )

@@ -92,13 +92,16 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         "consolidate",
         help="write the newest checkpoint's model as one plain state_dict",
         description=(
-            "Write the model of the newest intact checkpoint in DIR as one plain state_dict\n"
+            "Write the model of the newest intact checkpoint in LOCATION (a directory or an\n"
+            "object store URL) as one plain state_dict\n"
             "to OUT (torch.load(OUT, weights_only=True) reads it), whether every rank wrote\n"
             "its shards (step_on='fsdp') or the root the whole model."
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    consolidate.add_argument("directory", metavar="DIR", type=Path, help="a checkpoint directory")
+    consolidate.add_argument(
+        "directory", metavar="LOCATION", help="a checkpoint directory or an object store URL"
+    )
     consolidate.add_argument("out", metavar="OUT", type=Path, help="the state_dict file to write")
     inventory = add_inventory_actions(actions)
     demo.add_argument("-v", "--verbose", action="store_true", help="log lampdist's INFO lines")
