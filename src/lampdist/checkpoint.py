@@ -26,7 +26,7 @@ import contextlib
 import functools
 import math
 import os
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -38,12 +38,15 @@ import attrs
 from ._checkpoint import (
     FORMAT_VERSION,
     RngStates,
+    ShardedState,
     StageOn,
     background_writes,
     capture_rng_states,
     check_store_writable,
     check_writable,
     is_url,
+    new_shards_directory,
+    new_store_shards,
     read_latest,
     read_latest_from_store,
     write_checkpoint,
@@ -228,6 +231,11 @@ class _Checkpoint:
     def check_writable(self, next_epoch: int, *, resumed: bool) -> None:
         raise NotImplementedError
 
+    def new_shards(self, epoch: int, nranks: int, precision: Mapping[str, Any]) -> ShardedState:
+        """Where the ranks write their shards of the checkpoint of ``epoch`` under
+        ``step_on="fsdp"``, for :meth:`write` to commit."""
+        raise NotImplementedError
+
     async def check_before_training(self, resume: Resumed | None) -> None:
         """Raise CheckpointError now, not after an epoch, when this run's checkpoints cannot
         go where this effect writes (see :func:`to_directory`)."""
@@ -262,6 +270,9 @@ class _DirectoryCheckpoint(_Checkpoint):
     def check_writable(self, next_epoch: int, *, resumed: bool) -> None:
         check_writable(self.directory, next_epoch, resumed=resumed)
 
+    def new_shards(self, epoch: int, nranks: int, precision: Mapping[str, Any]) -> ShardedState:
+        return new_shards_directory(self.directory, nranks, precision)
+
 
 @attrs.frozen(kw_only=True)
 class _UrlCheckpoint(_Checkpoint):
@@ -289,11 +300,15 @@ class _UrlCheckpoint(_Checkpoint):
     def check_writable(self, next_epoch: int, *, resumed: bool) -> None:
         check_store_writable(self.url, next_epoch, resumed=resumed, options=self.options)
 
+    def new_shards(self, epoch: int, nranks: int, precision: Mapping[str, Any]) -> ShardedState:
+        return new_store_shards(self.url, epoch, nranks, precision, self.options)
 
-def directory_of(effect: CheckpointState | None) -> Path | None:
-    """The directory of an effect of :func:`to_directory` (``None`` for any other effect): where
-    ``step_on="fsdp"`` has every rank write its shards."""
-    return effect.directory if isinstance(effect, _DirectoryCheckpoint) else None
+
+def shards_writer(effect: CheckpointState | None) -> Callable[..., ShardedState] | None:
+    """``new_shards(epoch, nranks, precision)`` of an effect of :func:`to_directory` or
+    :func:`to_url` (``None`` for any other effect): where ``step_on="fsdp"`` has every rank
+    write its shards."""
+    return effect.new_shards if isinstance(effect, _Checkpoint) else None
 
 
 async def check_before_training(effect: CheckpointState | None, resume: Resumed | None) -> None:
@@ -383,6 +398,12 @@ def load_latest(
         loaded = read_latest(Path(path), map_location=map_location)
     if loaded is None:
         return None
+    shards = loaded.training_state.shards
+    if shards is not None and options is not None:  # the ranks download the shards with them
+        shards = attrs.evolve(shards, options=dict(options))
+        loaded = attrs.evolve(
+            loaded, training_state=attrs.evolve(loaded.training_state, shards=shards)
+        )
     stored = loaded.lr_state_json
     return Resumed(
         training_state=loaded.training_state,
@@ -406,7 +427,7 @@ def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     """
     import torch
 
-    from ._checkpoint import read_whole
+    from ._checkpoint import local_shards, read_whole
 
     loaded = load_latest(path, map_location="cpu")
     if loaded is None:
@@ -414,7 +435,8 @@ def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     state = loaded.training_state
     model = dict(state.model_state)
     if state.shards is not None:
-        model, _ = read_whole(state.shards.path)
+        with local_shards(state.shards.path, state.shards.options) as shards:
+            model, _ = read_whole(shards)
     target = Path(out)
     scratch = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:

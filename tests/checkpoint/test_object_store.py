@@ -21,10 +21,11 @@ import torch
 
 import lampdist
 from lampdist._checkpoint import (
-    ShardedState,
+    FileRecord,
     check_store_writable,
     is_url,
     list_checkpoints,
+    new_store_shards,
     read_latest,
     read_latest_from_store,
     write_checkpoint,
@@ -228,13 +229,32 @@ def test_check_store_writable_has_the_local_rules(s3_url: str) -> None:
         check_store_writable(s3_url, 1, resumed=True, options=None)
 
 
-def test_a_sharded_state_is_refused(s3_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("missing", ["metadata", "a rank's file", "a short file"])
+def test_shards_that_are_not_all_there_are_not_committed(s3_url: str, missing: str) -> None:
+    """The root commits a sharded checkpoint only when every rank's files are in the store
+    as their records say; otherwise nothing of it stays, the ranks' uploads included."""
     state, lr_state = expected_state(1)
-    sharded = attrs.evolve(
-        state, shards=ShardedState(path=tmp_path / "shards", nranks=2, precision={})
-    )
-    with pytest.raises(lampdist.CheckpointError, match="local directory only"):
+    shards = new_store_shards(s3_url, 1, 2, {}, None)
+    assert shards.path == f"{s3_url}/epoch-000001/shards"
+    files = {
+        "shards/.metadata": b"meta",
+        "shards/__0_0.distcp": b"zero",
+        "shards/__1_0.distcp": b"one",
+    }
+    records = [FileRecord(name=name, size=len(data), digests=()) for name, data in files.items()]
+    if missing == "metadata":
+        del files["shards/.metadata"]
+        records = records[1:]
+    elif missing == "a rank's file":
+        del files["shards/__1_0.distcp"]
+    else:
+        files["shards/__1_0.distcp"] = b"on"
+    for name, data in files.items():
+        put_object(s3_url, f"epoch-000001/{name}", data)
+    sharded = attrs.evolve(state, shards=attrs.evolve(shards, records=tuple(records)))
+    with pytest.raises(lampdist.CheckpointError) as caught:
         write(s3_url, sharded, lr_state)
+    assert caught.value.phase == "checkpoint"
     assert keys(s3_url) == []
 
 

@@ -219,8 +219,10 @@ async def main(argv: list[str]) -> None:
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--meta", action="store_true")
     parser.add_argument("--epochs", type=int, default=EPOCHS)
-    parser.add_argument("--checkpoint", type=Path, default=None, help="to_directory(DIR)")
-    parser.add_argument("--resume", type=Path, default=None, help="load_latest(DIR)")
+    parser.add_argument(
+        "--checkpoint", default=None, help="to_directory(DIR), or to_url(URL) for s3://..."
+    )
+    parser.add_argument("--resume", default=None, help="load_latest(DIR or URL)")
     parser.add_argument("--width", type=int, default=6, help="the model's hidden width")
     parser.add_argument("--bf16", action="store_true", help="fsdp: gather in bfloat16")
     parser.add_argument(
@@ -283,7 +285,11 @@ async def main(argv: list[str]) -> None:
         built.append(OPTIMIZERS[args.optimizer](params))
         return built[-1]
 
-    checkpoint_state = None if args.checkpoint is None else checkpoint.to_directory(args.checkpoint)
+    checkpoint_state = None
+    if args.checkpoint is not None and "://" in args.checkpoint:
+        checkpoint_state = checkpoint.to_url(args.checkpoint)
+    elif args.checkpoint is not None:
+        checkpoint_state = checkpoint.to_directory(Path(args.checkpoint))
     resume = None if args.resume is None else checkpoint.load_latest(args.resume)
     train_sizes, valid_sizes = sizes(args.nranks)
     device = f"cuda:{args.rank}" if args.cuda else "cpu"

@@ -325,6 +325,56 @@ def test_checkpoints_reshard_between_rank_counts_and_designs(tmp_path: Path) -> 
     assert_matches(resumed, 2, expected, [[a, b] for a, b in zip(train, valid, strict=True)])
 
 
+def test_sharded_checkpoints_in_an_object_store_are_uploaded_by_each_rank_and_reshard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``to_url``, every rank uploads its own shards under the checkpoint's ``shards/``
+    prefix of a real S3 server, the root commits the manifest last; the checkpoint loads on
+    another number of ranks (each rank downloading the shards) and whole under another
+    design, bitwise; ``lampdist checkpoint consolidate URL`` reads it whole."""
+    pytest.importorskip("obstore")
+    pytest.importorskip("moto")
+    import obstore
+    from obstore.store import from_url
+
+    from ..checkpoint.s3_server import set_environment, start_server
+
+    server = start_server()
+    try:
+        set_environment(monkeypatch, server)
+        url = f"s3://{server.create_bucket()}/fsdp-run"
+        runs = {name: tmp_path / name for name in ("a", "b", "c")}
+        for out in runs.values():
+            out.mkdir()
+        run_ranks(runs["a"], 2, "--epochs", "1", "--optimizer", "adamw", "--checkpoint", url)
+        written = _parts(runs["a"], 2)
+        keys = sorted(meta["path"] for chunk in obstore.list(from_url(url)) for meta in chunk)
+        assert [key for key in keys if "/shards/" in key] == [
+            "epoch-000001/shards/.metadata",
+            "epoch-000001/shards/__0_0.distcp",
+            "epoch-000001/shards/__1_0.distcp",
+        ]
+        assert "epoch-000001/manifest.json" in keys
+        run_ranks(runs["b"], 3, "--epochs", "1", "--optimizer", "adamw", "--resume", url)
+        _assert_bitwise(_parts(runs["b"], 3), written)
+        run_whole(runs["c"], 1, "--epochs", "1", "--optimizer", "adamw", "--resume", url)
+        _assert_bitwise(_whole(runs["c"]), written)
+        target = tmp_path / "model.pt"
+        done = subprocess.run(
+            [sys.executable, "-m", "lampdist", "checkpoint", "consolidate", url, str(target)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        model = torch.load(target, weights_only=True)
+        assert sorted(model) == sorted(written[0])
+        assert all(torch.equal(model[name], value) for name, value in written[0].items())
+    finally:
+        server.kill()
+
+
 def run_whole(out: Path, nranks: int, *extra: str) -> None:
     """:mod:`.tcp_rank` under the root design (whole state dicts) on ``nranks`` ranks."""
     run_ranks(out, nranks, *extra, step_on="root")

@@ -9,7 +9,10 @@ from ._inventory import Listed as Listed
 from ._inventory import list_checkpoints as list_checkpoints
 from ._object_store import check_store_writable as check_store_writable
 from ._object_store import is_url as is_url
+from ._object_store import local_shards as local_shards
+from ._object_store import new_store_shards as new_store_shards
 from ._object_store import read_latest_from_store as read_latest_from_store
+from ._object_store import upload_rank_shards as upload_rank_shards
 from ._object_store import write_to_store as write_to_store
 from ._read import Loaded as Loaded
 from ._read import read_latest as read_latest
@@ -45,11 +48,14 @@ __all__ = [
     "is_url",
     "list_checkpoints",
     "load_rank_shards",
+    "local_shards",
     "new_shards_directory",
+    "new_store_shards",
     "read_latest",
     "read_latest_from_store",
     "read_whole",
     "restore_rng_states",
+    "upload_rank_shards",
     "write_checkpoint",
     "write_rank_shards",
     "write_to_store",

@@ -70,6 +70,7 @@ from ._format import (
 )
 from ._read import Loaded, Stream, read_newest
 from ._rng import RngStates
+from ._shards import SHARDS, ShardedState, write_rank_shards
 from ._torch_io import save_tensors
 from ._write import (
     PlannedFiles,
@@ -93,8 +94,11 @@ __all__ = [
     "StoreFiles",
     "check_store_writable",
     "is_url",
+    "local_shards",
+    "new_store_shards",
     "read_latest_from_store",
     "store_checkpoints",
+    "upload_rank_shards",
     "write_to_store",
 ]
 
@@ -348,23 +352,20 @@ def write_to_store(
     epoch = training_state.loop_state.epoch
     if epoch < 0:
         raise CheckpointError(f"cannot checkpoint a negative epoch {epoch}", phase="checkpoint")
-    if training_state.shards is not None:
-        raise CheckpointError(
-            "sharded checkpoints (step_on='fsdp') go to a local directory only, not to "
-            f"{url}: use checkpoint.to_directory",
-            phase="checkpoint",
-        )
+    shards = training_state.shards
     files = plan_files(training_state, rng, state_json(training_state, lr_state, rng))
     store = _open_store(url, options)
     listing = _scan(store, url, "checkpoint")
-    name = name_to_write(listing.committed(), epoch, url, kind="prefix")
-    for leftover in listing.leftovers():
-        if leftover <= name:
-            _log.info("removing leftover %s/%s of an interrupted checkpoint", url, leftover.name)
-            _delete(store, url, listing.keys[leftover])
-    uploaded: list[str] = []
+    if shards is None:
+        name = name_to_write(listing.committed(), epoch, url, kind="prefix")
+        _remove_leftovers(store, url, listing, up_to=name)
+    else:  # the ranks uploaded their shards where new_store_shards said
+        name = _shards_name(url, shards)
+    uploaded: list[str] = [] if shards is None else list(_shard_keys(name, shards))
     committed = False
     try:
+        if shards is not None:
+            _verify_shards(store, url, name, shards)
         records = _upload_files(store, url, name.name, files, check, uploaded)
         manifest = manifest_to_bytes(records)
         check()  # the last point at which a cancellation aborts the write
@@ -388,6 +389,133 @@ def write_to_store(
         extra={"epoch": epoch},
     )
     return target
+
+
+def _remove_leftovers(store: Any, url: str, listing: _Listing, *, up_to: CheckpointName) -> None:
+    """Delete the leftovers (names without a manifest) up to ``up_to``: what interrupted
+    writes and removals left."""
+    for leftover in listing.leftovers():
+        if leftover <= up_to:
+            _log.info("removing leftover %s/%s of an interrupted checkpoint", url, leftover.name)
+            _delete(store, url, listing.keys[leftover])
+
+
+def new_store_shards(
+    url: str,
+    epoch: int,
+    nranks: int,
+    precision: Mapping[str, Any],
+    options: Mapping[str, str] | None,
+) -> ShardedState:
+    """Where the ranks upload their shards of the checkpoint of ``epoch`` (the ``shards``
+    prefix of the name it will be committed under; leftovers up to that name are removed
+    first), for :func:`write_to_store` to commit."""
+    url = url.rstrip("/")
+    store = _open_store(url, options)
+    listing = _scan(store, url, "checkpoint")
+    name = name_to_write(listing.committed(), epoch, url, kind="prefix")
+    _remove_leftovers(store, url, listing, up_to=name)
+    return ShardedState(
+        path=f"{url}/{name.name}/{SHARDS}", nranks=nranks, precision=precision, options=options
+    )
+
+
+def _shards_name(url: str, shards: ShardedState) -> CheckpointName:
+    """The checkpoint name that :func:`new_store_shards` chose for ``shards``."""
+    path = str(shards.path)
+    checkpoint, _, leaf = path.rpartition("/")
+    base, _, last = checkpoint.rpartition("/")
+    name = CheckpointName.parse(last)
+    if leaf != SHARDS or base != url or name is None:
+        raise CheckpointError(
+            f"the shards at {path} are not a checkpoint's of {url}", phase="checkpoint"
+        )
+    return name
+
+
+def _shard_keys(name: CheckpointName, shards: ShardedState) -> Iterator[str]:
+    for record in shards.records:
+        yield f"{name.name}/{record.name}"
+
+
+def _verify_shards(store: Any, url: str, name: CheckpointName, shards: ShardedState) -> None:
+    """Raise CheckpointError unless every rank's shard files are there with the sizes its
+    records say (their bytes are checked against the records' checksums when read)."""
+    obstore = _obstore()
+    prefix = f"{name.name}/{SHARDS}"
+    try:
+        sizes = {
+            meta["path"]: int(meta["size"])
+            for chunk in obstore.list(store, prefix)
+            for meta in chunk
+        }
+    except _store_errors(obstore) as exc:
+        raise _failed("list", f"{url}/{prefix}", exc, "checkpoint") from exc
+    names = {record.name for record in shards.records}
+    if f"{SHARDS}/.metadata" not in names:
+        raise CheckpointError("the shards' metadata is missing", phase="checkpoint")
+    for rank in range(shards.nranks):
+        if not any(n.startswith(f"{SHARDS}/__{rank}_") for n in names):
+            raise CheckpointError(f"rank {rank} uploaded no shard", phase="checkpoint")
+    for record in shards.records:
+        key = f"{name.name}/{record.name}"
+        if sizes.get(key) != record.size:
+            raise CheckpointError(
+                f"{url}/{key} is not what its rank uploaded ({sizes.get(key)} bytes, not "
+                f"{record.size})",
+                phase="checkpoint",
+            )
+
+
+def upload_rank_shards(
+    shards: ShardedState, module: Any, optimizer: Any, *, rank: int
+) -> list[FileRecord]:
+    """Write this rank's shards (a collective: every rank calls it) into a scratch
+    directory, upload its own files to ``shards.path`` and remove the scratch; their
+    records, named relative to the checkpoint."""
+    checkpoint = str(shards.path).rpartition("/")[0]
+    with tempfile.TemporaryDirectory(prefix="lampdist-shards-") as scratch:
+        records = write_rank_shards(Path(scratch), module, optimizer, rank=rank)
+        try:
+            store = _open_store(checkpoint, shards.options)
+            for record in records:
+                pieces = _file_pieces(Path(scratch) / record.name, _no_check)
+                _put(store, checkpoint, record.name, pieces, record.size)
+        except CheckpointError as exc:
+            raise CheckpointError(exc.message, rank=rank, phase="checkpoint") from exc
+    return records
+
+
+def _no_check() -> None:
+    pass
+
+
+@contextlib.contextmanager
+def local_shards(path: Path | str, options: Mapping[str, str] | None) -> Iterator[Path]:
+    """The shards at ``path`` in a local directory: ``path`` itself, or a scratch directory
+    the shards of an object store's checkpoint are downloaded into (removed afterwards).
+    Raises CheckpointError (phase ``resume``) when a download fails."""
+    if not is_url(path):
+        yield Path(path)
+        return
+    url = str(path).rstrip("/")
+    obstore = _obstore()
+    with tempfile.TemporaryDirectory(prefix="lampdist-shards-") as scratch:
+        target = Path(scratch) / SHARDS
+        target.mkdir()
+        store = _open_store(url, options)
+        try:
+            keys = [meta["path"] for chunk in obstore.list(store) for meta in chunk]
+            for key in keys:
+                destination = target / key
+                if destination.parent != target:
+                    raise CheckpointError(f"{url}/{key} is no shard file", phase="resume")
+                with open(destination, "wb") as file:
+                    for chunk in obstore.get(store, key).stream(min_chunk_size=_READ_CHUNK):
+                        file.write(memoryview(chunk))
+        except _store_errors(obstore) as exc:
+            raise _failed("download", url, exc, "resume") from exc
+        yield target
 
 
 def _upload_files(

@@ -298,13 +298,10 @@ def _read_files(files: CheckpointFiles, *, map_location: Any) -> Loaded:
         raise Damaged("state.json and the manifest disagree about the ranks' states")
     shards = None
     if nranks is not None and precision is not None:
-        if files.directory is None:
-            raise CheckpointError(
-                f"{files.location} is a sharded checkpoint (step_on='fsdp'), which loads from "
-                "a local directory only: copy it to one and load it from there",
-                phase="resume",
-            )
-        shards = ShardedState(path=files.directory / SHARDS, nranks=nranks, precision=precision)
+        where: Path | str = (
+            f"{files.location}/{SHARDS}" if files.directory is None else files.directory / SHARDS
+        )  # in an object store, each rank downloads the shards it loads (see _object_store)
+        shards = ShardedState(path=where, nranks=nranks, precision=precision)
 
     def load(stem: str, location: Any) -> Any:
         record = stems[stem]

@@ -8,6 +8,10 @@ them and commits the checkpoint as any other (see ``_write``: manifest last, ato
 keep-k), its manifest listing the shard files, so that a missing or damaged shard makes the
 checkpoint damaged and :func:`lampdist.checkpoint.load_latest` falls back to the one before.
 
+In an object store (:mod:`._object_store`), each rank writes its shards into a scratch
+directory of its own, uploads its files under the checkpoint's ``shards/`` prefix and
+removes the scratch; to load, each rank downloads the shards into a scratch directory.
+
 A sharded checkpoint loads on any number of ranks: under fsdp each rank reads the parts of
 the saved shards that its own shards cover (the global metadata says which); any other design
 reads it whole in one process (:func:`read_whole`), as ``lampdist checkpoint consolidate``
@@ -46,14 +50,16 @@ _METADATA = ".metadata"
 
 @attrs.frozen(kw_only=True)
 class ShardedState:
-    """Where a sharded checkpoint's shards are: ``path`` (a ``shards`` directory), written by
+    """Where a sharded checkpoint's shards are: ``path`` (a ``shards`` directory, or the URL
+    of a ``shards`` prefix in an object store, read and written with ``options``), written by
     ``nranks`` ranks with ``precision`` (:meth:`lampdist.Precision.to_plain`). While being
     written, ``records`` holds every rank's files and their checksums."""
 
-    path: Path
+    path: Path | str
     nranks: int
     precision: Mapping[str, str | None] = attrs.field(factory=dict)
     records: tuple[FileRecord, ...] = ()
+    options: Mapping[str, str] | None = attrs.field(default=None, repr=False)
 
 
 def _own_files(directory: Path, rank: int) -> list[Path]:

@@ -115,13 +115,15 @@ def write_checkpoint(
         directory.mkdir(parents=True, exist_ok=True)
         shards: ShardedState | None = training_state.shards
         with writer_lock(directory):
-            _remove_scratch(directory, keep=None if shards is None else shards.path.parent)
+            scratch = None if shards is None else Path(shards.path).parent
+            _remove_scratch(directory, keep=scratch)
             name = _next_name(directory, epoch)
             if shards is None:
                 temp = directory / f"{TEMP_PREFIX}{name.name}-{secrets.token_hex(4)}"
                 temp.mkdir()
             else:  # the ranks wrote their shards into it
-                temp = shards.path.parent
+                assert scratch is not None
+                temp = scratch
             committed = False
             try:
                 if shards is not None:

@@ -11,7 +11,7 @@ import anyio
 import attrs
 import torch
 
-from .._checkpoint import by_index, new_shards_directory, read_whole
+from .._checkpoint import by_index, local_shards, read_whole
 from .._device import resolve_device
 from .._effects import EpochOutcome, OptimizerFactory
 from .._epoch import CheckpointParts, PassResult, PassRunner, flat_order
@@ -28,7 +28,7 @@ from .._model import original_module
 from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts, check_monitors
 from .._preload import preload
 from .._state import LoopState, TrainingState
-from ..checkpoint import Resumed, Saver, check_before_training, directory_of, open_saver
+from ..checkpoint import Resumed, Saver, check_before_training, open_saver, shards_writer
 from ..clique import CliqueFactory
 from ..control import Command, CommandKind, RootChannel
 from ..schedules import LearningRateSchedule
@@ -169,15 +169,16 @@ async def drive(
 
 def _check_fsdp_loop(step: StepOptions, loop: LoopOptions) -> None:
     """Raise :class:`ConfigError` for what ``step_on="fsdp"`` does not do: checkpoints by
-    another effect than :func:`lampdist.checkpoint.to_directory` (every rank writes its shards
-    into its directory) and the best model (it would need every rank's shards)."""
+    another effect than :func:`lampdist.checkpoint.to_directory` or ``to_url`` (every rank
+    writes its shards where they go) and the best model (it would need every rank's
+    shards)."""
     if step.step_on != "fsdp":
         return
     effect = loop.checkpoint_state
     for unsupported, name, instead in (
         (
-            effect is not None and directory_of(effect) is None,
-            "checkpoint_state other than checkpoint.to_directory(...)",
+            effect is not None and shards_writer(effect) is None,
+            "checkpoint_state other than checkpoint.to_directory(...) or to_url(...)",
             "checkpoint_state=checkpoint.to_directory(path)",
         ),
         (
@@ -446,7 +447,8 @@ class _Root:
             return None
         model_state, optimizer_state = state.model_state, state.optimizer_state
         if state.shards is not None:  # written by fsdp: read whole here
-            model_state, named = read_whole(state.shards.path)
+            with local_shards(state.shards.path, state.shards.options) as path:
+                model_state, named = read_whole(path)
             optimizer_state = by_index(named, flat_order(original_module(module)))
         load_model_state(module, model_state, path=resume.path)
         stepper = design.stepper
@@ -521,11 +523,11 @@ class _Root:
         shards = None
         if self.context.design.loads_checkpoints:  # fsdp: every rank writes its shards
             await saver.finish()  # the write in flight owns the directory's scratch until done
-            directory = directory_of(checkpoint_state)
-            assert directory is not None  # _check_fsdp_loop
+            new_shards = shards_writer(checkpoint_state)
+            assert new_shards is not None  # _check_fsdp_loop
             precision = self.context.options.step.fsdp.precision.to_plain()
             shards = await anyio.to_thread.run_sync(
-                partial(new_shards_directory, directory, self.context.nranks, precision)
+                partial(new_shards, state.epoch, self.context.nranks, precision)
             )
 
         async def attempt() -> CheckpointParts | None:

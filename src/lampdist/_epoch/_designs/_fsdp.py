@@ -39,7 +39,10 @@ import torch
 from ..._checkpoint import (
     ShardedState,
     by_name,
+    is_url,
     load_rank_shards,
+    local_shards,
+    upload_rank_shards,
     write_rank_shards,
 )
 from ..._effects import OptimizerFactory
@@ -221,14 +224,19 @@ class FsdpSteps(EveryRankSteps):
         plan = None
         if resume is not None:
             shards = resume.shards
-            plan = {"shards": str(shards.path)} if shards is not None else {"whole": True}
+            plan = (
+                {"shards": str(shards.path), "options": shards.options}
+                if shards is not None
+                else {"whole": True}
+            )
         plan = broadcast_object(self.clique, plan, rank=self.rank)
         if plan is None:
             return
         assert self.stepper is not None
         optimizer = self.stepper.optimizer
-        if "shards" in plan:
-            load_rank_shards(Path(plan["shards"]), module, optimizer, rank=self.rank)
+        if "shards" in plan:  # from an object store, each rank downloads them first
+            with local_shards(plan["shards"], plan["options"]) as path:
+                load_rank_shards(path, module, optimizer, rank=self.rank)
             return
         model_state: dict[str, Any] = {}
         optimizer_state: dict[str, Any] = {}
@@ -364,14 +372,20 @@ class FsdpSteps(EveryRankSteps):
         ``shards`` directory (every rank at once); its files and their checksums."""
         assert self.module is not None and self.stepper is not None
         where = broadcast_object(
-            self.clique, None if shards is None else str(shards.path), rank=self.rank
+            self.clique,
+            None if shards is None else {"path": str(shards.path), "options": shards.options},
+            rank=self.rank,
         )
         if where is None:
             raise AssertionError("the root gave no directory for the shards")
-        module = original_module(self.module)
-        records = write_rank_shards(
-            Path(where).parent, module, self.stepper.optimizer, rank=self.rank
-        )
+        module, optimizer = original_module(self.module), self.stepper.optimizer
+        if is_url(where["path"]):  # each rank uploads its own files
+            target = ShardedState(path=where["path"], nranks=self.nranks, options=where["options"])
+            records = upload_rank_shards(target, module, optimizer, rank=self.rank)
+        else:
+            records = write_rank_shards(
+                Path(where["path"]).parent, module, optimizer, rank=self.rank
+            )
         return [(r.name, r.size, list(r.digests)) for r in records]
 
     def checkpoint_optimizer_state(self) -> dict[str, Any] | None:
