@@ -55,6 +55,8 @@ RECOVERY = "tests/roles/test_recovery.py"
 KILLED = RECOVERY + "::test_a_killed_follower_is_replaced_and_the_run_ends_as_if_nothing_happened"
 STALLED = RECOVERY + "::test_a_stalled_follower_is_replaced_and_its_process_told_to_go"
 REFORMS = RECOVERY + "::test_a_rank_alone_reforms_its_clique_and_goes_back_to_its_snapshot"
+ASYNCHRONOUS = "tests/checkpoint/test_asynchronous.py"
+MANIFEST_LAST = "tests/checkpoint/test_object_store.py::test_the_manifest_is_uploaded_last"
 
 MUTANTS = [
     Mutant(
@@ -167,9 +169,52 @@ MUTANTS = [
         name="checksums-not-verified",
         guarantee="load_latest skips a damaged checkpoint (every file checked)",
         path="_checkpoint/_read.py",
-        old="            _check(path, record, manifest.checksum)\n",
-        new="            pass\n",
+        old="    _compare(record, len(data), _digests(memoryview(data), checksum), checksum)\n",
+        new="    pass\n",
         tests=("tests/checkpoint/test_checkpoint.py",),
+    ),
+    Mutant(
+        name="staged-copy-is-the-state",
+        guarantee="an asynchronous checkpoint writes a copy of the state, not the live tensors",
+        path="_checkpoint/_staging.py",
+        old="            copies[id(tensor)] = target\n",
+        new="            copies[id(tensor)] = tensor\n",
+        tests=(ASYNCHRONOUS,),
+    ),
+    Mutant(
+        name="checkpoint-due-does-not-wait",
+        guarantee="a checkpoint due while one is still writing waits for it (one write in flight)",
+        path="_checkpoint/_background.py",
+        old='        await self._wait(f"epoch {epoch}\'s checkpoint was due")\n',
+        new="",
+        tests=(ASYNCHRONOUS,),
+    ),
+    Mutant(
+        name="failed-write-swallowed",
+        guarantee="an asynchronous write that fails is reported, never swallowed",
+        path="_checkpoint/_background.py",
+        old="        failure, self._failure = self._failure, None\n",
+        new="        failure, self._failure = None, None\n",
+        tests=(ASYNCHRONOUS,),
+    ),
+    Mutant(
+        name="cancellation-leaves-the-write",
+        guarantee="a cancelled run aborts the asynchronous write in flight",
+        path="_checkpoint/_background.py",
+        old="            await writer.abort()\n",
+        new="            pass\n",
+        tests=(ASYNCHRONOUS,),
+    ),
+    Mutant(
+        name="store-manifest-not-last",
+        guarantee="in an object store the manifest is uploaded last, after every abort point",
+        path="_checkpoint/_object_store.py",
+        old="        check()  # the last point at which a cancellation aborts the write\n",
+        new=(
+            '        _put(store, url, f"{name.name}/{MANIFEST}", [manifest], len(manifest))\n'
+            "        check()\n"
+        ),
+        tests=(MANIFEST_LAST,),
     ),
     Mutant(
         name="shuffle-seed-ignores-the-epoch",
@@ -599,8 +644,11 @@ MUTANTS = [
         name="shards-not-checked-at-load",
         guarantee="a damaged or missing shard makes its checkpoint damaged",
         path="_checkpoint/_read.py",
-        old="    for record in manifest.files:  # tensor files",
-        new='    for record in [r for r in manifest.files if "/" not in r.name]:  # tensor files',
+        old="        if record.name != STATE and record not in stems.values():",
+        new=(
+            "        if record.name != STATE and record not in stems.values()"
+            ' and "/" not in record.name:'
+        ),
         tests=(FSDP + "::test_a_damaged_or_missing_shard_falls_back_to_the_previous_checkpoint",),
     ),
     Mutant(

@@ -17,7 +17,7 @@ import pickle
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import attrs
 import torch
@@ -45,7 +45,7 @@ from ._format import (
 from ._rng import RngStates
 from ._shards import SHARDS, ShardedState
 from ._tensor_file import decode, parse_header, read_prefix
-from ._tensor_read import _CheckedReader, _place
+from ._tensor_read import CheckedReader, Stream, place
 from ._write import committed_checkpoints
 
 __all__ = [
@@ -75,14 +75,6 @@ class Loaded:
     training_state: TrainingState
     lr_state_json: dict[str, Any]
     rng: RngStates
-
-
-class Stream(Protocol):
-    """One file's bytes, front to back (``readinto`` returns 0 at its end)."""
-
-    def readinto(self, buffer: memoryview, /) -> int | None: ...
-
-    def read(self, size: int = -1, /) -> bytes | None: ...
 
 
 class CheckpointFiles(Protocol):
@@ -388,7 +380,7 @@ def _read_tensor_file(
         if size != record.size:
             raise Damaged(f"{record.name} has {size} bytes, the manifest says {record.size}")
         # The checked reader calls only readinto and read, which every Stream has.
-        reader = _CheckedReader(cast("io.FileIO", stream), record, checksum)
+        reader = CheckedReader(stream, record, checksum)
         header_length = read_prefix(reader.read(16), file_size=size)
         layout = parse_header(reader.read(header_length), file_size=size)
         buffers = []
@@ -404,7 +396,7 @@ def _read_tensor_file(
     for spec, buffer in zip(layout.tensors, buffers, strict=True):
         tensor = buffer.view(spec.dtype).reshape(spec.shape)
         try:
-            tensors.append(_place(tensor, spec.device, map_location))
+            tensors.append(place(tensor, spec.device, map_location))
         except Exception as exc:  # map_location may be the caller's own function
             raise CheckpointError(
                 f"cannot load {_where(files, record)} onto map_location {map_location!r} "

@@ -1,26 +1,31 @@
-"""Reading a tensor file in one pass, verifying its block checksums as it goes."""
+"""The parts of reading a tensor file that ``_read`` builds on: a reader that checks the
+file's block checksums as it goes, front to back, and the placing of each tensor read where
+``map_location`` says."""
 
 from __future__ import annotations
 
-import io
-import os
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from .._errors import CheckpointError
 from ._files import BlockHash, block_hash
 from ._format import BLOCK_BYTES, Damaged, FileRecord
-from ._tensor_file import decode, parse_header, read_prefix
 
-__all__ = ["read_tensor_file"]
+__all__ = ["CheckedReader", "Stream", "place"]
 
 
-class _CheckedReader:
+class Stream(Protocol):
+    """One file's bytes, front to back (``readinto`` returns 0 at its end)."""
+
+    def readinto(self, buffer: memoryview, /) -> int | None: ...
+
+    def read(self, size: int = -1, /) -> bytes | None: ...
+
+
+class CheckedReader:
     """Reads a file front to back, checking every block against the manifest's checksum."""
 
-    def __init__(self, file: io.FileIO, record: FileRecord, checksum: str) -> None:
+    def __init__(self, file: Stream, record: FileRecord, checksum: str) -> None:
         self._file = file
         self._record = record
         self._checksum = checksum
@@ -73,43 +78,7 @@ class _CheckedReader:
             raise Damaged(f"{self._record.name} does not match its {self._checksum} checksums")
 
 
-def read_tensor_file(path: Path, record: FileRecord, checksum: str, map_location: Any) -> Any:
-    """The value stored in a tensor file, its tensors placed by ``map_location``.
-
-    Raises Damaged when the file does not match ``record`` (size, block checksums) or is no
-    well-formed tensor file, and CheckpointError when ``map_location`` cannot be applied.
-    """
-    with open(path, "rb", buffering=0) as file:
-        size = os.fstat(file.fileno()).st_size
-        if size != record.size:
-            raise Damaged(f"{record.name} has {size} bytes, the manifest says {record.size}")
-        reader = _CheckedReader(file, record, checksum)
-        header_length = read_prefix(reader.read(16), file_size=size)
-        layout = parse_header(reader.read(header_length), file_size=size)
-        buffers = []
-        for spec in layout.tensors:
-            reader.skip_to(spec.offset)
-            buffer = torch.empty(spec.nbytes, dtype=torch.uint8)
-            if spec.nbytes:
-                reader.readinto(buffer.numpy().data)
-            buffers.append(buffer)
-        reader.skip_to(size)
-        reader.finish()
-    tensors = []
-    for spec, buffer in zip(layout.tensors, buffers, strict=True):
-        tensor = buffer.view(spec.dtype).reshape(spec.shape)
-        try:
-            tensors.append(_place(tensor, spec.device, map_location))
-        except Exception as exc:  # map_location may be the caller's own function
-            raise CheckpointError(
-                f"cannot load {path} onto map_location {map_location!r} ({exc}); "
-                "check map_location",
-                phase="resume",
-            ) from exc
-    return decode(layout.value, tensors)
-
-
-def _place(tensor: torch.Tensor, saved_device: str, map_location: Any) -> torch.Tensor:
+def place(tensor: torch.Tensor, saved_device: str, map_location: Any) -> torch.Tensor:
     """``tensor`` (on the CPU) where ``torch.load(map_location=...)`` would put it."""
     target: Any
     if map_location is None:
