@@ -390,24 +390,17 @@ def moto_server() -> Iterator[str]:
 
 def upload_settings(nbytes: int) -> dict[str, int]:
     """``obstore.put``'s part size and concurrency for ``nbytes``, as lampdist's uploads
-    choose them where its object-store module names them, else obstore's defaults."""
-    from lampdist._checkpoint import _object_store
+    choose them."""
+    from lampdist._checkpoint._store_client import MAX_CONCURRENCY, part_bytes
 
-    part_bytes = getattr(_object_store, "_part_bytes", None)
-    chunk_size = part_bytes(nbytes) if callable(part_bytes) else 5 * 2**20
-    concurrency = getattr(_object_store, "MAX_CONCURRENCY", 12)
-    return {"chunk_size": int(chunk_size), "max_concurrency": int(concurrency)}
+    return {"chunk_size": part_bytes(nbytes), "max_concurrency": MAX_CONCURRENCY}
 
 
 def open_store(url: str) -> Any:
-    """The obstore store of ``url`` with lampdist's client settings (timeouts, retries)
-    where its object-store module opens stores, else with obstore's defaults."""
-    from obstore.store import from_url
+    """The obstore store of ``url`` with lampdist's client settings (timeouts, retries)."""
+    from lampdist._checkpoint._store_client import open_store as open_lampdist_store
 
-    from lampdist._checkpoint import _object_store
-
-    opened = getattr(_object_store, "_open_store", None)
-    return opened(url, None) if callable(opened) else from_url(url)
+    return open_lampdist_store(url, None)
 
 
 S3_METHODS = ("obstore.put", "to_url", "obstore.get + torch.load", "load_latest url")

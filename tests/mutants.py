@@ -211,7 +211,7 @@ MUTANTS = [
         path="_checkpoint/_object_store.py",
         old="        check()  # the last point at which a cancellation aborts the write\n",
         new=(
-            '        _put(store, url, f"{name.name}/{MANIFEST}", [manifest], len(manifest))\n'
+            '        put(store, url, f"{name.name}/{MANIFEST}", [manifest], len(manifest))\n'
             "        check()\n"
         ),
         tests=(MANIFEST_LAST,),

@@ -11,7 +11,7 @@ import attrs
 import torch
 
 from lampdist import TrainingState
-from lampdist._checkpoint import _object_store
+from lampdist._checkpoint import _object_store, _store_client
 from lampdist._checkpoint._rng import capture_rng_states
 
 from .checkpoint_writer import CrashScheduleState, expected_state
@@ -30,7 +30,7 @@ def large_state(megabytes: int) -> tuple[TrainingState, CrashScheduleState]:
 
 
 def _main(url: str, megabytes: int) -> None:
-    _object_store.PART_BYTES = PART_BYTES
+    _store_client.PART_BYTES = PART_BYTES  # small parts: many of them to be killed between
     first = expected_state(1)
     second = large_state(megabytes)
     for epoch, (state, lr_state) in enumerate((first, second), start=1):
