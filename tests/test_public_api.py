@@ -5,7 +5,9 @@ from __future__ import annotations
 import enum
 import importlib
 import inspect
+import pathlib
 import pickle
+import pkgutil
 import types
 import typing
 from collections.abc import Iterator
@@ -208,7 +210,9 @@ def test_error_message_names_rank_and_phase_and_survives_pickle() -> None:
 def _inert(value: object) -> bool:
     """A default that holds no live state: it reads the same to every caller and prints
     nothing of the machine (not the environment, not a mutable container)."""
-    if value is None or isinstance(value, bool | int | float | str | bytes | enum.Enum):
+    if value is None or isinstance(
+        value, bool | int | float | str | bytes | enum.Enum | pathlib.PurePath
+    ):
         return True
     if isinstance(value, tuple | frozenset):
         return all(_inert(item) for item in value)
@@ -243,11 +247,29 @@ def _public_callables() -> Iterator[tuple[str, Any]]:
                         yield f"{name}.{attr}.{member}", function
 
 
+def _every_callable() -> Iterator[tuple[str, Any]]:
+    """Every function and method defined in lampdist's modules, private ones included."""
+    for info in pkgutil.walk_packages(lampdist.__path__, prefix="lampdist."):
+        if info.name.endswith(".__main__"):
+            continue  # importing it runs the command
+        module = importlib.import_module(info.name)
+        for attr, obj in vars(module).items():
+            if getattr(obj, "__module__", None) != module.__name__:
+                continue  # imported, not defined here
+            if inspect.isfunction(obj):
+                yield f"{info.name}.{attr}", obj
+            elif inspect.isclass(obj):
+                for member, function in vars(obj).items():
+                    if inspect.isfunction(function):
+                        yield f"{info.name}.{attr}.{member}", function
+
+
 def test_no_default_argument_holds_live_state() -> None:
     """``help()``, ``inspect.signature`` and the API reference print defaults: a default such
-    as ``os.environ`` would publish the environment (secrets included)."""
-    found = list(_public_callables())
-    assert len(found) > 50
+    as ``os.environ`` would publish the environment (secrets included). Private functions
+    too: ``help()`` of a private module prints them all."""
+    found = list(_public_callables()) + list(_every_callable())
+    assert len(found) > 500
     for name, function in found:
         for parameter in inspect.signature(function).parameters.values():
             if parameter.default is not parameter.empty:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import pytest
@@ -180,8 +180,10 @@ async def test_a_rank_that_left_fails_the_others_at_once_and_its_clique_is_close
         ([], "at least one rank"),
         (["cpu", "cuda:0"], "every rank on the CPU"),
         (["cuda:0", "cuda:0"], "a GPU of its own"),
+        (["bad"], "'bad' is no device"),
+        ([3.5], "3.5 is no device"),
     ],
 )
-def test_devices_that_cannot_share_a_clique_are_refused(devices: list[str], match: str) -> None:
+def test_devices_that_cannot_share_a_clique_are_refused(devices: list[Any], match: str) -> None:
     with pytest.raises(lampdist.ConfigError, match=match):
         in_process(devices)

@@ -68,12 +68,20 @@ async def test_a_blocking_on_event_does_not_hold_up_the_publisher() -> None:
             # Blocks the loop on purpose until every later event has been published.
             assert published.wait(10), "publish() waited for the event loop"
 
+    waited: list[bool] = []  # what the thread saw, asserted by the test (not in the thread)
+    failures: list[BaseException] = []
+
     def publish() -> None:
-        progress.publish(event(1))
-        assert blocked.wait(10)
-        for step in range(2, 501):
-            progress.publish(event(step, done=step == 500))
-        published.set()
+        try:
+            progress.publish(event(1))
+            waited.append(blocked.wait(10))
+            for step in range(2, 501):
+                progress.publish(event(step, done=step == 500))
+        except BaseException as exc:
+            failures.append(exc)
+            progress.publish(event(500, done=True))  # let the loop end
+        finally:
+            published.set()
 
     thread = threading.Thread(target=publish)
     with anyio.fail_after(20):
@@ -81,6 +89,7 @@ async def test_a_blocking_on_event_does_not_hold_up_the_publisher() -> None:
             group.start_soon(progress.deliver, on_event)
             thread.start()
     thread.join()
+    assert failures == [] and waited == [True], "on_event never received the first event"
     assert seen == [1, 500]  # the first, then the newest once the loop was free again
 
 

@@ -111,15 +111,16 @@ def choose_launch(options: DemoOptions, environ: Mapping[str, str]) -> LaunchEnv
 
 
 async def run_demo(
-    options: DemoOptions, console: Console, environ: Mapping[str, str] = os.environ
+    options: DemoOptions, console: Console, environ: Mapping[str, str] | None = None
 ) -> DemoResult | None:
-    """Run the demo as this process's part: every rank here, or one rank of a launched run.
+    """Run the demo as this process's part: every rank here, or one rank of a launched run,
+    as ``environ`` (default: this process's environment) says.
 
     Returns the result on the root, ``None`` on a follower. Raises
     :class:`~lampdist._roles.Interrupted` after SIGTERM or SIGINT, and the errors of the run.
     """
     _check(options)
-    launch = choose_launch(options, environ)
+    launch = choose_launch(options, os.environ if environ is None else environ)
     data = await anyio.to_thread.run_sync(load_digits, options.seed)
     if launch is not None and not launch.is_root:
         shard = data.shard(launch.rank, launch.nranks)

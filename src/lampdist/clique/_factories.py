@@ -143,6 +143,17 @@ def in_process(
     """
     return InProcess(
         LocalHub.create(
-            [torch.device(device) for device in devices], collective_timeout=collective_timeout
+            [_device(device) for device in devices], collective_timeout=collective_timeout
         )
     )
+
+
+def _device(device: torch.device | str) -> torch.device:
+    """``device`` as a torch.device; raises :class:`~lampdist.ConfigError` for what is none."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(
+            f"{device!r} is no device ({exc}): give 'cpu', 'cuda:0', ... or torch.device values",
+            phase=_SETUP,
+        ) from exc
