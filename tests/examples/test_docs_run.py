@@ -18,6 +18,7 @@ Functions a page defines without calling them are awaited by the page's ``then``
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import inspect
 from collections.abc import Awaitable, Callable
@@ -34,6 +35,7 @@ from lampdist import checkpoint, schedules
 from lampdist._wakeup import on_event_loop_thread
 from lampdist.control import local_channels
 
+from ..checkpoint.s3_server import set_environment, start_server
 from .test_docs_code import blocks
 from .test_examples import load
 
@@ -154,6 +156,9 @@ def classification_ranks(nranks: int = 2) -> list[lampdist.ModelWithData]:
 class Page:
     given: Callable[[Path], dict[str, Any]] = lambda _: {}
     then: Callable[[dict[str, Any]], Awaitable[object]] | None = None
+    s3_bucket: str | None = None
+    """A bucket of this name on a real S3 server (moto's, on 127.0.0.1) that the page's URLs
+    reach, through the environment a user sets."""
 
 
 def _tls_files(directory: Path) -> dict[str, Any]:
@@ -204,6 +209,13 @@ async def _open_the_service(namespace: dict[str, Any]) -> None:
 async def then_main(namespace: dict[str, Any]) -> None:
     async with namespace["__control__"]:  # the channel the page leaves to the reader
         await namespace["main"]()
+
+
+async def then_object_store_main(namespace: dict[str, Any]) -> None:
+    """The page's run, then what it wrote: its last checkpoint, committed, in the bucket."""
+    await then_main(namespace)
+    loaded = await anyio.to_thread.run_sync(checkpoint.load_latest, namespace["RUN"])
+    assert loaded is not None and loaded.epoch == MAX_EPOCHS
 
 
 async def then_root(namespace: dict[str, Any]) -> None:
@@ -343,6 +355,9 @@ PAGES: dict[str, Page] = {
     "docs/control.md": Page(),
     "docs/howto-big-models.md": Page(given=_big_models_page),
     "docs/howto-checkpoint-resume.md": Page(given=_shared),
+    "docs/howto-object-store.md": Page(
+        given=_shared, then=then_object_store_main, s3_bucket="my-bucket"
+    ),
     "docs/howto-metrics.md": Page(),
     "docs/howto-multinode.md": Page(given=_shared),
     "docs/howto-recovery.md": Page(given=_recovery_page),
@@ -398,15 +413,21 @@ def _off_the_loop(blocking: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @pytest.mark.parametrize("page", sorted(PAGES))
-def test_the_page_runs(page: str, one_rank_launch: Path) -> None:
+def test_the_page_runs(page: str, one_rank_launch: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = PAGES[page]
-    namespace: dict[str, Any] = {"__name__": "__main__"} | spec.given(one_rank_launch)
-    found = blocks(page)
-    assert found, f"{page} has no Python blocks"
-    for index, code in enumerate(found):
-        run_block(code, namespace, f"{page}[{index}]")
-    if spec.then is not None:
-        anyio.run(spec.then, namespace)
+    with contextlib.ExitStack() as stack:
+        if spec.s3_bucket is not None:
+            server = start_server()
+            stack.callback(server.kill)
+            set_environment(monkeypatch, server)
+            server.create_bucket(spec.s3_bucket)
+        namespace: dict[str, Any] = {"__name__": "__main__"} | spec.given(one_rank_launch)
+        found = blocks(page)
+        assert found, f"{page} has no Python blocks"
+        for index, code in enumerate(found):
+            run_block(code, namespace, f"{page}[{index}]")
+        if spec.then is not None:
+            anyio.run(spec.then, namespace)
 
 
 def test_every_page_with_python_is_run() -> None:
