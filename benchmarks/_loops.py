@@ -14,6 +14,7 @@ shard).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import resource
@@ -296,8 +297,14 @@ def run_plain(spec: RunSpec, workload: Workload, device: torch.device) -> RankRe
 
 
 def run_ddp(spec: RunSpec, workload: Workload, device: torch.device) -> RankResult:
-    """torch DDP over every rank (NCCL on GPUs, Gloo on CPU); rank 0 times it."""
+    """torch DDP over every rank (NCCL on GPUs, Gloo on CPU); rank 0 times it.
+
+    DDP's reducer holds the process group: it is freed before the group is destroyed, so
+    that the group's threads end now, not during the interpreter's shutdown (where Gloo's
+    teardown can abort the process: "terminate called without an active exception").
+    """
     init_default_group(spec, device, "nccl" if device.type == "cuda" else "gloo")
+    ddp: nn.parallel.DistributedDataParallel | None = None
     try:
         ddp = nn.parallel.DistributedDataParallel(
             workload.module,
@@ -310,6 +317,8 @@ def run_ddp(spec: RunSpec, workload: Workload, device: torch.device) -> RankResu
         )
         dist.barrier()
     finally:
+        ddp = None  # the reducer and its reference to the group go here
+        gc.collect()
         dist.destroy_process_group()
     return RankResult(
         rank=spec.rank,
