@@ -40,7 +40,7 @@ from ._files import block_hash, write_file
 from ._format import MANIFEST, WRITE_CHECKSUM, CheckpointName, FileRecord, manifest_to_bytes
 from ._read import Loaded, Stream, read_newest
 from ._rng import RngStates
-from ._shards import SHARDS, ShardedState, write_rank_shards
+from ._shards import SHARDS, ShardedState, check_every_rank_wrote, write_rank_shards
 from ._store_client import (
     READ_CHUNK,
     clean_up,
@@ -207,12 +207,7 @@ def _verify_shards(store: Any, url: str, name: CheckpointName, shards: ShardedSt
         }
     except store_errors(obstore) as exc:
         raise failed("list", f"{url}/{prefix}", exc, "checkpoint") from exc
-    names = {record.name for record in shards.records}
-    if f"{SHARDS}/.metadata" not in names:
-        raise CheckpointError("the shards' metadata is missing", phase="checkpoint")
-    for rank in range(shards.nranks):
-        if not any(n.startswith(f"{SHARDS}/__{rank}_") for n in names):
-            raise CheckpointError(f"rank {rank} uploaded no shard", phase="checkpoint")
+    check_every_rank_wrote(shards)
     for record in shards.records:
         key = f"{name.name}/{record.name}"
         if sizes.get(key) != record.size:

@@ -38,6 +38,7 @@ __all__ = [
     "ShardedState",
     "by_index",
     "by_name",
+    "check_every_rank_wrote",
     "load_rank_shards",
     "read_whole",
     "write_rank_shards",
@@ -60,6 +61,17 @@ class ShardedState:
     precision: Mapping[str, str | None] = attrs.field(factory=dict)
     records: tuple[FileRecord, ...] = ()
     options: Mapping[str, str] | None = attrs.field(default=None, repr=False)
+
+
+def check_every_rank_wrote(shards: ShardedState) -> None:
+    """Raise :class:`CheckpointError` unless ``shards.records`` hold the metadata and a file
+    of every rank (each rank's part before the checkpoint is committed)."""
+    names = {record.name for record in shards.records}
+    if f"{SHARDS}/{_METADATA}" not in names:
+        raise CheckpointError("the shards' metadata is missing", phase="checkpoint")
+    for rank in range(shards.nranks):
+        if not any(name.startswith(f"{SHARDS}/__{rank}_") for name in names):
+            raise CheckpointError(f"rank {rank} wrote no shard", phase="checkpoint")
 
 
 def _own_files(directory: Path, rank: int) -> list[Path]:

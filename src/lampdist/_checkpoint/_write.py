@@ -47,7 +47,7 @@ from ._format import (
     manifest_to_bytes,
 )
 from ._rng import RngStates
-from ._shards import SHARDS, ShardedState
+from ._shards import SHARDS, ShardedState, check_every_rank_wrote
 from ._tensor_file import encode
 from ._torch_io import check_weights_only_loadable, save_tensors
 
@@ -283,12 +283,7 @@ def new_shards_directory(
 def verify_shards(temp: Path, shards: ShardedState) -> None:
     """Raise :class:`CheckpointError` unless every rank's files are there, as its records say
     (every rank wrote its part before the checkpoint is committed)."""
-    files = {record.name for record in shards.records}
-    if f"{SHARDS}/.metadata" not in files:
-        raise CheckpointError("the shards' metadata is missing", phase="checkpoint")
-    for rank in range(shards.nranks):
-        if not any(name.startswith(f"{SHARDS}/__{rank}_") for name in files):
-            raise CheckpointError(f"rank {rank} wrote no shard", phase="checkpoint")
+    check_every_rank_wrote(shards)
     for record in shards.records:
         size, digests = hash_file(temp / record.name, WRITE_CHECKSUM)
         if size != record.size or digests != record.digests:
