@@ -22,6 +22,8 @@ STEP_BAD = [
     ("step_on", "everywhere"),
     ("bucket_cap_mb", 0),
     ("max_grad_norm", "1.0"),
+    ("grad_norm", 1),
+    ("step_split", "yes"),
     ("non_finite_loss", "ignore"),
     ("shuffle_seed", 1.5),
     ("steps_per_epoch", True),

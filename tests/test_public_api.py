@@ -65,6 +65,7 @@ PUBLIC_NAMES = {
         "Resumed",
         "SaveBestModel",
         "StepOptions",
+        "StepSplit",
         "SupervisedModel",
         "Timeouts",
         "TrainEpoch",

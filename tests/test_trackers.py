@@ -220,6 +220,13 @@ async def test_tensorboard_holds_every_event_at_its_global_step(tmp_path: Path) 
     last = EPOCHS * STEPS_PER_EPOCH
     for name, value in summary.items():
         assert scalars(reader, f"summary/{name}") == [(last, float32(value))]  # once
+    parts = ("data", "forward_backward", "exchange", "optimizer", "idle")
+    ranks = {split.rank for split in training[-1].step_split}
+    assert scalars(reader, "step/slowest/data") == [
+        (expected_step(e), float32(e.slowest.per_step()["data"]))
+        for e in training
+        if e.done and e.slowest is not None
+    ]
     assert set(reader.Tags()["scalars"]) == {
         "train/running_loss",
         "train/examples_per_second",
@@ -227,6 +234,8 @@ async def test_tensorboard_holds_every_event_at_its_global_step(tmp_path: Path) 
         "valid/loss",
         "valid/examples_per_second",
         *(f"summary/{name}" for name in summary),
+        *(f"step/slowest/{part}" for part in parts),
+        *(f"step/rank_{rank}/{part}" for rank in ranks for part in parts),
     }
     hyperparameters = tensorboard_hyperparameters(reader)
     assert hyperparameters == {**FLAT_HYPERPARAMETERS, "optimizer/nesterov": 0.0}  # a number

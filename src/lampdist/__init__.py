@@ -72,6 +72,7 @@ if TYPE_CHECKING:
     from ._state import LoopState as LoopState
     from ._state import PassEvent as PassEvent
     from ._state import Recovered as Recovered
+    from ._state import StepSplit as StepSplit
     from ._state import TrainingState as TrainingState
     from .checkpoint import Resumed as Resumed
     from .clique import Clique as Clique
@@ -132,6 +133,7 @@ _FROM: dict[str, tuple[str, ...]] = {
         "LoopState",
         "PassEvent",
         "Recovered",
+        "StepSplit",
         "TrainingState",
     ),
     ".checkpoint": ("Resumed",),
@@ -208,6 +210,7 @@ __all__ = [
     "Resumed",
     "SaveBestModel",
     "StepOptions",
+    "StepSplit",
     "SupervisedModel",
     "Timeouts",
     "TrainEpoch",

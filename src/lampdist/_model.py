@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import torch
 
-from ._errors import BadBatch
+from ._errors import BadBatch, ConfigError
 from ._metric import Metric, check_metrics
 
-__all__ = ["SupervisedModel", "count_examples", "move_to_device", "original_module"]
+__all__ = [
+    "SupervisedModel",
+    "count_examples",
+    "count_tokens",
+    "move_to_device",
+    "original_module",
+]
 
 
 def count_examples(target: Any) -> int:
@@ -21,6 +27,33 @@ def count_examples(target: Any) -> int:
     if isinstance(target, torch.Tensor):
         return int(target.shape[0]) if target.dim() > 0 else 1
     return len(target)
+
+
+def count_tokens(target: Any) -> int | None:
+    """The tokens of a batch whose target is ``target``: its element count when it is an
+    integer tensor of two or more dimensions (a class index per position of a sequence, as a
+    language model's next-token target is), else ``None`` (the batch does not say)."""
+    if (
+        isinstance(target, torch.Tensor)
+        and target.dim() >= 2
+        and not target.is_floating_point()
+        and not target.is_complex()
+        and target.dtype is not torch.bool
+    ):
+        return target.numel()
+    return None
+
+
+def _check_flops(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None or value == "count":
+        return
+    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+        return
+    raise ConfigError(
+        f"SupervisedModel.flops_per_example must be a number > 0, 'count' or None, got "
+        f"{value!r}: pass 'count' to count them once on the first batch",
+        phase="configure",
+    )
 
 
 def original_module(module: torch.nn.Module) -> torch.nn.Module:
@@ -56,6 +89,15 @@ class SupervisedModel:
     the same names and shapes (checked when the ranks agree), and a torchmetrics object of its
     own. Raises :class:`~lampdist.ConfigError` for a metric named ``"loss"``, of another kind,
     or with a state that does not reduce by sum (``dist_reduce_fx="cat"``, ``"mean"``, ...).
+
+    ``token_count`` says how many tokens a batch holds, from its target (default
+    :func:`count_tokens`: an integer target of two or more dimensions holds one a position;
+    return ``None`` for a batch that does not say). It runs on the loading thread and must not
+    read the device. ``flops_per_example`` is the model's floating-point operations for one
+    example's forward and backward, for the model FLOPs utilization
+    (:attr:`~lampdist.PassEvent.mfu`): a number, ``"count"`` to have the root count them once
+    with ``torch.utils.flop_counter`` on its first training batch (the matrix products of
+    forward and backward), or ``None`` (no MFU).
     """
 
     module: torch.nn.Module
@@ -63,6 +105,10 @@ class SupervisedModel:
     example_count: Callable[[Any], int] = count_examples
     metrics: Mapping[str, Metric | torch.nn.Module] = attrs.field(
         factory=dict, converter=check_metrics, kw_only=True
+    )
+    token_count: Callable[[Any], int | None] = attrs.field(default=count_tokens, kw_only=True)
+    flops_per_example: float | Literal["count"] | None = attrs.field(
+        default=None, validator=_check_flops, kw_only=True
     )
 
     def forward_loss(self, inputs: Any, target: Any) -> torch.Tensor:

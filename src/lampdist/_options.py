@@ -175,6 +175,21 @@ class StepOptions:
     )
     """Clip the averaged gradients by their global norm to at most this (``None``: no
     clipping)."""
+    grad_norm: bool = attrs.field(
+        default=False,
+        validator=_check(lambda value: isinstance(value, bool), "a bool", "pass True or False"),
+    )
+    """Report the global norm of the averaged gradients before clipping, per training pass
+    (:attr:`~lampdist.PassEvent.grad_norm`). Always on with ``max_grad_norm``, which computes
+    it anyway; otherwise it costs one norm a step, and under ``"sharded"`` and ``"fsdp"`` one
+    all-reduce of a scalar a step."""
+    step_split: bool = attrs.field(
+        default=True,
+        validator=_check(lambda value: isinstance(value, bool), "a bool", "pass True or False"),
+    )
+    """Measure where each rank's steps spend their time (:attr:`~lampdist.PassEvent.step_split`):
+    clocks on the CPU, CUDA timing events on a GPU (no host synchronization); ``False``
+    measures nothing."""
     non_finite_loss: Literal["raise", "skip"] = attrs.field(
         default="raise",
         validator=_check(

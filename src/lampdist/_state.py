@@ -13,6 +13,7 @@ __all__ = [
     "LoopState",
     "PassEvent",
     "Recovered",
+    "StepSplit",
     "TrainingState",
 ]
 
@@ -115,6 +116,64 @@ class Recovered:
 
 
 @attrs.frozen(kw_only=True)
+class StepSplit:
+    """Where one rank's steps of a training pass spent their time, in seconds summed over the
+    pass's ``steps`` (:attr:`PassEvent.step_split`).
+
+    ``data``: waiting for the next batch; ``forward_backward``: the model's forward and
+    backward passes (under ``step_on="fsdp"`` with the collectives that run inside them);
+    ``exchange``: waiting for the gradients' exchange and, where the root steps, for the
+    parameters; ``optimizer``: averaging, clipping and the optimizer's step; ``idle``: the
+    rest of the step (the host's bookkeeping between the parts, and on a GPU the time the
+    device waited for the host). On a GPU the parts are the device's time between CUDA
+    events recorded at each part's end; on the CPU the host's clock.
+    """
+
+    rank: int
+    steps: int
+    data: float
+    forward_backward: float
+    exchange: float
+    optimizer: float
+    idle: float
+
+    @property
+    def seconds(self) -> float:
+        """The steps' time: every part."""
+        return self.data + self.forward_backward + self.exchange + self.optimizer + self.idle
+
+    @property
+    def busy(self) -> float:
+        """The steps' time less the exchange's: what the rank's own work took (the ranks'
+        steps take as long as each other's, the faster ones waiting in the exchange)."""
+        return self.seconds - self.exchange
+
+    def to_plain(self) -> dict[str, float | int]:
+        """The split as JSON-ready values: the rank, the steps and each part's seconds."""
+        return {
+            "rank": self.rank,
+            "steps": self.steps,
+            "data": self.data,
+            "forward_backward": self.forward_backward,
+            "exchange": self.exchange,
+            "optimizer": self.optimizer,
+            "idle": self.idle,
+        }
+
+    def per_step(self) -> dict[str, float]:
+        """Seconds per step of each part, by name (empty for a pass without steps)."""
+        if self.steps == 0:
+            return {}
+        return {
+            "data": self.data / self.steps,
+            "forward_backward": self.forward_backward / self.steps,
+            "exchange": self.exchange / self.steps,
+            "optimizer": self.optimizer / self.steps,
+            "idle": self.idle / self.steps,
+        }
+
+
+@attrs.frozen(kw_only=True)
 class PassEvent:
     """Progress of a pass, reported on the root: during a training pass after its first step,
     then the newest at most every 50 ms (events in between are coalesced, never waited for),
@@ -143,8 +202,70 @@ class PassEvent:
     """Set on the one event that reports an in-job recovery (see :class:`lampdist.Recovery`),
     sent before the pass in flight is redone: that event's ``step``, ``batches`` and
     ``examples`` are 0 and its ``seconds`` the recovery's."""
+    tokens: int | None = None
+    """The whole clique's tokens so far, where the batches say (see
+    :attr:`lampdist.SupervisedModel.token_count`), else ``None``: on the last event the sum
+    over every rank, on the others estimated from the root's tokens per example."""
+    flops_per_example: float | None = None
+    """The model's FLOPs for one example's forward and backward, when known (see
+    :attr:`lampdist.SupervisedModel.flops_per_example`)."""
+    peak_flops: float | None = None
+    """The clique's peak FLOP/s: the root device's dense peak for the training's precision
+    times the ranks (``None`` on a CPU or an unknown GPU; ``LAMPDIST_PEAK_FLOPS`` sets a
+    device's)."""
+    grad_norm: float | None = None
+    """On a training pass's last event, with :attr:`lampdist.StepOptions.grad_norm` or
+    ``max_grad_norm``: the mean over the pass's steps of the global norm of the averaged
+    gradients before clipping (``grad_norm_max`` their largest)."""
+    grad_norm_max: float | None = None
+    step_split: tuple[StepSplit, ...] = ()
+    """On a training pass's last event, with :attr:`lampdist.StepOptions.step_split`: where
+    each rank's steps spent their time, by rank."""
 
     @property
     def examples_per_second(self) -> float:
         """Examples of the whole clique per second of this pass so far."""
         return self.examples / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        """Tokens of the whole clique per second of this pass so far, where known."""
+        if self.tokens is None:
+            return None
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilization: the model's FLOPs per second over the clique's peak
+        (``None`` where either is unknown)."""
+        if self.flops_per_example is None or self.peak_flops is None:
+            return None
+        return self.flops_per_example * self.examples_per_second / self.peak_flops
+
+    @property
+    def slowest(self) -> StepSplit | None:
+        """The step split of the rank whose own work took longest (:attr:`StepSplit.busy`)."""
+        if not self.step_split:
+            return None
+        return max(self.step_split, key=lambda split: split.busy)
+
+    def telemetry(self) -> dict[str, Any]:
+        """The event's throughput and telemetry as JSON-ready values, what the trackers and
+        the demo's ``metrics.jsonl`` record: ``tokens``, ``tokens_per_second``, ``mfu``,
+        ``grad_norm``, ``grad_norm_max`` (each ``None`` where unknown) and ``step_split``
+        (``None``, or ``{"ranks": [...], "slowest": {...}}``: each rank's
+        :meth:`StepSplit.to_plain`, and the slowest rank's)."""
+        slowest = self.slowest
+        return {
+            "tokens": self.tokens,
+            "tokens_per_second": self.tokens_per_second,
+            "mfu": self.mfu,
+            "grad_norm": self.grad_norm,
+            "grad_norm_max": self.grad_norm_max,
+            "step_split": None
+            if slowest is None
+            else {
+                "ranks": [split.to_plain() for split in self.step_split],
+                "slowest": slowest.to_plain(),
+            },
+        }

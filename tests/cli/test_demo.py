@@ -21,6 +21,7 @@ import torch
 from rich.console import Console
 
 from lampdist import ConfigError, PassEvent
+from lampdist._epoch._clock import PARTS
 from lampdist.cli._data import create_model, load_digits
 from lampdist.cli._demo import DemoOptions, choose_launch, run_demo
 from lampdist.cli._demo import _prepare as prepare
@@ -76,6 +77,17 @@ async def test_demo_trains_writes_its_files_and_resumes(tmp_path: Path) -> None:
     ]
     assert all(0 <= m["metrics"]["accuracy"] <= 1 for m in metrics)  # training passes too
     assert metrics[1]["examples"] == 359  # the whole validation split, over both ranks
+    for line in metrics[::2]:  # a training pass's telemetry, on a CPU without a peak
+        assert line["mfu"] is None
+        assert line["grad_norm"] > 0 and line["grad_norm_max"] >= line["grad_norm"]
+        split = line["step_split"]
+        assert [rank["rank"] for rank in split["ranks"]] == [0, 1]
+        assert split["slowest"] in split["ranks"]
+        assert all(rank["steps"] == line["batches"] for rank in split["ranks"])
+        seconds = sum(split["slowest"][part] for part in PARTS)
+        assert 0 < seconds <= line["seconds"] * 1.05
+    assert all("step_split" not in line for line in metrics[1::2])  # validation passes
+    assert re.search(r"grad norm [\d.e+-]+ \(max [\d.e+-]+\); ms a step on rank \d", stderr)
     assert (out / "learning_curve.png").read_bytes().startswith(b"\x89PNG")
     assert (out / "checkpoints" / "epoch-000002").is_dir()
     state = torch.load(out / "model.pt", weights_only=True)

@@ -63,6 +63,8 @@ class LoadedBatch:
     number: int = 0
     """Where the batch comes among the batches of its feed, from 0 (its index in a pass, for
     error messages, is this less the batches the feed handed out before the pass)."""
+    tokens: int | None = None
+    """The batch's tokens, when it says (see :attr:`lampdist.SupervisedModel.token_count`)."""
 
 
 @attrs.define(eq=False)
@@ -294,6 +296,7 @@ class Loader:
         """``batch`` checked, counted and on the device (with its stream ``position``)."""
         inputs, target = check_batch(batch)
         examples = self.model.example_count(target)
+        tokens = self.model.token_count(target)
         number = self.feed.loaded
         self.feed.loaded = number + 1
         return LoadedBatch(
@@ -302,6 +305,7 @@ class Loader:
             examples,
             position,
             number,
+            tokens,
         )
 
     def load(self, iterable: Iterable[object]) -> None:

@@ -19,6 +19,7 @@ gradients, whose tail is summed in the gradients' dtype).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ import torch
 
 from .._checkpoint import FileRecord, ShardedState, capture_rng_states
 from .._errors import LampdistError, TrainingError
+from .._flops import count_flops, peak_flops
 from .._model import SupervisedModel
 from .._options import StepOptions
 from .._source import PassKind
@@ -37,6 +39,7 @@ from .._state import PassEvent, TrainingState
 from .._wakeup import on_event_loop_thread
 from ..clique import Clique
 from ._blame import describe_batch
+from ._clock import DATA, EXCHANGE, FORWARD_BACKWARD, IDLE, NO_CLOCK, start_clock
 from ._designs import Design, StepBatches
 from ._device import host_to_device
 from ._feed import BatchFeed, LoadedBatch, PassStopped
@@ -46,8 +49,11 @@ from ._progress import Progress, ProgressFields
 from ._result import CheckpointParts, PassResult
 from ._stream import StreamPosition
 from ._tally import ReadBack, Tally
+from ._telemetry import ROW, PassTelemetry, splits, straggler, tokens
 
 __all__ = ["StepKernel"]
+
+logger = logging.getLogger(__name__)
 
 
 @attrs.define(eq=False)
@@ -74,9 +80,23 @@ class StepKernel:
     _first_batch: int = attrs.field(default=0, init=False)
     """The feed's batches taken before the pass (a batch's index in the pass is its number in
     the feed less these)."""
+    _timing_events: list[Any] = attrs.field(factory=list, init=False)
+    """CUDA timing events free for the step split, reused from pass to pass."""
+    _flops_per_example: float | None = attrs.field(default=None, init=False)
+    """The model's FLOPs per example (given, or counted on the root's first batch)."""
+    _count_flops: bool = attrs.field(default=False, init=False)
+    """Whether the root's next training batch is to be counted."""
+    _peak_flops: float | None = attrs.field(default=None, init=False)
+    """The clique's peak FLOP/s (the root's; ``None`` where unknown)."""
 
     def __attrs_post_init__(self) -> None:
         self.design.connect(self.clique)
+        given = self.model.flops_per_example
+        if self.is_root:
+            self._count_flops = given == "count"
+            self._flops_per_example = None if given in (None, "count") else float(given)
+            peak = peak_flops(self.device, self.design.options.autocast_dtype)
+            self._peak_flops = None if peak is None else peak * self.clique.nranks
 
     @property
     def options(self) -> StepOptions:
@@ -198,6 +218,8 @@ class StepKernel:
         metrics = self._metrics = MetricTally.start(
             self.model, self.device, rank=self.rank, phase="train", epoch=epoch
         )
+        clock = start_clock(self.device, self._timing_events) if options.step_split else NO_CLOCK
+        telemetry = PassTelemetry(clock)
 
         def backward(
             batch: LoadedBatch,
@@ -205,8 +227,17 @@ class StepKernel:
             before_backward: Callable[[torch.Tensor], None] | None = None,
             /,
         ) -> torch.Tensor:
+            clock.mark(DATA)
+            telemetry.count(batch)
             self._last_batch = batch
-            return self._model_loss(batch, "train", epoch, weight=weight, before=before_backward)
+            if self._count_flops:
+                loss = self._counted_loss(batch, epoch, weight, before_backward)
+            else:
+                loss = self._model_loss(
+                    batch, "train", epoch, weight=weight, before=before_backward
+                )
+            clock.mark(FORWARD_BACKWARD)
+            return loss
 
         def pad() -> None:
             self._padding_pass(epoch, phase="train")
@@ -218,7 +249,10 @@ class StepKernel:
             feed=feed, backward=backward, accumulate=accumulate, pad=pad, counts=counts
         )
         last: PassEvent | None = None
-        pass_fields = ProgressFields(epoch, "train", pass_index, total)
+        pass_fields = ProgressFields(
+            epoch, "train", pass_index, total, self._flops_per_example, self._peak_flops
+        )
+        design.clock = clock
         with design.attached():
             planned = window if window is not None else self._planned_steps(counts)
             step = 0
@@ -229,6 +263,7 @@ class StepKernel:
                 if per_step is not None and stepper is not None:
                     assert window is not None  # StepOptions checks it
                     stepper.set_lr_factor(lr_factor * per_step.factor(epoch * window + step))
+                clock.start_step()
                 more = design.train_step(
                     batches, epoch=epoch, step=step, tally=tally, planned=planned
                 )
@@ -242,6 +277,10 @@ class StepKernel:
                 if progress is not None:
                     seconds = time.perf_counter() - started
                     batches_read = feed.batches_read - first_batch
+                    if pass_fields.flops_per_example != self._flops_per_example:
+                        pass_fields = pass_fields._replace(
+                            flops_per_example=self._flops_per_example
+                        )
                     if more:
                         # The event itself is built on the loop, for the events it takes.
                         progress.publish_step(
@@ -251,9 +290,10 @@ class StepKernel:
                             tally.examples,
                             tally.loss,
                             seconds,
+                            telemetry.estimate_tokens(tally.examples),
                         )
                     else:
-                        # with the pass's metrics, once they are summed
+                        # with the pass's sums over the clique, once they are summed
                         last = pass_fields.event(
                             tally.steps_read,
                             batches_read,
@@ -262,10 +302,28 @@ class StepKernel:
                             seconds,
                             done=True,
                         )
+        clock.mark(IDLE)
         design.settle()
-        values = self._sum_metrics(metrics)
-        if progress is not None and last is not None:
-            progress.publish(attrs.evolve(last, metrics=values))
+        clock.mark(EXCHANGE)
+        design.clock = NO_CLOCK
+        values, rows = self._pass_sums(metrics, telemetry)
+        norms = None if stepper is None else stepper.take_norms()
+        if self.is_root:
+            split = splits(rows, measured=options.step_split)
+            message = straggler(split)
+            if message is not None:
+                logger.warning("epoch %d: %s", epoch, message, extra={"rank": self.rank})
+            if progress is not None and last is not None:
+                progress.publish(
+                    attrs.evolve(
+                        last,
+                        metrics=values,
+                        tokens=tokens(rows),
+                        grad_norm=None if norms is None else norms[0],
+                        grad_norm_max=None if norms is None else norms[1],
+                        step_split=split,
+                    )
+                )
         if window is not None:
             self.position = feed.position
             if self.position is None:
@@ -287,15 +345,55 @@ class StepKernel:
             metrics=values,
         )
 
-    def _sum_metrics(self, metrics: MetricTally | None) -> dict[str, float | tuple[float, ...]]:
-        """A training pass's metrics over the clique, on the root (one reduce of their own;
-        empty elsewhere and without metrics)."""
-        if metrics is None:
-            return {}
-        summed = metrics.local()
-        if not self.alone:
-            self.clique.start_reduce([summed], root=0).wait_blocking(None)
-        return metrics.values(summed) if self.is_root else {}
+    def _pass_sums(
+        self, metrics: MetricTally | None, telemetry: PassTelemetry
+    ) -> tuple[dict[str, float | tuple[float, ...]], list[list[float]]]:
+        """A training pass's metrics over the clique and every rank's telemetry row (see
+        ``_telemetry``), on the root, in one reduce (empty elsewhere)."""
+        width = len(ROW)
+        row = telemetry.row()
+        if self.alone:
+            values = {} if metrics is None else metrics.values(metrics.local())
+            return values, [row]
+        nranks = self.clique.nranks
+        table = [0.0] * (nranks * width)
+        table[self.rank * width : (self.rank + 1) * width] = row
+        summed = host_to_device(table, torch.float64, self.device)
+        if metrics is not None:
+            summed = torch.cat([metrics.local(), summed])
+        self.clique.start_reduce([summed], root=0).wait_blocking(None)
+        if not self.is_root:
+            return {}, []
+        head = summed.numel() - nranks * width
+        values = {} if metrics is None else metrics.values(summed[:head])
+        flat = summed[head:].tolist()
+        return values, [flat[r * width : (r + 1) * width] for r in range(nranks)]
+
+    def _counted_loss(
+        self,
+        batch: LoadedBatch,
+        epoch: int,
+        weight: float,
+        before: Callable[[torch.Tensor], None] | None,
+    ) -> torch.Tensor:
+        """:meth:`_model_loss` of the root's first training batch, its FLOPs counted (the
+        model's FLOPs per example, once a run: ``flops_per_example="count"``)."""
+        self._count_flops = False
+        losses: list[torch.Tensor] = []
+
+        def run() -> None:
+            losses.append(self._model_loss(batch, "train", epoch, weight=weight, before=before))
+
+        flops = count_flops(run)
+        if flops > 0 and batch.examples > 0:
+            self._flops_per_example = flops / batch.examples
+        else:
+            logger.warning(
+                "flops_per_example='count' counted no FLOPs in the first batch's forward and "
+                "backward (no matrix product); no MFU is reported",
+                extra={"rank": self.rank},
+            )
+        return losses[0]
 
     def _batch_counts(self, feed: BatchFeed) -> list[int] | None:
         """Every rank's batch count of the pass when every rank's source has a length, else

@@ -37,6 +37,8 @@ class ProgressFields(NamedTuple):
     kind: Literal["train", "valid"]
     pass_index: int
     total_batches: int | None
+    flops_per_example: float | None = None
+    peak_flops: float | None = None
 
     def event(
         self,
@@ -45,6 +47,7 @@ class ProgressFields(NamedTuple):
         examples: int,
         loss: float,
         seconds: float,
+        tokens: int | None = None,
         *,
         done: bool = False,
     ) -> PassEvent:
@@ -60,10 +63,13 @@ class ProgressFields(NamedTuple):
             loss=loss,
             seconds=seconds,
             done=done,
+            tokens=tokens,
+            flops_per_example=self.flops_per_example,
+            peak_flops=self.peak_flops,
         )
 
 
-_Step = tuple[ProgressFields, int, int, int, float, float]
+_Step = tuple[ProgressFields, int, int, int, float, float, int | None]
 """An event not built yet: :meth:`Progress.publish_step`'s arguments."""
 
 
@@ -100,10 +106,12 @@ class Progress:
         examples: int,
         loss: float,
         seconds: float,
+        tokens: int | None = None,
     ) -> None:
-        """:meth:`publish` of ``fields.event(step, batches, examples, loss, seconds)``, an
-        event not done, which is built on the loop if it is delivered (most are coalesced)."""
-        self._offer((fields, step, batches, examples, loss, seconds), False)
+        """:meth:`publish` of ``fields.event(step, batches, examples, loss, seconds,
+        tokens)``, an event not done, which is built on the loop if it is delivered (most are
+        coalesced)."""
+        self._offer((fields, step, batches, examples, loss, seconds, tokens), False)
 
     def _offer(self, event: PassEvent | _Step, done: bool) -> None:
         now = time.monotonic()
@@ -139,8 +147,8 @@ class Progress:
             if taken is None:
                 continue
             if isinstance(taken, tuple):
-                fields, step, batches, examples, loss, seconds = taken
-                event = fields.event(step, batches, examples, loss, seconds)
+                fields, step, batches, examples, loss, seconds, tokens = taken
+                event = fields.event(step, batches, examples, loss, seconds, tokens)
             else:
                 event = taken
             await on_event(event)

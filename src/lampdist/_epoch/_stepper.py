@@ -101,6 +101,9 @@ class Stepper:
     resumed_state: dict[str, Any] | None = None
     """Sharded: the whole optimizer state the root resumed from, until the followers have
     taken their slices of it."""
+    _norm_sum: torch.Tensor | None = attrs.field(default=None, init=False)
+    _norm_max: torch.Tensor | None = attrs.field(default=None, init=False)
+    _norm_steps: int = attrs.field(default=0, init=False)
 
     @classmethod
     def create(
@@ -183,12 +186,18 @@ class Stepper:
     def _clip(self, combine: Combine | None) -> None:
         """Clip the averaged gradients by their global norm, if asked to: with whole
         gradients as ``clip_grad_norm_`` does; sharded or fsdp, over every rank's slices (the
-        sum of squares through ``combine``, one scalar), with the same formula."""
+        sum of squares through ``combine``, one scalar), with the same formula. The norm
+        before clipping is kept for the pass (with ``max_grad_norm`` or ``grad_norm``; without
+        clipping the norm is the same formula's, and sliced it costs the one scalar's sum)."""
         max_norm = self.options.max_grad_norm
-        if max_norm is None:
+        if max_norm is None and not self.options.grad_norm:
             return
         if not self.sliced:
-            torch.nn.utils.clip_grad_norm_(self.flat.parameters, max_norm)
+            if max_norm is None:
+                whole = [p.grad for p in self.flat.parameters if p.grad is not None]
+                self._keep_norm(torch.nn.utils.get_total_norm(whole))
+            else:
+                self._keep_norm(torch.nn.utils.clip_grad_norm_(self.flat.parameters, max_norm))
             return
         assert combine is not None
         gradients = self.gradients()
@@ -198,9 +207,35 @@ class Stepper:
         else:  # this rank holds no element of any gradient
             squares = torch.zeros(1, dtype=torch.float64, device=self.flat_device)
         combine(squares)
-        coefficient = (max_norm / (squares.sqrt() + 1e-6)).clamp(max=1.0)
+        norm = squares.sqrt()
+        self._keep_norm(norm)
+        if max_norm is None:
+            return
+        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for grads in gradients:
             grads.mul_(coefficient.to(grads.dtype))
+
+    def _keep_norm(self, norm: torch.Tensor) -> None:
+        """Add a step's gradient norm to the pass's sum and maximum, on the device."""
+        value = norm.detach().to(torch.float64).reshape(1)
+        if self._norm_sum is None or self._norm_max is None:
+            self._norm_sum = torch.zeros_like(value)
+            self._norm_max = torch.zeros_like(value)
+        self._norm_sum.add_(value)
+        torch.maximum(self._norm_max, value, out=self._norm_max)
+        self._norm_steps += 1
+
+    def take_norms(self) -> tuple[float, float] | None:
+        """The mean and the largest gradient norm of the steps since the last call (before
+        clipping, of the averaged gradients), or ``None`` without a step measured; reads the
+        device (a pass's end)."""
+        steps, self._norm_steps = self._norm_steps, 0
+        if steps == 0 or self._norm_sum is None or self._norm_max is None:
+            return None
+        total, largest = self._norm_sum.item(), self._norm_max.item()
+        self._norm_sum.zero_()
+        self._norm_max.zero_()
+        return total / steps, largest
 
     def skip(self) -> None:
         """Skip the step (its summed loss was not finite): zero the gradients."""

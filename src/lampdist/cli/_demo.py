@@ -181,8 +181,9 @@ def _model(module: torch.nn.Module) -> SupervisedModel:
 
 
 def _step(options: DemoOptions) -> StepOptions:
-    """Every rank's step options: the shuffles follow ``--seed``."""
-    return StepOptions(shuffle_seed=options.seed)
+    """Every rank's step options: the shuffles follow ``--seed``; the gradient norm is
+    reported."""
+    return StepOptions(shuffle_seed=options.seed, grad_norm=True)
 
 
 def _train_batches(shard: Digits, options: DemoOptions) -> Any:

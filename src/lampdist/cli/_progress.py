@@ -78,6 +78,20 @@ def _loss(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:.4f}"
 
 
+def _telemetry_text(event: PassEvent) -> str:
+    """A training pass's gradient norm and slowest rank's step split, for its log line."""
+    text = ""
+    if event.grad_norm is not None:
+        text += f"; grad norm {event.grad_norm:.3g} (max {event.grad_norm_max:.3g})"
+    slowest = event.slowest
+    if slowest is not None and slowest.steps:
+        parts = ", ".join(
+            f"{part} {seconds * 1000:.2f}" for part, seconds in slowest.per_step().items()
+        )
+        text += f"; ms a step on rank {slowest.rank} (slowest): {parts}"
+    return text
+
+
 def _accuracy(metrics: Mapping[str, object]) -> float | None:
     """The pass's accuracy, if it reports one."""
     value = metrics.get("accuracy")
@@ -119,7 +133,7 @@ class LogReporter:
         eta = counter.eta()
         accuracy = _accuracy(event.metrics)
         logger.info(
-            "epoch %d/%d %s: %d batches, loss %s%s, %.0f examples/s, %.2f s, ETA %s",
+            "epoch %d/%d %s: %d batches, loss %s%s, %.0f examples/s%s, %.2f s, ETA %s%s",
             event.epoch + 1,
             self.epochs,
             event.kind,
@@ -127,8 +141,10 @@ class LogReporter:
             _loss(event.loss),
             f", accuracy {accuracy:.1%}" if accuracy is not None else "",
             event.examples_per_second,
+            "" if event.mfu is None else f", MFU {event.mfu:.1%}",
             event.seconds,
             "-" if eta is None else f"{eta:.1f} s",
+            _telemetry_text(event),
         )
 
 
@@ -177,7 +193,8 @@ class MetricsFile:
 
     async def record(self, event: PassEvent) -> None:
         """Append the finished pass ``event``, its metrics under ``"metrics"`` (vectors as
-        lists)."""
+        lists); a training pass's line adds its telemetry (:meth:`PassEvent.telemetry`:
+        ``step_split``, ``grad_norm``, ``mfu``, ...)."""
         line: dict[str, Any] = {
             "epoch": event.epoch,
             "kind": event.kind,
@@ -192,6 +209,8 @@ class MetricsFile:
             name: list(value) if isinstance(value, tuple) else value
             for name, value in event.metrics.items()
         }
+        if event.kind == "train":
+            line.update(event.telemetry())
         text = json.dumps(line) + "\n"
 
         def append() -> None:

@@ -152,7 +152,11 @@ def event_scalars(event: PassEvent) -> dict[str, float]:
     far) and ``train/examples_per_second``; the end of a training pass adds ``train/loss``;
     the end of a validation pass gives ``valid/loss`` and ``valid/examples_per_second``. The
     end of either adds the pass's metrics (:attr:`PassEvent.metrics`) as ``KIND/NAME``, a
-    vector-valued one as ``KIND/NAME/INDEX``. The event that reports an in-job recovery
+    vector-valued one as ``KIND/NAME/INDEX``. A training event adds, where known,
+    ``train/tokens_per_second`` and ``train/mfu``; the end of a training pass its gradient
+    norm (``train/grad_norm``, ``train/grad_norm_max``) and its step split as seconds per step
+    of each part, for the slowest rank (``step/slowest/PART``) and each rank
+    (``step/rank_R/PART``). The event that reports an in-job recovery
     (:attr:`PassEvent.recovered`) gives ``recovery/seconds`` and ``recovery/recoveries``
     instead.
     """
@@ -167,8 +171,22 @@ def event_scalars(event: PassEvent) -> dict[str, float]:
             "train/running_loss": event.loss,
             "train/examples_per_second": event.examples_per_second,
         }
+        if event.tokens_per_second is not None:
+            scalars["train/tokens_per_second"] = event.tokens_per_second
+        if event.mfu is not None:
+            scalars["train/mfu"] = event.mfu
         if event.done:
             scalars["train/loss"] = event.loss
+            if event.grad_norm is not None and event.grad_norm_max is not None:
+                scalars["train/grad_norm"] = event.grad_norm
+                scalars["train/grad_norm_max"] = event.grad_norm_max
+            slowest = event.slowest
+            if slowest is not None:
+                for part, seconds in slowest.per_step().items():
+                    scalars[f"step/slowest/{part}"] = seconds
+                for split in event.step_split:
+                    for part, seconds in split.per_step().items():
+                        scalars[f"step/rank_{split.rank}/{part}"] = seconds
     elif event.done:
         scalars = {"valid/loss": event.loss, "valid/examples_per_second": event.examples_per_second}
     if event.done:

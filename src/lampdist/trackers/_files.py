@@ -31,14 +31,21 @@ EVENT_FIELDS = (
     "examples_per_second",
     "done",
     "metrics",
+    "tokens",
+    "tokens_per_second",
+    "mfu",
+    "grad_norm",
+    "grad_norm_max",
+    "step_split",
 )
 """The fields of an event record, in the order of the CSV columns."""
 
 
 def event_record(event: PassEvent, global_step: int) -> dict[str, Any]:
-    """``event``'s fields, its global step and its examples per second, by name (``metrics``
-    as a dict of floats and lists)."""
-    record = {"global_step": global_step, **attrs.asdict(event)}
+    """``event``'s fields, its global step, its examples per second and its telemetry
+    (:meth:`~lampdist.PassEvent.telemetry`), by name (``metrics`` as a dict of floats and
+    lists)."""
+    record = {"global_step": global_step, **attrs.asdict(event), **event.telemetry()}
     record["examples_per_second"] = event.examples_per_second
     return {name: record[name] for name in EVENT_FIELDS}
 
@@ -145,6 +152,8 @@ class CsvTracker(BufferedTracker):
     def _record_event(self, event: PassEvent, global_step: int) -> None:
         record = event_record(event, global_step)
         record["metrics"] = json.dumps(record["metrics"]) if record["metrics"] else None
+        split = record["step_split"]
+        record["step_split"] = None if split is None else json.dumps(split)
         self._rows.append(list(record.values()))
 
     def _record_hyperparameters(self, hyperparameters: dict[str, HyperparameterValue]) -> None:

@@ -24,6 +24,7 @@ from ..._options import StepOptions
 from ..._state import TrainingState
 from ...clique import Clique
 from .._blame import NonFiniteSteps
+from .._clock import NO_CLOCK, StepClock
 from .._feed import BatchFeed, LoadedBatch
 from .._flat import FlatParameters
 from .._shard import check_closure_free
@@ -112,6 +113,9 @@ class Design(abc.ABC):
     non_finite: NonFiniteSteps = attrs.field(init=False)
     """What a step whose summed loss is not finite does (set by :meth:`connect`)."""
     _clique: Clique | None = attrs.field(default=None, init=False)
+    clock: StepClock = attrs.field(default=NO_CLOCK, init=False)
+    """Where the steps' time goes (set by the step kernel for each training pass): a step
+    marks the end of each of its parts (see ``_clock``)."""
 
     followers_step: ClassVar[bool] = False
     """Whether every rank holds an optimizer (the followers need ``optimizer_factory``)."""

@@ -22,6 +22,7 @@ import torch
 
 from ...clique import PendingCollective
 from .._buckets import GradientBuckets
+from .._clock import DATA, EXCHANGE, OPTIMIZER
 from .._objects import broadcast_object
 from .._stepper import Combine
 from .._tally import Tally
@@ -122,6 +123,7 @@ class ExchangingDesign(Design):
         """Take batches, forward and backward each (the last starts the buckets as it goes),
         exchange, then :meth:`update`."""
         self.before_forward()
+        self.clock.mark(EXCHANGE)
         loss_sum: torch.Tensor | None = None
         examples = 0
         feed, accumulate = batches.feed, batches.accumulate
@@ -137,6 +139,7 @@ class ExchangingDesign(Design):
             loss_sum = loss if loss_sum is None else loss_sum + loss
             examples += batch.examples
         more = feed.has_next()  # after the backward: the next batch loaded meanwhile
+        self.clock.mark(DATA)
         if loss_sum is None:
             loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         meta = write_meta(self.flat, examples, loss_sum, more, tail=self.meta_behind_gradients)
@@ -144,6 +147,7 @@ class ExchangingDesign(Design):
         self.settle()  # the last step's parameters, at the latest
         for exchange in exchanges:
             exchange.wait_blocking(None)
+        self.clock.mark(EXCHANGE)
         learn_more = planned is None and not more
         return self.update(
             meta,
@@ -176,7 +180,10 @@ class ExchangingDesign(Design):
             step=step,
             tally=tally,
         )
-        return self.publish(more, non_finite, own_loss=own_loss, epoch=epoch, step=step)
+        self.clock.mark(OPTIMIZER)
+        more = self.publish(more, non_finite, own_loss=own_loss, epoch=epoch, step=step)
+        self.clock.mark(EXCHANGE)
+        return more
 
     def step_here(
         self,

@@ -52,6 +52,7 @@ from ..._model import original_module
 from ..._options import StepOptions
 from ..._state import TrainingState
 from ...clique import PendingCollective
+from .._clock import DATA, EXCHANGE
 from .._device import host_to_device
 from .._flat import FlatParameters, flat_order
 from .._objects import broadcast_object
@@ -319,7 +320,9 @@ class FsdpSteps(EveryRankSteps):
                 break
             batch = feed.next()
         more = feed.has_next()
+        self.clock.mark(DATA)
         meta = sums.exchanged(more)
+        self.clock.mark(EXCHANGE)
         return self.update(
             meta,
             own_loss=sums.loss(),

@@ -8,6 +8,7 @@ import attrs
 import torch
 
 from ...clique import PendingCollective
+from .._clock import EXCHANGE
 from .._tally import Tally
 from .._values import read_root_values, root_values_receiver, write_root_values
 from ._exchanging import ExchangingDesign
@@ -45,7 +46,9 @@ class RootSteps(ExchangingDesign):
         """The root steps and publishes; a follower receives the parameters."""
         if self.stepper is None:
             self.flat.zero_gradients()  # the reduce left partial sums in them
-            return self._receive_parameters(read=learn_more, own_loss=own_loss)
+            more = self._receive_parameters(read=learn_more, own_loss=own_loss)
+            self.clock.mark(EXCHANGE)
+            return more
         return super().update(
             meta,
             own_loss=own_loss,

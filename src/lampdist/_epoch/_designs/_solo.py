@@ -8,6 +8,7 @@ import attrs
 import torch
 
 from ..._options import StepOptions
+from .._clock import DATA, OPTIMIZER
 from .._feed import LoadedBatch
 from .._flat import FlatParameters
 from .._tally import Tally
@@ -56,6 +57,7 @@ def step_alone(
         examples = batch.examples
         loss_sum = batches.backward(batch, 1.0)  # its share of the step's examples: all
         more = feed.has_next()  # after the backward: the next batch loaded meanwhile
+        design.clock.mark(DATA)
         return _update(design, epoch, step, tally, more, examples, loss_sum, float(examples))
     taken: list[LoadedBatch] = []
     for _ in range(batches.accumulate):
@@ -69,6 +71,7 @@ def step_alone(
     # float64 sum of several on the device.
     losses = [batches.backward(batch, batch.examples / examples) for batch in taken]
     more = feed.has_next()  # after the backward: the next batch loaded meanwhile
+    design.clock.mark(DATA)
     if not losses:
         tally.record(0, 0.0, counted=False)
         return more
@@ -101,10 +104,12 @@ def _update(
             stepper.skip()
             tally.record(examples, value, counted=False)
             design.non_finite.settle(epoch=epoch, step=step, summed=value, own=loss_sum * factor)
+            design.clock.mark(OPTIMIZER)
             return more
         counted = stepper.step(examples, epoch=epoch, step=step, averaged=True)
         tally.record(examples, value, counted=counted)
     else:
         stepper.step_on_device(None)
         tally.submit_loss(step, examples, loss_sum, factor=factor)
+    design.clock.mark(OPTIMIZER)
     return more

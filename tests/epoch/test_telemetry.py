@@ -1,0 +1,353 @@
+"""Telemetry of training passes, through the in-process loop over real Gloo cliques: the
+gradient norm against ``clip_grad_norm_``, the step split against the pass's time, the
+straggler's name and part, tokens and MFU."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+import lampdist
+from lampdist._epoch import DESIGNS
+
+from ..roles.reference import Batch, make_model, make_shards, mse
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05)
+
+
+async def _run(
+    modules: Sequence[torch.nn.Module],
+    sources: Sequence[lampdist.BatchSource],
+    step: lampdist.StepOptions,
+    *,
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = mse,
+    epochs: int = 1,
+    model: Callable[[torch.nn.Module], lampdist.SupervisedModel] | None = None,
+) -> list[lampdist.PassEvent]:
+    """The root's last event of each training pass."""
+    events: list[lampdist.PassEvent] = []
+
+    async def on_event(event: lampdist.PassEvent) -> None:
+        if event.done and event.kind == "train":
+            events.append(event)
+
+    def supervised(module: torch.nn.Module) -> lampdist.SupervisedModel:
+        return lampdist.SupervisedModel(module, loss) if model is None else model(module)
+
+    with anyio.fail_after(120):
+        await lampdist.local_data_parallel_training_loop(
+            models_with_data_streams=[
+                lampdist.ModelWithData(model=supervised(module), train_batches=source)
+                for module, source in zip(modules, sources, strict=True)
+            ],
+            optimizer_factory=sgd,
+            loop=lampdist.LoopOptions(max_epochs=epochs, on_event=on_event),
+            step=step,
+        )
+    return events
+
+
+def _listed(batches: Sequence[Batch]) -> lampdist.BatchSource:
+    return lambda: list(batches)
+
+
+# -- the gradient norm ------------------------------------------------------------------------
+
+
+def _reference_norm(initial: torch.nn.Module, shards: Sequence[Sequence[Batch]]) -> float:
+    """``clip_grad_norm_``'s return value for one step on the concatenation of every rank's
+    batches (their mean loss over all their examples)."""
+    module = copy.deepcopy(initial)
+    batches = [batch for shard in shards for batch in shard]
+    inputs = torch.cat([x for x, _ in batches])
+    target = torch.cat([y for _, y in batches])
+    mse(module(inputs), target).backward()  # type: ignore[no-untyped-call]
+    return float(torch.nn.utils.clip_grad_norm_(module.parameters(), float("inf")))
+
+
+IN_PROCESS = sorted(name for name, design in DESIGNS.items() if not design.own_process)
+
+
+@pytest.mark.parametrize("clip", [None, 0.01], ids=["measured", "clipped"])
+@pytest.mark.parametrize(
+    ("step_on", "nranks"),
+    [(name, 3) for name in IN_PROCESS] + [("root", 1)],
+    ids=[f"{name}-3" for name in IN_PROCESS] + ["alone"],
+)
+async def test_gradient_norm_is_clip_grad_norm_of_the_concatenated_batches(
+    step_on: lampdist._options.StepOn, nranks: int, clip: float | None
+) -> None:
+    """One step of two accumulated batches a rank (uneven sizes): the pass's gradient norm
+    is the norm before clipping of the averaged gradients, as ``clip_grad_norm_`` returns it
+    on one process that steps on every rank's batches at once (float64, 1e-9)."""
+    shards = make_shards([[5, 7], [3, 9], [6, 2]][:nranks], seed=4)
+    initial = make_model(seed=3)
+    modules = [copy.deepcopy(initial) for _ in shards]
+    step = lampdist.StepOptions(
+        step_on=step_on,
+        accumulate_gradient_over_n_batches=2,
+        grad_norm=clip is None,
+        max_grad_norm=clip,
+    )
+    events = await _run(modules, [_listed(shard) for shard in shards], step)
+    want = _reference_norm(initial, shards)
+    assert want > 0.01  # clipping would change the weights: the norm is before it
+    (event,) = events
+    assert event.grad_norm == pytest.approx(want, rel=0, abs=1e-9)
+    assert event.grad_norm_max == pytest.approx(want, rel=0, abs=1e-9)
+
+
+async def test_the_gradient_norm_is_off_by_default() -> None:
+    shards = make_shards([[4, 4], [4, 4]], seed=4)
+    events = await _run(
+        [make_model(seed=3) for _ in shards],
+        [_listed(s) for s in shards],
+        lampdist.StepOptions(step_on="every_rank"),
+    )
+    assert events[0].grad_norm is None
+
+
+async def test_the_gradient_norm_is_the_mean_and_the_largest_of_the_pass_steps() -> None:
+    """Over several steps: the mean and the largest of the steps' norms, which differ."""
+    shards = make_shards([[4] * 6], seed=5)
+    initial = make_model(seed=3)
+    norms: list[float] = []
+    module = copy.deepcopy(initial)
+    optimizer = sgd(module.parameters())
+    for x, y in shards[0]:
+        mse(module(x), y).backward()  # type: ignore[no-untyped-call]
+        norms.append(float(torch.nn.utils.clip_grad_norm_(module.parameters(), float("inf"))))
+        optimizer.step()
+        optimizer.zero_grad()
+    (event,) = await _run(
+        [copy.deepcopy(initial)], [_listed(shards[0])], lampdist.StepOptions(grad_norm=True)
+    )
+    assert max(norms) > min(norms) * 1.01
+    assert event.grad_norm == pytest.approx(sum(norms) / len(norms), rel=1e-9)
+    assert event.grad_norm_max == pytest.approx(max(norms), rel=1e-9)
+
+
+# -- the step split ---------------------------------------------------------------------------
+
+
+class Paced:
+    """A batch source that sleeps ``delay`` seconds before each batch (a slow loader)."""
+
+    def __init__(self, batches: Sequence[Batch], delay: float) -> None:
+        self.batches, self.delay = list(batches), delay
+
+    def __call__(self) -> Iterator[Batch]:
+        for batch in self.batches:
+            time.sleep(self.delay)
+            yield batch
+
+
+def _wide(seed: int, sizes: Sequence[int], width: int = 64) -> list[Batch]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(n, width, generator=generator), torch.randn(n, 1, generator=generator))
+        for n in sizes
+    ]
+
+
+def _wide_model(width: int = 64) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, 1)
+    )
+
+
+@pytest.mark.parametrize("nranks", [1, 2])
+async def test_the_step_split_sums_to_the_pass_time(nranks: int) -> None:
+    """Every rank's parts add up to the pass's seconds within 5% (the pass also holds its
+    set-up and its end's reduce, which are no step's)."""
+    sources = [Paced(_wide(rank, [32] * 30), 0.002) for rank in range(nranks)]
+    step = lampdist.StepOptions(step_on="every_rank")
+    events = await _run([_wide_model() for _ in sources], sources, step, epochs=2)
+    for event in events:
+        assert len(event.step_split) == nranks
+        for split in event.step_split:
+            assert split.steps == 30
+            assert split.seconds == pytest.approx(event.seconds, rel=0.05)
+            assert split.data > 0 and split.forward_backward > 0 and split.optimizer > 0
+            if nranks > 1:
+                assert split.exchange > 0
+
+
+async def test_the_step_split_can_be_off() -> None:
+    sources = [_listed(_wide(rank, [8] * 3)) for rank in range(2)]
+    events = await _run(
+        [_wide_model() for _ in sources], sources, lampdist.StepOptions(step_split=False)
+    )
+    assert events[0].step_split == ()
+    assert events[0].slowest is None
+
+
+async def test_a_rank_slow_to_load_is_named_a_straggler_waiting_for_data(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Rank 1's loader sleeps 15 ms a batch: it is the slowest, its slow part is data, and the
+    log names it."""
+    sources = [Paced(_wide(rank, [16] * 12), 0.015 if rank == 1 else 0.0) for rank in range(3)]
+    with caplog.at_level(logging.WARNING, logger="lampdist"):
+        (event,) = await _run(
+            [_wide_model() for _ in sources], sources, lampdist.StepOptions(step_on="root")
+        )
+    slowest = event.slowest
+    assert slowest is not None and slowest.rank == 1
+    assert slowest.data > 10 * max(s.data for s in event.step_split if s.rank != 1)
+    (record,) = [r for r in caplog.records if "straggler" in r.getMessage()]
+    assert "rank 1 is a straggler" in record.getMessage()
+    assert "slow part is data" in record.getMessage()
+
+
+async def test_a_rank_with_bigger_batches_is_named_a_straggler_in_forward_backward(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Rank 0's batches are 32 times rank 1's: its slow part is forward and backward, and rank
+    1 waits for it in the exchange."""
+    sources = [_listed(_wide(rank, [4096 if rank == 0 else 128] * 8, 256)) for rank in range(2)]
+    with caplog.at_level(logging.WARNING, logger="lampdist"):
+        (event,) = await _run(
+            [_wide_model(256) for _ in sources], sources, lampdist.StepOptions(step_on="every_rank")
+        )
+    slowest = event.slowest
+    assert slowest is not None and slowest.rank == 0
+    fast = event.step_split[1]
+    assert slowest.forward_backward > 1.5 * fast.forward_backward
+    assert fast.exchange > slowest.exchange
+    messages = [r.getMessage() for r in caplog.records if "straggler" in r.getMessage()]
+    assert messages and "rank 0 is a straggler" in messages[0]
+    assert "slow part is forward_backward" in messages[0]
+
+
+async def test_even_ranks_name_no_straggler(caplog: pytest.LogCaptureFixture) -> None:
+    sources = [Paced(_wide(rank, [16] * 12), 0.01) for rank in range(2)]
+    with caplog.at_level(logging.WARNING, logger="lampdist"):
+        await _run([_wide_model() for _ in sources], sources, lampdist.StepOptions())
+    assert not [r for r in caplog.records if "straggler" in r.getMessage()]
+
+
+# -- tokens and MFU ---------------------------------------------------------------------------
+
+
+class Tagger(torch.nn.Module):
+    """A sequence tagger: 4 classes a position, 6 positions an example."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(16, 6 * 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        output: torch.Tensor = self.linear(x).view(-1, 6, 4)
+        return output
+
+
+def tag_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(output.reshape(-1, 4), target.reshape(-1))
+
+
+def _tagged(seed: int, sizes: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(n, 16, generator=generator), torch.randint(0, 4, (n, 6), generator=generator))
+        for n in sizes
+    ]
+
+
+async def test_tokens_are_the_integer_targets_elements_over_every_rank() -> None:
+    shards = [_tagged(0, [5, 3]), _tagged(1, [7])]
+    events = await _run(
+        [Tagger() for _ in shards],
+        [_listed(s) for s in shards],
+        lampdist.StepOptions(),
+        loss=tag_loss,
+    )
+    (event,) = events
+    assert event.tokens == (5 + 3 + 7) * 6
+    assert event.tokens_per_second == pytest.approx(event.tokens / event.seconds)
+
+
+async def test_tokens_are_unknown_for_float_targets_and_counted_by_a_function() -> None:
+    shards = [_wide(0, [4, 4]), _wide(1, [4])]
+    (plain,) = await _run(
+        [_wide_model() for _ in shards], [_listed(s) for s in shards], lampdist.StepOptions()
+    )
+    assert plain.tokens is None and plain.tokens_per_second is None
+
+    def counted(module: torch.nn.Module) -> lampdist.SupervisedModel:
+        return lampdist.SupervisedModel(module, mse, token_count=lambda target: 10 * len(target))
+
+    (event,) = await _run(
+        [_wide_model() for _ in shards],
+        [_listed(s) for s in shards],
+        lampdist.StepOptions(),
+        model=counted,
+    )
+    assert event.tokens == 10 * 12
+
+
+async def test_mfu_from_counted_flops_and_a_peak_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The root counts the model's FLOPs on its first batch (a linear layer of 16 x 24 on an
+    input that needs no gradient: 2 * 16 * 24 forward and as many for the weight's gradient
+    per example); MFU is the FLOPs per second over the peak times the ranks. Without a peak
+    (a CPU) there is no MFU."""
+    shards = [_tagged(0, [5, 3]), _tagged(1, [7, 2])]
+
+    def counted(module: torch.nn.Module) -> lampdist.SupervisedModel:
+        return lampdist.SupervisedModel(module, tag_loss, flops_per_example="count")
+
+    (no_peak,) = await _run(
+        [Tagger() for _ in shards],
+        [_listed(s) for s in shards],
+        lampdist.StepOptions(),
+        model=counted,
+    )
+    assert no_peak.flops_per_example == 2 * (2 * 16 * 24)
+    assert no_peak.mfu is None and no_peak.peak_flops is None
+
+    monkeypatch.setenv("LAMPDIST_PEAK_FLOPS", "1e9")
+    (event,) = await _run(
+        [Tagger() for _ in shards],
+        [_listed(s) for s in shards],
+        lampdist.StepOptions(),
+        model=counted,
+    )
+    assert event.peak_flops == 2e9
+    assert event.mfu == pytest.approx(2 * 16 * 24 * 2 * event.examples_per_second / 2e9)
+
+
+async def test_given_flops_need_no_count() -> None:
+    shards = [_tagged(0, [5])]
+
+    def given(module: torch.nn.Module) -> lampdist.SupervisedModel:
+        return lampdist.SupervisedModel(module, tag_loss, flops_per_example=1234.0)
+
+    (event,) = await _run(
+        [Tagger()], [_listed(shards[0])], lampdist.StepOptions(), model=given, loss=tag_loss
+    )
+    assert event.flops_per_example == 1234.0
+
+
+def test_flops_per_example_is_checked() -> None:
+    with pytest.raises(lampdist.ConfigError, match="flops_per_example"):
+        lampdist.SupervisedModel(Tagger(), tag_loss, flops_per_example=-1)
+    with pytest.raises(lampdist.ConfigError, match="flops_per_example"):
+        lampdist.SupervisedModel(Tagger(), tag_loss, flops_per_example="counted")  # type: ignore[arg-type]
