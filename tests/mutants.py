@@ -50,6 +50,9 @@ SHARDED = "tests/roles/test_local_sharded.py"
 STEPS = "tests/roles/test_local_steps.py"
 BLAME = "tests/roles/test_local_blame.py"
 FSDP = "tests/roles/test_fsdp.py"
+MIXED_PRECISION = (
+    EXACTNESS + "::test_mixed_precision_matches_autocast_and_grad_scaler_in_a_plain_loop"
+)
 NAMES_RANKS = BLAME + "::test_a_non_finite_loss_names_the_ranks_it_came_from"
 RECOVERY = "tests/roles/test_recovery.py"
 KILLED = RECOVERY + "::test_a_killed_follower_is_replaced_and_the_run_ends_as_if_nothing_happened"
@@ -63,16 +66,16 @@ MUTANTS = [
         name="gradients-not-averaged",
         guarantee="the gradient is the example-weighted average over every rank",
         path="_epoch/_stepper.py",
-        old="divisor = (1.0 if averaged else examples) * self.loss_scale.factor",
-        new="divisor = 1.0 * self.loss_scale.factor",
+        old="divisor = (1.0 if averaged else scale.weight(examples)) * scale.factor",
+        new="divisor = 1.0 * scale.factor",
         tests=(EXACTNESS,),
     ),
     Mutant(
         name="batches-weighted-equally",
         guarantee="each batch's loss is weighted by its example count",
         path="_epoch/_designs/_exchanging.py",
-        old="loss = batches.backward(batch, batch.examples).to(torch.float64) * batch.examples",
-        new="loss = batches.backward(batch, 1).to(torch.float64) * batch.examples",
+        old="weight = self.loss_scale.weight(batch.examples)",
+        new="weight = 1",
         tests=(EXACTNESS,),
     ),
     Mutant(
@@ -92,6 +95,23 @@ MUTANTS = [
         tests=(
             "tests/roles/test_local_exactness.py::test_clipping_matches_clip_grad_norm_in_a_plain_loop",
         ),
+    ),
+    Mutant(
+        name="fp16-weighted-by-examples",
+        guarantee="with fp16 loss scaling on several ranks a batch's loss is weighted by its "
+        "share of the nominal step, so that the scaled gradients are GradScaler's",
+        path="_epoch/_stepper.py",
+        old="if not self.enabled or self.nominal == 0:",
+        new="if True:",
+        tests=(MIXED_PRECISION,),
+    ),
+    Mutant(
+        name="fp16-nominal-not-sent",
+        guarantee="under step_on='root' the followers take the nominal step from the root",
+        path="_epoch/_designs/_root.py",
+        old="self.loss_scale.scale, self.loss_scale.nominal = scale, int(nominal)",
+        new="self.loss_scale.scale = scale",
+        tests=(MIXED_PRECISION,),
     ),
     Mutant(
         name="loss-scale-never-backs-off",

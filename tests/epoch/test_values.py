@@ -128,7 +128,7 @@ async def test_root_values_reach_every_follower_bit_for_bit(dtype: torch.dtype, 
         flat = FlatParameters.create(linear(5, 3, dtype=dtype), CPU)
         parameters = [p.detach().clone() for p in flat.parameters]
         if clique.rank == 0:
-            assert write_root_values(flat, False, scale, CPU, ask=ask) is None
+            assert write_root_values(flat, False, scale, CPU, ask=ask, nominal=48) is None
             values = None
         else:
             for parameter in flat.parameters:
@@ -142,7 +142,7 @@ async def test_root_values_reach_every_follower_bit_for_bit(dtype: torch.dtype, 
     with anyio.fail_after(30):
         results = await run_ranks(3, body)
     for values, same in results:
-        assert values == [0.0, scale, 1.0 if ask else 0.0]
+        assert values == [0.0, scale, 1.0 if ask else 0.0, 48.0]
         assert same
 
 

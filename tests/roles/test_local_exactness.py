@@ -392,8 +392,19 @@ def big_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         (torch.bfloat16, 2, "root"),
         (torch.bfloat16, 2, "sharded"),
         (torch.float16, 1, "root"),
+        (torch.float16, 2, "root"),
+        (torch.float16, 2, "every_rank"),
+        (torch.float16, 2, "sharded"),
     ],
-    ids=["bf16-1", "bf16-2", "bf16-2-sharded", "fp16-1"],
+    ids=[
+        "bf16-1",
+        "bf16-2",
+        "bf16-2-sharded",
+        "fp16-1",
+        "fp16-2",
+        "fp16-2-every",
+        "fp16-2-sharded",
+    ],
 )
 async def test_mixed_precision_matches_autocast_and_grad_scaler_in_a_plain_loop(
     dtype: torch.dtype, nranks: int, step_on: lampdist._options.StepOn
@@ -402,9 +413,12 @@ async def test_mixed_precision_matches_autocast_and_grad_scaler_in_a_plain_loop(
     ``GradScaler``, which skips the overflowing steps and backs off as lampdist must) in a
     plain loop that runs each rank's batch through forward and backward on its own.
 
-    Not float16 on several ranks: there a rank's backward carries its loss times its example
-    count times the scale, so it overflows where ``GradScaler`` on the same batches does not,
-    and the scale settles lower (docs/reliability.md, Limits)."""
+    float16 on several ranks: a rank weights its batch's loss by its share of the nominal
+    step (the clique's largest step so far, here every step's 16 examples) times the scale,
+    as the plain loop weights it by its share of the step's examples, so the scaled
+    gradients are ``GradScaler``'s and overflow where they do. The clique's first step, which
+    no step before told its size, weights by example counts alone (docs/reliability.md,
+    Limits): here it overflows in both loops at the initial scale."""
     train = [_as_float(shard) for shard in make_shards([[8] * 6] * nranks, seed=9)]
     initial = make_model().float()
 

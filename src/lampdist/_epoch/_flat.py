@@ -8,7 +8,7 @@ autograd accumulates into the views.
 Two small tails ride behind the buffers so that a step sends no extra collective for them:
 the first float32 or float64 gradient buffer carries the step's meta values (examples, loss
 sum, whether the rank has more batches: summed with the gradients), and the first parameter
-buffer carries the root values' 24 bytes (copied with the parameters). A model without such
+buffer carries the root values' 32 bytes (copied with the parameters). A model without such
 a buffer sends those values on their own.
 
 Sharded (``step_on="sharded"``), each rank owns a contiguous ``1/n`` of every flat buffer
@@ -37,9 +37,9 @@ __all__ = ["META_SLOTS", "ROOT_VALUES_BYTES", "FlatParameters", "flat_order"]
 
 META_SLOTS = 4
 """Elements of the gradient tail: examples (high and low parts), loss sum, more batches."""
-ROOT_VALUES_BYTES = 24
-"""Bytes of the parameter tail: the three float64 root values (more batches, loss scale, the
-root's ask for every rank's own loss)."""
+ROOT_VALUES_BYTES = 32
+"""Bytes of the parameter tail: the four float64 root values (more batches, loss scale, the
+root's ask for every rank's own loss, the fp16 nominal step)."""
 _META_DTYPES = (torch.float32, torch.float64)
 
 

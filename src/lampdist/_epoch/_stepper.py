@@ -54,11 +54,31 @@ class LossScale:
     scale: float = 2.0**16
     growth_interval: int = 2000
     _clean_steps: int = 0
+    nominal: int = 0
+    """The nominal step: the clique's largest step so far, in examples (0 before its first
+    step; each new clique starts again), the same on every rank. Enabled, a rank weights each
+    batch's loss by its share of it (:meth:`weight`), so that the scaled gradients summed
+    over the clique are those of the step's mean loss, as ``GradScaler`` scales them, where
+    the step has the nominal examples; a backward cannot know the step's own count without a
+    collective."""
 
     @property
     def factor(self) -> float:
         """What each rank multiplies its loss by before backward."""
         return self.scale if self.enabled else 1.0
+
+    def weight(self, examples: float) -> float:
+        """The weight of ``examples`` in a step's gradient sums (a batch's, before backward;
+        the clique's, to divide by): ``examples`` itself, or enabled and after the clique's
+        first step, their share of :attr:`nominal`."""
+        if not self.enabled or self.nominal == 0:
+            return examples
+        return examples / self.nominal
+
+    def note(self, examples: float) -> None:
+        """Count a step of the clique's ``examples`` towards :attr:`nominal` (enabled only)."""
+        if self.enabled:
+            self.nominal = max(self.nominal, int(examples))
 
     def update(self, gradients: list[torch.Tensor], combine: Combine | None = None) -> bool:
         """Whether ``gradients`` (with ``combine``: every rank's) are finite; adjusts the
@@ -250,9 +270,11 @@ class Stepper:
         averaged: bool = False,
         combine: Combine | None = None,
     ) -> bool:
-        """Average the summed gradients over ``examples`` and step (``averaged``: the losses
-        were weighted by their share of ``examples`` before backward, so the gradients are
-        averages already); the caller has checked that the step's summed loss is finite.
+        """Average the summed gradients over ``examples`` (with fp16 loss scaling, sums of
+        shares of the nominal step: over ``LossScale.weight(examples)``) and step
+        (``averaged``: the losses were weighted by their share of ``examples`` before
+        backward, so the gradients are averages already); the caller has checked that the
+        step's summed loss is finite.
 
         Returns whether the step's loss counts towards the pass's mean: a step without
         examples does not, one skipped for an fp16 overflow does.
@@ -260,7 +282,10 @@ class Stepper:
         try:
             if examples == 0:
                 return False
-            divisor = (1.0 if averaged else examples) * self.loss_scale.factor
+            scale = self.loss_scale
+            divisor = (1.0 if averaged else scale.weight(examples)) * scale.factor
+            if not averaged:
+                scale.note(examples)
             gradients = self.gradients()
             if divisor != 1.0 and gradients:
                 torch._foreach_div_(gradients, divisor)

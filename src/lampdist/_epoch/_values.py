@@ -2,14 +2,15 @@
 
 ``meta`` (every rank to the stepping ranks, summed with the gradients): the examples of the
 step, their loss sum and whether the rank has more batches. The root values (the root to the
-followers, with the parameters): whether any rank has more batches, the fp16 loss scale, and
-whether the root asks every rank for its own loss of the step (see ``_blame``).
+followers, with the parameters): whether any rank has more batches, the fp16 loss scale,
+whether the root asks every rank for its own loss of the step (see ``_blame``), and the fp16
+nominal step (see :class:`~lampdist._epoch._stepper.LossScale`).
 
 Each goes into a tail of a flat buffer (see :class:`FlatParameters`), so a step sends no collective
 of its own for them. The meta tail of a float32 buffer holds the example count as two parts
 (``high * 4096 + low``), each summed exactly up to 2**24, and the loss sum rounded to float32
 (about 7 significant digits; a float64 buffer keeps all of them). The root values' tail is a bit
-copy of three float64 values, exact in any dtype. Without a tail the values travel as a float64
+copy of four float64 values, exact in any dtype. Without a tail the values travel as a float64
 tensor of their own.
 """
 
@@ -62,12 +63,18 @@ def read_meta(flat: FlatParameters, meta: torch.Tensor | None) -> torch.Tensor:
 
 
 def write_root_values(
-    flat: FlatParameters, more: bool, scale: float, device: torch.device, *, ask: bool = False
+    flat: FlatParameters,
+    more: bool,
+    scale: float,
+    device: torch.device,
+    *,
+    ask: bool = False,
+    nominal: int = 0,
 ) -> torch.Tensor | None:
     """Write the root values behind the parameters; return them as a float64 tensor to
     broadcast on its own when the parameters have no root values' tail, else ``None``."""
     values = host_to_device(
-        [1.0 if more else 0.0, scale, 1.0 if ask else 0.0], torch.float64, device
+        [1.0 if more else 0.0, scale, 1.0 if ask else 0.0, float(nominal)], torch.float64, device
     )
     if flat.root_values is None:
         return values
@@ -80,11 +87,11 @@ def root_values_receiver(flat: FlatParameters, device: torch.device) -> torch.Te
     parameters, else a float64 tensor to broadcast into."""
     if flat.root_values is not None:
         return None
-    return torch.zeros(3, dtype=torch.float64, device=device)
+    return torch.zeros(4, dtype=torch.float64, device=device)
 
 
 def read_root_values(flat: FlatParameters, values: torch.Tensor | None) -> torch.Tensor:
-    """The broadcast root values as float64 ``[more, scale, ask]`` on the device."""
+    """The broadcast root values as float64 ``[more, scale, ask, nominal]`` on the device."""
     if values is not None:
         return values
     assert flat.root_values is not None

@@ -210,6 +210,7 @@ class Design(abc.ABC):
     def connect(self, clique: Clique) -> None:
         """Use ``clique`` for every collective from now on (once per clique the rank opens)."""
         self._clique = clique
+        self.loss_scale.nominal = 0  # every rank of a new clique starts from no step
         gather = self.all_gather if self.names_every_rank() else None
         self.non_finite = NonFiniteSteps(
             rank=self.rank,

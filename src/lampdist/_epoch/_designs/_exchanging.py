@@ -2,7 +2,8 @@
 
 A step of an exchanging design, on every rank: forward and backward over up to ``accumulate``
 batches with each batch's mean loss weighted by its example count, so that the flat gradient
-buffers hold sums (the last backward starts the gradient buckets as they fill, with
+buffers hold sums (with fp16 loss scaling, by its share of the nominal step: see
+``LossScale.nominal``; the last backward starts the gradient buckets as they fill, with
 ``bucket_cap_mb``: see ``_buckets``); the step's meta values (examples, loss sum, whether the
 rank has more batches: see ``_values``) written behind the gradients or beside them; the
 exchange that the design starts (:meth:`ExchangingDesign.start_step_exchanges`); then, where
@@ -135,7 +136,8 @@ class ExchangingDesign(Design):
                 continue
             if index == accumulate - 1 and self._buckets is not None:
                 self._buckets.arm()  # the step's last backward: start buckets as they fill
-            loss = batches.backward(batch, batch.examples).to(torch.float64) * batch.examples
+            weight = self.loss_scale.weight(batch.examples)  # fp16: a share of the nominal step
+            loss = batches.backward(batch, weight).to(torch.float64) * batch.examples
             loss_sum = loss if loss_sum is None else loss_sum + loss
             examples += batch.examples
         more = feed.has_next()  # after the backward: the next batch loaded meanwhile

@@ -311,11 +311,11 @@ class FsdpSteps(EveryRankSteps):
                     sums.start()
                 batches.pad()
             else:
-                weight = batch.examples
+                weight = self.loss_scale.weight(batch.examples)  # fp16: a share of the nominal
                 if start:
-                    batches.backward(batch, weight, sums.add_and_start(weight))
+                    batches.backward(batch, weight, sums.add_and_start(batch.examples))
                 else:
-                    sums.add(batches.backward(batch, weight), weight)
+                    sums.add(batches.backward(batch, weight), batch.examples)
             if not anyone_ahead:
                 break
             batch = feed.next()

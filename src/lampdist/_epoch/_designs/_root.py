@@ -21,7 +21,8 @@ class RootSteps(ExchangingDesign):
     """``step_on="root"``: every rank reduces its gradient sums (and the meta values behind
     them) to the root, which divides by the clique's examples, steps and broadcasts the
     parameters, the module's buffers and its root values (whether any rank has more batches,
-    the fp16 loss scale, its ask for every rank's own loss) behind them (see ``_values``).
+    the fp16 loss scale, its ask for every rank's own loss, the fp16 nominal step) behind them
+    (see ``_values``).
     The followers hold no optimizer."""
 
     def start_exchange(self, tensors: Sequence[torch.Tensor]) -> PendingCollective:
@@ -77,7 +78,10 @@ class RootSteps(ExchangingDesign):
         exchange waits for it at the latest. On the CPU the root waits: the broadcast's threads
         would compete with its forward."""
         flat = self.flat
-        values = write_root_values(flat, more, self.loss_scale.scale, self.device, ask=ask)
+        scale = self.loss_scale
+        values = write_root_values(
+            flat, more, scale.scale, self.device, ask=ask, nominal=scale.nominal
+        )
         own = [] if values is None else [values]
         sent = self.clique.start_broadcast(
             [*flat.parameter_storage, *flat.module_buffers, *own], root=0
@@ -89,8 +93,9 @@ class RootSteps(ExchangingDesign):
 
     def _receive_parameters(self, *, read: bool, own_loss: torch.Tensor) -> bool:
         """Receive the root's parameters; read the root values (a host sync on CUDA) only
-        when ``read``, when fp16 loss scaling needs the scale, or when the root may ask for
-        this rank's own loss of the step (``own_loss``; see ``_blame``), and answer it."""
+        when ``read``, when fp16 loss scaling needs the scale and the nominal step, or when
+        the root may ask for this rank's own loss of the step (``own_loss``; see ``_blame``),
+        and answer it."""
         flat = self.flat
         values = root_values_receiver(flat, self.device)
         own = [] if values is None else [values]
@@ -100,7 +105,8 @@ class RootSteps(ExchangingDesign):
         may_ask = self.non_finite.gather is not None
         if not read and not self.loss_scale.enabled and not may_ask:
             return True
-        more, self.loss_scale.scale, ask = read_root_values(flat, values).tolist()
+        more, scale, ask, nominal = read_root_values(flat, values).tolist()
+        self.loss_scale.scale, self.loss_scale.nominal = scale, int(nominal)
         if ask > 0:
             self.non_finite.own_losses(own_loss)
         return bool(more > 0)
