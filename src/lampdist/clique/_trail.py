@@ -174,11 +174,12 @@ def _where(rank: int, trail: dict[str, Any] | None, wait: float) -> str:
         text += f": waiting {first[3]:.1f} s in {_label(first)}"
         if more:
             text += " and in " + ", ".join(_label(c) for c in more)
+    elif done and len(done[-1]) > 5 and done[-1][5]:  # it gave up on its last collective
+        last = done.pop()
+        text += f": {_label(last)} failed {last[4]:.1f} s ago, after {last[3] - last[4]:.1f} s"
     elif done:
-        last = done[-1]
-        how = "failed" if len(last) > 5 and last[5] else "ended"
-        text += f": not in a collective for {last[4]:.1f} s, since {_label(last)} {how}"
-        done = done[:-1]
+        last = done.pop()
+        text += f": not in a collective for {last[4]:.1f} s, since {_label(last)} ended"
     else:
         text += ": no collective started"
     if done:
