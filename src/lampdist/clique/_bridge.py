@@ -21,6 +21,7 @@ import attrs
 
 from .._errors import CliqueTimeout, Collective, CollectiveFailed, ConfigError, LampdistError, Phase
 from .._wakeup import Wakeup, on_event_loop_thread
+from ._trail import Entry, label
 
 __all__ = ["PendingCollective", "Then", "on_event_loop_thread"]
 
@@ -46,7 +47,11 @@ class _Owner(Protocol):
 
     def _fail(self, failure: Failure) -> None: ...
 
-    def _translate(self, exc: BaseException, phase: Phase) -> Failure: ...
+    def _translate(self, exc: BaseException, phase: Phase, what: str | None = None) -> Failure: ...
+
+    def _account(self, failure: Failure) -> Failure:
+        """``failure`` with what the owner can say of a timeout (blocking, bounded)."""
+        ...
 
 
 @attrs.define(eq=False)
@@ -82,6 +87,8 @@ class PendingCollective:
     _failure: Failure | None = attrs.field(default=None, init=False, repr=False)
     _ready: Wakeup = attrs.field(factory=Wakeup, init=False, repr=False)
     _final: Wakeup = attrs.field(factory=Wakeup, init=False, repr=False)
+    # Its record in the rank's trail (process groups): ``ended`` is set once it completed.
+    _entry: Entry | None = attrs.field(default=None, init=False, repr=False)
 
     def done(self) -> bool:
         """Whether waiting would return (or raise) at once."""
@@ -97,8 +104,10 @@ class PendingCollective:
         """Wait for the collective without blocking the event loop.
 
         Raises :class:`~lampdist.CollectiveFailed` or :class:`~lampdist.CliqueTimeout` (the
-        clique's ``collective_timeout``, counted from the start). Cancelling the wait does not
-        cancel the collective: the clique waits for it when it closes.
+        clique's ``collective_timeout``, counted from the start; over a process group its
+        message says where every rank is, which takes up to a few seconds to learn).
+        Cancelling the wait does not cancel the collective: the clique waits for it when it
+        closes.
         """
         if self._ready.is_set():
             await anyio.lowlevel.checkpoint()
@@ -108,7 +117,7 @@ class PendingCollective:
                     await self._ready.wait()
             except TimeoutError:
                 if not self._ready.is_set():
-                    raise self._time_out() from None
+                    raise self._error(await self._accounted(self._time_out())) from None
         if self._device_event is not None and not self._device_event.query():
             stop = threading.Event()
             try:
@@ -118,8 +127,11 @@ class PendingCollective:
             finally:
                 stop.set()  # a cancelled wait leaves its polling thread behind: end it
             if not done:
-                raise self._time_out()
-        self._finish()
+                raise self._error(await self._accounted(self._time_out()))
+        failure = self._outcome()
+        if failure is not None and failure[0] is CliqueTimeout:
+            failure = await self._accounted(failure)
+        self._finish(failure)
 
     def wait_blocking(self, timeout: float | None) -> None:
         """Wait from a worker thread (never from the event loop thread: it would block it).
@@ -143,13 +155,16 @@ class PendingCollective:
             self._device_event is not None and not self._poll_device(until, None)
         ):
             if timeout is None or (own is not None and own <= timeout):
-                raise self._time_out()
+                raise self._error(self._owner._account(self._time_out()))
             raise CliqueTimeout(
                 f"{self.name} did not complete within the {timeout} s given to wait_blocking()",
                 rank=self.rank,
                 phase=self.name,
             )
-        self._finish()
+        failure = self._outcome()
+        if failure is not None and failure[0] is CliqueTimeout:
+            failure = self._owner._account(failure)
+        self._finish(failure)
 
     # -- internal: called by the clique and by torch's callbacks -------------------------
 
@@ -179,23 +194,38 @@ class PendingCollective:
             pause = min(2 * pause, _POLL_MAX)
         return True
 
-    def _time_out(self) -> CliqueTimeout:
-        message = f"{self.name} did not complete within collective_timeout={self._timeout} s"
+    def _label(self) -> str:
+        """``"all_reduce #12 (4.0 MiB)"``, or the name alone without a trail."""
+        return self.name if self._entry is None else label(self._entry)
+
+    def _time_out(self) -> Failure:
+        """The clique's deadline passed: fail the clique; the failure to raise."""
+        message = f"{self._label()} did not complete within collective_timeout={self._timeout} s"
         self._owner._fail((CliqueTimeout, message))
         with self._lock:  # the owner may have said more (which ranks never started it)
             failure = self._failure
         if failure is not None and failure[0] is CliqueTimeout:
-            message = failure[1]
-        return CliqueTimeout(message, rank=self.rank, phase=self.name)
+            return failure
+        return CliqueTimeout, message
 
-    def _finish(self) -> None:
-        """Raise the failure, or order the current CUDA stream after the collective."""
+    async def _accounted(self, failure: Failure) -> Failure:
+        """The owner's account of a timeout, from a worker thread (it waits for the peers)."""
+        return await anyio.to_thread.run_sync(self._owner._account, failure, abandon_on_cancel=True)
+
+    def _error(self, failure: Failure) -> LampdistError:
+        cls, message = failure
+        return cls(message, rank=self.rank, phase=self.name)
+
+    def _outcome(self) -> Failure | None:
         with self._lock:
-            failure = self._failure
-            works = list(self._works) if self._stream_sync and self._works else []
+            return self._failure
+
+    def _finish(self, failure: Failure | None) -> None:
+        """Raise ``failure``, or order the current CUDA stream after the collective."""
         if failure is not None:
-            cls, message = failure
-            raise cls(message, rank=self.rank, phase=self.name)
+            raise self._error(failure)
+        with self._lock:
+            works = list(self._works) if self._stream_sync and self._works else []
         for work in works:
             try:
                 work.wait()  # NCCL: the current stream waits for the collective; no host sync
@@ -259,7 +289,7 @@ class PendingCollective:
         try:
             future.value()
         except Exception as exc:
-            failure = self._owner._translate(exc, self.name)
+            failure = self._owner._translate(exc, self.name, self._label())
         if failure is not None:
             self._owner._fail(failure)
         with self._lock:
@@ -276,7 +306,7 @@ class PendingCollective:
             failure = self._owner._translate(exc, self.name)
         else:
             if result == _WORK_TIMEOUT:
-                failure = (CliqueTimeout, f"{self.name} timed out on the device")
+                failure = (CliqueTimeout, f"{self._label()} timed out on the device")
             elif result != _WORK_SUCCESS:
                 failure = (CollectiveFailed, f"{self.name} failed on the device (result {result})")
         if failure is not None:
@@ -293,7 +323,12 @@ class PendingCollective:
             final = host_done and self._device_left <= 0
             if final and not self._keep_works:
                 self._works = None  # finished on the device too: no stream to order, no refs
+            failed = self._failure is not None
         if host_done:
+            entry = self._entry
+            if entry is not None and entry.ended is None:
+                entry.failed = failed
+                entry.ended = time.monotonic()
             self._ready.set()
         if final:
             self._final.set()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import cast
@@ -22,6 +23,7 @@ from .._errors import Collective, ConfigError, LampdistError, MismatchError, Pha
 from ._backends import prefer_nccl_cleanup
 from ._bridge import PendingCollective
 from ._group import Group
+from ._trail import Trail
 from ._transport import GroupTransport, Transport
 
 __all__ = ["Clique", "open_clique"]
@@ -61,6 +63,19 @@ class Clique:
     """``"nccl"`` or ``"gloo"`` for a process group; ``"local"`` for the ranks of one
     process (``"local-nccl"`` when they are on several GPUs)."""
     _transport: Transport = attrs.field(alias="transport", repr=False)
+    _trail: Trail = attrs.field(alias="trail", factory=Trail, repr=False)
+
+    def at_step(self, epoch: int, phase: Phase, step: int) -> None:
+        """Note that this rank is at step ``step`` (from 0) of its ``phase`` pass
+        (``"train"`` or ``"valid"``) in epoch ``epoch``; callable from any thread, once per
+        step: it is one attribute store, and nothing leaves the rank.
+
+        When a collective runs past ``collective_timeout``, the
+        :class:`~lampdist.CliqueTimeout` names, for every rank of a process group, the step
+        it last noted here, its last collectives and how long it has waited in its current
+        one (docs/reliability.md, "Which rank stopped where").
+        """
+        self._trail.step = (epoch, phase, step, time.monotonic())
 
     def explain(self, exc: BaseException, phase: Phase) -> LampdistError | None:
         """The clique's account of ``exc``, a failure seen outside its collectives (one of
@@ -338,7 +353,12 @@ async def _open(
     group = await anyio.to_thread.run_sync(connect, limiter=limiter)
     transport = GroupTransport.create(group)
     clique = Clique(
-        rank=rank, nranks=nranks, device=device, backend=group.backend, transport=transport
+        rank=rank,
+        nranks=nranks,
+        device=device,
+        backend=group.backend,
+        transport=transport,
+        trail=group.trail,
     )
     try:
         try:

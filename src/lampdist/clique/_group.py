@@ -2,9 +2,10 @@
 
 One :class:`Group` per open clique. It owns the torch process group (never the default
 group), one TCPStore client, the liveness tether to rank 0 (see ``_tether``), a watcher
-thread that selects on the tether and polls the store for abort notices, and on NCCL an
-enqueue thread. Everything blocking runs in worker threads; everything it holds is dropped
-on close, so no group or work object outlives the clique.
+thread that selects on the tether and polls the store for abort notices and for a peer's
+request for this rank's trail (see ``_trail``), and on NCCL an enqueue thread. Everything
+blocking runs in worker threads; everything it holds is dropped on close, so no group or
+work object outlives the clique.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from ._backends import (
 from ._backends import describe as _describe
 from ._bridge import Failure, PendingCollective, on_event_loop_thread
 from ._tether import GOODBYE, Tether
+from ._trail import ANSWER_WAIT, Trail, account, answer, ask, asked
 
 __all__ = ["Group", "Issue"]
 
@@ -104,6 +106,12 @@ class Group:
     # Inline issues decided and not finished yet; the issuing thread waits for them.
     _inline_issues: int = attrs.field(default=0, init=False, repr=False)
     _inline_done: threading.Condition = attrs.field(init=False, repr=False)
+    trail: Trail = attrs.field(factory=Trail, init=False, repr=False)
+    """This rank's step and last collectives (see ``_trail``); collectives recorded under
+    ``_lock``."""
+    # Where the ranks were when a collective first timed out (see _account), under _asking.
+    _account_text: str | None = attrs.field(default=None, init=False, repr=False)
+    _asking: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self._inline_done = threading.Condition(self._lock)
@@ -240,9 +248,12 @@ class Group:
     # -- collectives ---------------------------------------------------------------------
 
     def start(
-        self, name: Collective, issue: Issue, *, wait_for_device: bool = False
+        self, name: Collective, issue: Issue, *, nbytes: int = 0, wait_for_device: bool = False
     ) -> PendingCollective:
         """Start a collective from any thread; raise at once if the clique is closed or broken.
+
+        ``nbytes``, the size of the tensors it moves, goes into the rank's trail with the
+        collective's number, for the account of a timeout.
 
         The calling thread issues it (a rank's compute thread, autograd's thread for a
         gradient bucket), except on an event loop thread with NCCL: an NCCL call can wait on
@@ -269,6 +280,7 @@ class Group:
             failure = self._failure
             if failure is None:
                 self._pending.add(pending)
+                pending._entry = self.trail.start(name, nbytes, pending._started)
                 hand_off = hand_off or self._handing_off
                 if hand_off:  # under the lock: never behind the stop sentinel
                     self._handing_off = True
@@ -361,7 +373,9 @@ class Group:
         for each in pending:
             each._fail(failure)
 
-    def _translate(self, exc: BaseException, phase: Phase) -> Failure:
+    def _translate(self, exc: BaseException, phase: Phase, what: str | None = None) -> Failure:
+        """``exc`` as a failure of collective ``phase`` (``what`` names it with its number
+        and size in a timeout's message)."""
         kind, message = translate(exc, phase)
         if isinstance(exc, LampdistError):
             return kind, message
@@ -376,13 +390,38 @@ class Group:
             # clique's timer does when it fires first.
             detail = message.removeprefix(f"{phase} failed: ")
             limit = self.collective_timeout
-            return kind, f"{phase} did not complete within collective_timeout={limit} s ({detail})"
+            what = what or phase
+            return kind, f"{what} did not complete within collective_timeout={limit} s ({detail})"
         return kind, message
+
+    def _account(self, failure: Failure) -> Failure:
+        """A timeout's ``failure`` with where every rank is: its step, its last collectives,
+        how long it has waited in its current one (see ``_trail``). Blocking: the first
+        caller asks the peers and waits up to :data:`ANSWER_WAIT` seconds for their answers;
+        later callers reuse its account. Other failures are returned as they are."""
+        kind, message = failure
+        if kind is not CliqueTimeout:
+            return failure
+        if not self._asking.acquire(timeout=2 * ANSWER_WAIT):  # another caller is asking
+            return failure
+        try:
+            if self._account_text is None:
+                with self._lock:
+                    trails = {self.rank: self.trail.snapshot()}
+                keys = self._keys
+                if keys is not None and self.nranks > 1:
+                    trails.update(ask(keys, self.rank, self.nranks, ANSWER_WAIT))
+                self._account_text = account(trails, self.rank, self.nranks, ANSWER_WAIT)
+            text = self._account_text
+        finally:
+            self._asking.release()
+        return kind, f"{message.rstrip('.')}. {text}"
 
     def explain(self, exc: BaseException, phase: Phase) -> Failure | None:
         """What this clique knows of ``exc``, a failure seen outside it (in a collective of
         torch's default group, say): its own failure, or a peer's abort notice naming the
-        peer that left; ``None`` when it knows of none. A peer's death can reach the caller's
+        peer that left (a timeout says where every rank is, see :meth:`_account`); ``None``
+        when it knows of none. A peer's death can reach the caller's
         collective before the watcher reads the tether: give the watcher
         :data:`_EXPLAIN_WAIT` seconds to learn of it."""
         deadline = time.monotonic() + _EXPLAIN_WAIT
@@ -394,7 +433,7 @@ class Group:
             time.sleep(_WATCH_INTERVAL / 5)
         if failure is not None:
             kind, message = failure
-            return kind, f"{message} ({type(exc).__name__}: {exc})"
+            return self._account((kind, f"{message} ({type(exc).__name__}: {exc})"))
         notice = self._read_notice()
         if notice is not None and notice[0] != str(self.rank):
             return CollectiveFailed, (
@@ -407,7 +446,7 @@ class Group:
                 detail = message.removeprefix(f"{phase} failed: ")
                 limit = self.collective_timeout
                 message = f"{phase} did not complete within collective_timeout={limit} s ({detail})"
-            return kind, message
+            return self._account((kind, message))
         return None
 
     def _read_notice(self) -> tuple[str, str] | None:
@@ -433,6 +472,7 @@ class Group:
                 selector.register(sock, selectors.EVENT_READ, peer)
             gone_cleanly: set[int] = set()
             check_store = True
+            answered: int | None = 0  # the peers' last request for this rank's trail answered
             while True:
                 for key, _ in selector.select(_WATCH_INTERVAL):
                     if key.data is None:
@@ -456,12 +496,28 @@ class Group:
                                 relay=True,
                             )
                             return
+                if answered is not None:
+                    answered = self._answer(answered)
                 if check_store:
                     check_store = self._check_notice()
                     if self._failure is not None and self._pg is None:
                         return
         finally:
             selector.close()
+
+    def _answer(self, answered: int) -> int | None:
+        """Post this rank's trail when a peer has asked for it since request ``answered``
+        (see ``_trail``); the last request answered, or ``None`` once the store is gone."""
+        try:
+            request = asked(self._keys)
+            if request > answered:
+                with self._lock:
+                    trail = self.trail.snapshot()
+                answer(self._keys, self.rank, request, trail)
+        except Exception as exc:  # the store is gone: nobody can ask any more
+            logger.debug("rank %d: stop answering for the trail: %s", self.rank, exc)
+            return None
+        return request
 
     def _check_notice(self) -> bool:
         """Look for a peer's abort notice; False once the store need not be asked again."""

@@ -328,8 +328,11 @@ class LocalHub:
             hub_kind = CliqueTimeout if kind is CliqueTimeout else CollectiveFailed
             self._break_locked(_Breakage(hub_kind, message), None)
 
-    def _translate(self, exc: BaseException, phase: Phase) -> Failure:
+    def _translate(self, exc: BaseException, phase: Phase, what: str | None = None) -> Failure:
         return translate(exc, phase)
+
+    def _account(self, failure: Failure) -> Failure:
+        return failure  # _fail has named the ranks that never started the collective
 
 
 @attrs.define(eq=False)

@@ -84,7 +84,7 @@ class GroupTransport:
                 options.rootRank, options.rootTensor, options.timeout = root, 0, timeout
                 works.append(pg.broadcast([tensor], options))
 
-        return self.group.start("broadcast", issue)
+        return self.group.start("broadcast", issue, nbytes=_nbytes(tensors))
 
     def reduce(self, tensors: tuple[torch.Tensor, ...], root: int) -> PendingCollective:
         timeout = self._timeout
@@ -99,7 +99,7 @@ class GroupTransport:
                 options.rootRank, options.rootTensor, options.timeout = root, 0, timeout
                 works.append(pg.reduce([tensor], options))
 
-        return self.group.start("reduce", issue)
+        return self.group.start("reduce", issue, nbytes=_nbytes(tensors))
 
     def all_reduce(self, tensors: tuple[torch.Tensor, ...]) -> PendingCollective:
         timeout = self._timeout
@@ -110,7 +110,7 @@ class GroupTransport:
                 options.timeout = timeout
                 works.append(pg.allreduce([tensor], options))
 
-        return self.group.start("all_reduce", issue)
+        return self.group.start("all_reduce", issue, nbytes=_nbytes(tensors))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> PendingCollective:
         timeout = self._timeout
@@ -139,7 +139,7 @@ class GroupTransport:
                 options.timeout = timeout
                 works.append(pg._reduce_scatter_base(output, input, options))
 
-        return self.group.start("reduce_scatter", issue)
+        return self.group.start("reduce_scatter", issue, nbytes=input.nbytes)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> PendingCollective:
         timeout = self._timeout
@@ -149,7 +149,7 @@ class GroupTransport:
             options.timeout = timeout
             works.append(pg._allgather_base(output, input, options))
 
-        return self.group.start("all_gather", issue)
+        return self.group.start("all_gather", issue, nbytes=output.nbytes)
 
     def barrier(self) -> PendingCollective:
         if self.group.backend == "gloo":
@@ -178,6 +178,10 @@ class GroupTransport:
         """Drop what the transport keeps (the root's gather buffers) once the clique closed."""
         if self.gather_reduce is not None:
             self.gather_reduce.clear()
+
+
+def _nbytes(tensors: tuple[torch.Tensor, ...]) -> int:
+    return sum(tensor.nbytes for tensor in tensors)
 
 
 def is_own_chunk(output: torch.Tensor, input: torch.Tensor, rank: int, nranks: int) -> bool:
