@@ -375,6 +375,12 @@ PAGES: dict[str, Page] = {
             },
         )
     ),
+    "docs/howto-slow-runs.md": Page(
+        given=_given(
+            _shared,
+            lambda _: {"module": torch.nn.Linear(8, 1), "loss_fn": torch.nn.functional.mse_loss},
+        )
+    ),
     "docs/reliability.md": Page(given=_shared, then=then_root),
     "docs/threat-model.md": Page(given=_tls_files),
 }

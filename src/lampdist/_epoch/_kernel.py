@@ -195,7 +195,7 @@ class StepKernel:
         ``learning_rate_per_step`` scales each step's learning rate. Raises
         :class:`PassStopped` between steps once the feed is stopped."""
         self._check_thread()
-        design, options = self.design, self.design.options
+        design, options, clique = self.design, self.design.options, self.clique
         stepper = design.stepper
         if stepper is not None:
             stepper.set_lr_factor(lr_factor)
@@ -264,6 +264,7 @@ class StepKernel:
                     assert window is not None  # StepOptions checks it
                     stepper.set_lr_factor(lr_factor * per_step.factor(epoch * window + step))
                 clock.start_step()
+                clique.at_step(epoch, "train", step)
                 more = design.train_step(
                     batches, epoch=epoch, step=step, tally=tally, planned=planned
                 )
@@ -436,6 +437,7 @@ class StepKernel:
         forwards = None if counts is None else max(counts)
         index = 0
         while True:
+            self.clique.at_step(epoch, "valid", feed.batches_read - self._first_batch)
             batch = feed.next()
             if forwards is not None:
                 if index == forwards:
