@@ -217,6 +217,9 @@ async def main(argv: list[str]) -> None:
     parser.add_argument("--accumulate", type=int, default=ACCUMULATE)
     parser.add_argument("--optimizer", default="sgd", choices=sorted(OPTIMIZERS))
     parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument(
+        "--grad-norm", action="store_true", help="the root writes each pass's grad_norm"
+    )
     parser.add_argument("--meta", action="store_true")
     parser.add_argument("--epochs", type=int, default=EPOCHS)
     parser.add_argument(
@@ -271,6 +274,7 @@ async def main(argv: list[str]) -> None:
         accumulate_gradient_over_n_batches=args.accumulate,
         step_on=args.step_on,
         max_grad_norm=args.clip,
+        grad_norm=args.grad_norm,
         non_finite_loss=args.non_finite,
         autocast_dtype=torch.float16 if args.fp16 else None,
         fsdp=lampdist.FsdpPolicy(
@@ -354,6 +358,9 @@ async def main(argv: list[str]) -> None:
             stop.set()
         if event.kind == "train" and event.epoch == args.cancel_in_epoch and not event.done:
             cancelled.cancel()  # the root's task is cancelled in the middle of a pass
+        if event.kind == "train" and event.done and args.grad_norm:
+            with (args.out / "grad_norms.jsonl").open("a") as file:
+                file.write(json.dumps([event.grad_norm, event.grad_norm_max]) + "\n")
         if event.recovered is not None:
             with (args.out / "recovered.jsonl").open("a") as file:
                 file.write(json.dumps(attrs.asdict(event.recovered)) + "\n")

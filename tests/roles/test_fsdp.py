@@ -147,6 +147,30 @@ def test_fsdp_matches_one_process(
     assert_matches(tmp_path, nranks, expected, [[a, b] for a, b in zip(train, valid, strict=True)])
 
 
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_the_gradient_norm_is_every_ranks_as_under_every_rank(
+    tmp_path: Path, clip: float | None
+) -> None:
+    """Each pass's gradient norm (before clipping) over every rank's shards, with
+    accumulation and uneven batches, equals the one ``step_on="every_rank"`` reports on the
+    same batches (which equals ``clip_grad_norm_`` on one process: tests/epoch/
+    test_telemetry.py), to 1e-9 in float64."""
+    norms = {}
+    for step_on in ("fsdp", "every_rank"):
+        out = tmp_path / step_on
+        out.mkdir()
+        extra = ["--grad-norm", "--accumulate", "3"] + (
+            [] if clip is None else ["--clip", str(clip)]
+        )
+        run_ranks(out, 2, *extra, step_on=step_on)
+        lines = (out / "grad_norms.jsonl").read_text().splitlines()
+        norms[step_on] = [json.loads(line) for line in lines]
+    assert len(norms["fsdp"]) == tcp_rank.EPOCHS
+    assert all(mean > 0 and largest >= mean for mean, largest in norms["fsdp"])
+    for got, want in zip(norms["fsdp"], norms["every_rank"], strict=True):
+        assert got == pytest.approx(want, rel=0, abs=1e-9)
+
+
 def test_the_in_process_loop_refuses_fsdp() -> None:
     import anyio
 
