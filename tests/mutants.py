@@ -50,6 +50,7 @@ SHARDED = "tests/roles/test_local_sharded.py"
 STEPS = "tests/roles/test_local_steps.py"
 BLAME = "tests/roles/test_local_blame.py"
 FSDP = "tests/roles/test_fsdp.py"
+TELEMETRY = "tests/epoch/test_telemetry.py"
 MIXED_PRECISION = (
     EXACTNESS + "::test_mixed_precision_matches_autocast_and_grad_scaler_in_a_plain_loop"
 )
@@ -759,6 +760,74 @@ MUTANTS = [
         old="        if self.recoveries > recovery.max_recoveries:",
         new="        if False:",
         tests=(RECOVERY + "::test_recoveries_beyond_max_recoveries_end_the_run",),
+    ),
+    Mutant(
+        name="norm-of-the-local-slice",
+        guarantee="sliced designs report the global gradient norm over every rank's slices",
+        path="_epoch/_stepper.py",
+        old="        combine(squares)\n        norm = squares.sqrt()",
+        new="        norm = squares.sqrt()",
+        tests=(TELEMETRY + "::test_gradient_norm_is_clip_grad_norm_of_the_concatenated_batches",),
+    ),
+    Mutant(
+        name="norm-after-clipping",
+        guarantee="the gradient norm is the one before clipping",
+        path="_epoch/_stepper.py",
+        old="self._keep_norm(torch.nn.utils.clip_grad_norm_(self.flat.parameters, max_norm))",
+        new=(
+            "torch.nn.utils.clip_grad_norm_(self.flat.parameters, max_norm)\n"
+            "                self._keep_norm(torch.nn.utils.get_total_norm("
+            "[p.grad for p in self.flat.parameters if p.grad is not None]))"
+        ),
+        tests=(TELEMETRY + "::test_gradient_norm_is_clip_grad_norm_of_the_concatenated_batches",),
+    ),
+    Mutant(
+        name="backward-timed-as-data",
+        guarantee="the step split puts forward and backward in their own part",
+        path="_epoch/_kernel.py",
+        old="            clock.mark(FORWARD_BACKWARD)\n            return loss",
+        new="            clock.mark(DATA)\n            return loss",
+        tests=(TELEMETRY,),
+    ),
+    Mutant(
+        name="idle-between-steps-lost",
+        guarantee="the step split covers the whole step (the time between steps is idle)",
+        path="_epoch/_clock.py",
+        old="            self._totals[IDLE] += now - self._last\n",
+        new="            pass\n",
+        tests=(TELEMETRY + "::test_the_host_clock_gives_every_stretch_to_a_part",),
+    ),
+    Mutant(
+        name="no-straggler-margin",
+        guarantee="a straggler is a rank more than the margin slower than the median",
+        path="_epoch/_telemetry.py",
+        old="if excess <= STRAGGLER_MARGIN * median or excess / steps < _MIN_EXCESS:",
+        new="if excess < 0:",
+        tests=(TELEMETRY + "::test_even_ranks_name_no_straggler",),
+    ),
+    Mutant(
+        name="tokens-of-the-root-only",
+        guarantee="a pass's tokens are summed over every rank",
+        path="_epoch/_telemetry.py",
+        old="    return round(sum(row[6] for row in rows))",
+        new="    return round(rows[0][6])",
+        tests=(TELEMETRY + "::test_tokens_are_the_integer_targets_elements_over_every_rank",),
+    ),
+    Mutant(
+        name="mfu-of-one-device",
+        guarantee="MFU is over the peak of every rank's device",
+        path="_epoch/_kernel.py",
+        old="self._peak_flops = None if peak is None else peak * self.clique.nranks",
+        new="self._peak_flops = peak",
+        tests=(TELEMETRY + "::test_mfu_from_counted_flops_and_a_peak_from_the_environment",),
+    ),
+    Mutant(
+        name="steps-not-noted",
+        guarantee="a collective timeout's account names the step every rank is at",
+        path="_epoch/_kernel.py",
+        old='                clique.at_step(epoch, "train", step)\n',
+        new="",
+        tests=(FSDP + "::test_a_stalled_follower_times_out_as_a_collective_not_as_the_model",),
     ),
 ]
 

@@ -16,6 +16,7 @@ import torch
 
 import lampdist
 from lampdist._epoch import DESIGNS
+from lampdist._epoch._clock import DATA, FORWARD_BACKWARD, OPTIMIZER, HostClock
 
 from ..roles.reference import Batch, make_model, make_shards, mse
 
@@ -351,3 +352,26 @@ def test_flops_per_example_is_checked() -> None:
         lampdist.SupervisedModel(Tagger(), tag_loss, flops_per_example=-1)
     with pytest.raises(lampdist.ConfigError, match="flops_per_example"):
         lampdist.SupervisedModel(Tagger(), tag_loss, flops_per_example="counted")  # type: ignore[arg-type]
+
+
+def test_the_host_clock_gives_every_stretch_to_a_part() -> None:
+    """Each stretch between marks goes to the part that closes it, and the stretch from a
+    step's last mark to the next step's start is idle: the parts add up to the wall time."""
+    clock = HostClock()
+    started = time.perf_counter()
+    for _ in range(2):
+        clock.start_step()
+        time.sleep(0.01)
+        clock.mark(DATA)
+        time.sleep(0.02)
+        clock.mark(FORWARD_BACKWARD)
+        time.sleep(0.015)  # between this step's last mark and the next step: idle
+    clock.start_step()
+    clock.mark(OPTIMIZER)
+    wall = time.perf_counter() - started
+    data, forward_backward, exchange, optimizer, idle = clock.finish()
+    assert clock.steps == 3
+    # a sleep never ends early (and may end late: no upper bound)
+    assert data >= 0.02 and forward_backward >= 0.04 and idle >= 0.03
+    assert exchange == 0
+    assert data + forward_backward + exchange + optimizer + idle == pytest.approx(wall, abs=1e-3)

@@ -648,18 +648,29 @@ def test_a_cancelled_root_ends_every_follower_naming_it(tmp_path: Path) -> None:
     assert took < 60  # a deadline, not a speed: the collective timeout is far longer
 
 
-def test_a_stalled_follower_times_out_as_a_collective_not_as_the_model(tmp_path: Path) -> None:
-    """Rank 1's source sleeps 12 s in a step; with collective_timeout 4 s FSDP2's collective
-    on the root times out within that deadline, and the root reports the clique's timeout
-    (naming the limit), not the model's error."""
+@pytest.mark.parametrize("step_on", ["fsdp", "every_rank"])
+def test_a_stalled_follower_times_out_as_a_collective_not_as_the_model(
+    tmp_path: Path, step_on: str
+) -> None:
+    """Rank 1's source sleeps 12 s in a step; with collective_timeout 4 s the root's
+    collective (FSDP2's, or the gradients' all-reduce) times out within that deadline, and the
+    root reports the clique's timeout (naming the limit), not the model's error, with where
+    every rank is: both at the first step, rank 1 in no collective, and under every_rank the
+    root waiting in the step's all-reduce (FSDP2's collectives, in torch's default group, are
+    not numbered)."""
     started = time.monotonic()
     (root_code, root_err), (follower_code, _) = launch(
-        tmp_path, 2, "--stall-at", "1", "--collective-timeout", "4"
+        tmp_path, 2, "--stall-at", "1", "--collective-timeout", "4", step_on=step_on
     )
     took = time.monotonic() - started
     assert root_code != 0 and follower_code != 0
     assert "TrainingError" not in root_err
-    assert re.search(r"CliqueTimeout: rank 0, .*collective_timeout=4.0 s", root_err), root_err[
-        -3000:
-    ]
+    tail = root_err[-3000:]
+    assert re.search(r"CliqueTimeout: rank 0, .*collective_timeout=4.0 s", root_err), tail
+    assert re.search(r"Where the ranks are: rank 0 at epoch 0 train step 0 ", root_err), tail
+    assert re.search(
+        r"rank 1 at epoch 0 train step 0 \(for [\d.]+ s\): not in a collective", root_err
+    ), tail
+    if step_on == "every_rank":
+        assert re.search(r"rank 0 at [^;]*: waiting [\d.]+ s in all_reduce #\d+", root_err), tail
     assert took < 60
