@@ -23,6 +23,7 @@ STEP_BAD = [
     ("bucket_cap_mb", 0),
     ("max_grad_norm", "1.0"),
     ("grad_norm", 1),
+    ("grad_norm_every", 0),
     ("step_split", "yes"),
     ("non_finite_loss", "ignore"),
     ("shuffle_seed", 1.5),

@@ -183,6 +183,19 @@ class StepOptions:
     (:attr:`~lampdist.PassEvent.grad_norm`). Always on with ``max_grad_norm``, which computes
     it anyway; otherwise it costs one norm a step, and under ``"sharded"`` and ``"fsdp"`` one
     all-reduce of a scalar a step."""
+    grad_norm_every: int = attrs.field(
+        default=1,
+        validator=_check(
+            lambda value: _is_int(value) and value >= 1,
+            "an int >= 1",
+            "pass 1 to measure every step",
+        ),
+    )
+    """With ``grad_norm`` (and no ``max_grad_norm``, which measures every step): measure the
+    norm on the first step of each pass and every this many steps after it, and report the
+    mean and the largest of those (the norm reads every gradient once: on a model whose step
+    is mostly the optimizer's memory traffic, such as the benchmark's ``mlp``, about 10% of a
+    step; every 10 steps, 1%)."""
     step_split: bool = attrs.field(
         default=True,
         validator=_check(lambda value: isinstance(value, bool), "a bool", "pass True or False"),

@@ -142,6 +142,28 @@ async def test_the_gradient_norm_is_the_mean_and_the_largest_of_the_pass_steps()
     assert event.grad_norm_max == pytest.approx(max(norms), rel=1e-9)
 
 
+async def test_the_gradient_norm_of_every_third_step() -> None:
+    """``grad_norm_every=3``: the steps 0 and 3 of each pass of 5 are measured."""
+    shards = make_shards([[4] * 5], seed=5)
+    initial = make_model(seed=3)
+    norms: list[float] = []
+    module = copy.deepcopy(initial)
+    optimizer = sgd(module.parameters())
+    for x, y in shards[0]:
+        mse(module(x), y).backward()  # type: ignore[no-untyped-call]
+        norms.append(float(torch.nn.utils.clip_grad_norm_(module.parameters(), float("inf"))))
+        optimizer.step()
+        optimizer.zero_grad()
+    (event,) = await _run(
+        [copy.deepcopy(initial)],
+        [_listed(shards[0])],
+        lampdist.StepOptions(grad_norm=True, grad_norm_every=3),
+    )
+    measured = [norms[0], norms[3]]
+    assert event.grad_norm == pytest.approx(sum(measured) / 2, rel=1e-9)
+    assert event.grad_norm_max == pytest.approx(max(measured), rel=1e-9)
+
+
 # -- the step split ---------------------------------------------------------------------------
 
 

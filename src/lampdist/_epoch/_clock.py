@@ -9,9 +9,10 @@ for the host). :meth:`StepClock.mark` closes the stretch since the previous mark
 
 On the CPU the clock reads ``time.perf_counter`` at each mark. On CUDA it records a timing
 event on the compute stream at each mark, and reads the elapsed time between two events once
-the second has passed (``Event.query``, which does not wait): no host synchronization is
-added to a step. The events come from a pool, so a pass creates only as many as are in
-flight. :meth:`StepClock.finish` waits for the last ones, at the pass's end.
+the second has passed (``Event.query``, which does not wait, asked of every
+:data:`READ_AT_ONCE`-th event): no host synchronization is added to a step. The events come
+from a pool, so a pass creates only as many as are in flight. :meth:`StepClock.finish` waits
+for the last ones, at the pass's end.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ __all__ = [
 PARTS = ("data", "forward_backward", "exchange", "optimizer", "idle")
 """The parts of a step, in the order of :class:`lampdist.StepSplit`'s fields."""
 DATA, FORWARD_BACKWARD, EXCHANGE, OPTIMIZER, IDLE = range(len(PARTS))
+READ_AT_ONCE = 16
+"""Timing events read together on CUDA, after one query (a query costs the host as much as a
+record)."""
 
 
 class StepClock:
@@ -112,10 +116,13 @@ class DeviceClock(StepClock):
         self._marks.append((event, part))
 
     def _read(self) -> None:
-        """Count every stretch whose closing event has passed (none waited for)."""
+        """Count the stretches whose closing events have passed, :data:`READ_AT_ONCE` at a
+        time: one query of the last of them (events on one stream pass in order), none
+        waited for."""
         marks = self._marks
-        while marks and marks[0][0].query():
-            self._count(*marks.popleft())
+        while len(marks) >= READ_AT_ONCE and marks[READ_AT_ONCE - 1][0].query():
+            for _ in range(READ_AT_ONCE):
+                self._count(*marks.popleft())
 
     def _count(self, event: Any, part: int) -> None:
         previous = self._previous

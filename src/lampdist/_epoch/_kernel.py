@@ -199,6 +199,7 @@ class StepKernel:
         stepper = design.stepper
         if stepper is not None:
             stepper.set_lr_factor(lr_factor)
+            stepper.start_pass()
         self.model.module.train()
         design.flat.zero_gradients()
         started = time.perf_counter()

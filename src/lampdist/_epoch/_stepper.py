@@ -124,6 +124,9 @@ class Stepper:
     _norm_sum: torch.Tensor | None = attrs.field(default=None, init=False)
     _norm_max: torch.Tensor | None = attrs.field(default=None, init=False)
     _norm_steps: int = attrs.field(default=0, init=False)
+    _norm_turn: int = attrs.field(default=0, init=False)
+    """The steps since the pass's first, for ``grad_norm_every`` (the same on every rank that
+    steps: they step, and skip, the same steps)."""
 
     @classmethod
     def create(
@@ -210,8 +213,12 @@ class Stepper:
         before clipping is kept for the pass (with ``max_grad_norm`` or ``grad_norm``; without
         clipping the norm is the same formula's, and sliced it costs the one scalar's sum)."""
         max_norm = self.options.max_grad_norm
-        if max_norm is None and not self.options.grad_norm:
-            return
+        if max_norm is None:
+            if not self.options.grad_norm:
+                return
+            turn, self._norm_turn = self._norm_turn, self._norm_turn + 1
+            if turn % self.options.grad_norm_every:
+                return  # not a step whose norm is measured
         if not self.sliced:
             if max_norm is None:
                 whole = [p.grad for p in self.flat.parameters if p.grad is not None]
@@ -245,11 +252,19 @@ class Stepper:
         torch.maximum(self._norm_max, value, out=self._norm_max)
         self._norm_steps += 1
 
+    def start_pass(self) -> None:
+        """Forget the norms of a pass that did not end (a recovery redoes it): every rank
+        that steps starts the pass at the same turn of ``grad_norm_every``."""
+        self._norm_steps = self._norm_turn = 0
+        if self._norm_sum is not None and self._norm_max is not None:
+            self._norm_sum.zero_()
+            self._norm_max.zero_()
+
     def take_norms(self) -> tuple[float, float] | None:
         """The mean and the largest gradient norm of the steps since the last call (before
         clipping, of the averaged gradients), or ``None`` without a step measured; reads the
         device (a pass's end)."""
-        steps, self._norm_steps = self._norm_steps, 0
+        steps, self._norm_steps, self._norm_turn = self._norm_steps, 0, 0
         if steps == 0 or self._norm_sum is None or self._norm_max is None:
             return None
         total, largest = self._norm_sum.item(), self._norm_max.item()

@@ -114,7 +114,8 @@ class RichReporter:
             "kind": event.kind,
             "batch": f"batch {event.batches}/{total}",
             "loss": f"loss {_loss(event.loss)}",
-            "rate": f"{event.examples_per_second:,.0f} ex/s",
+            "rate": f"{event.examples_per_second:,.0f} ex/s"
+            + ("" if event.mfu is None else f" MFU {event.mfu:.1%}"),
         }
         if accuracy is not None:
             fields["loss"] += f" acc {accuracy:.1%}"
