@@ -24,6 +24,7 @@ LAYERS = [
         "_metric",
         "_monitor",
         "_preload",
+        "_flops",
     },
     {"_effects", "schedules", "_model", "_fsdp_options"},
     {"control", "clique", "_checkpoint", "_loop"},
