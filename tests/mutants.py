@@ -803,7 +803,7 @@ MUTANTS = [
         path="_epoch/_telemetry.py",
         old="if excess <= STRAGGLER_MARGIN * median or excess / steps < _MIN_EXCESS:",
         new="if excess < 0:",
-        tests=(TELEMETRY + "::test_even_ranks_name_no_straggler",),
+        tests=(TELEMETRY + "::test_a_straggler_is_more_than_the_margin_slower_than_the_median",),
     ),
     Mutant(
         name="tokens-of-the-root-only",
