@@ -42,6 +42,7 @@ import torch
 import lampdist
 from _loops import batch_source, create_optimizer, synchronize, training_step
 from _models import MODELS, Workload, build_workload
+from throughput import parse_value
 
 
 def load_tree(name: str, path: str) -> ModuleType:
@@ -123,18 +124,6 @@ def run_lampdist(
     if mark.started is None or len(ends) != 1:
         raise RuntimeError(f"expected one timed pass, got {len(ends)} ends")
     return ends[0] - mark.started
-
-
-def parse_value(text: str) -> Any:
-    """A variant's value: true/false, none, an int, a float, or else the string itself."""
-    if text.lower() in ("true", "false", "none"):
-        return {"true": True, "false": False, "none": None}[text.lower()]
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
 
 
 def telemetry(event: Any) -> dict[str, Any] | None:

@@ -123,18 +123,25 @@ async def test_the_gradient_norm_is_off_by_default() -> None:
     assert events[0].grad_norm is None
 
 
-async def test_the_gradient_norm_is_the_mean_and_the_largest_of_the_pass_steps() -> None:
-    """Over several steps: the mean and the largest of the steps' norms, which differ."""
-    shards = make_shards([[4] * 6], seed=5)
-    initial = make_model(seed=3)
+def _plain_loop_norms(initial: torch.nn.Module, batches: Sequence[Batch]) -> list[float]:
+    """Each step's ``clip_grad_norm_`` (before any clipping) of a plain loop over
+    ``batches``, one batch a step, with the tests' SGD."""
     norms: list[float] = []
     module = copy.deepcopy(initial)
     optimizer = sgd(module.parameters())
-    for x, y in shards[0]:
+    for x, y in batches:
         mse(module(x), y).backward()  # type: ignore[no-untyped-call]
         norms.append(float(torch.nn.utils.clip_grad_norm_(module.parameters(), float("inf"))))
         optimizer.step()
         optimizer.zero_grad()
+    return norms
+
+
+async def test_the_gradient_norm_is_the_mean_and_the_largest_of_the_pass_steps() -> None:
+    """Over several steps: the mean and the largest of the steps' norms, which differ."""
+    shards = make_shards([[4] * 6], seed=5)
+    initial = make_model(seed=3)
+    norms = _plain_loop_norms(initial, shards[0])
     (event,) = await _run(
         [copy.deepcopy(initial)], [_listed(shards[0])], lampdist.StepOptions(grad_norm=True)
     )
@@ -147,14 +154,7 @@ async def test_the_gradient_norm_of_every_third_step() -> None:
     """``grad_norm_every=3``: the steps 0 and 3 of each pass of 5 are measured."""
     shards = make_shards([[4] * 5], seed=5)
     initial = make_model(seed=3)
-    norms: list[float] = []
-    module = copy.deepcopy(initial)
-    optimizer = sgd(module.parameters())
-    for x, y in shards[0]:
-        mse(module(x), y).backward()  # type: ignore[no-untyped-call]
-        norms.append(float(torch.nn.utils.clip_grad_norm_(module.parameters(), float("inf"))))
-        optimizer.step()
-        optimizer.zero_grad()
+    norms = _plain_loop_norms(initial, shards[0])
     (event,) = await _run(
         [copy.deepcopy(initial)],
         [_listed(shards[0])],
