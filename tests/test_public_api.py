@@ -57,6 +57,7 @@ PUBLIC_NAMES = {
         "PassContext",
         "PassEvent",
         "PeerDisconnected",
+        "PeerUnresponsive",
         "Precision",
         "ProtocolError",
         "RankFailed",

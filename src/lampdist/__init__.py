@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from ._errors import MismatchError as MismatchError
     from ._errors import NonFiniteLoss as NonFiniteLoss
     from ._errors import PeerDisconnected as PeerDisconnected
+    from ._errors import PeerUnresponsive as PeerUnresponsive
     from ._errors import ProtocolError as ProtocolError
     from ._errors import RankFailed as RankFailed
     from ._errors import TrainingError as TrainingError
@@ -109,6 +110,7 @@ _FROM: dict[str, tuple[str, ...]] = {
         "MismatchError",
         "NonFiniteLoss",
         "PeerDisconnected",
+        "PeerUnresponsive",
         "ProtocolError",
         "RankFailed",
         "TrainingError",
@@ -202,6 +204,7 @@ __all__ = [
     "PassContext",
     "PassEvent",
     "PeerDisconnected",
+    "PeerUnresponsive",
     "Precision",
     "ProtocolError",
     "RankFailed",

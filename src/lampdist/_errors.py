@@ -14,6 +14,7 @@ already catches a standard exception, the lampdist error derives from it too::
     │   ├── AuthenticationError             a peer failed the shared-secret challenge
     │   ├── JoinRejected                    the root refused a joiner (duplicate rank, too many)
     │   └── PeerDisconnected                a peer vanished (closed, heartbeat lost)
+    │       └── PeerUnresponsive            its connection is open but it is silent (stalled)
     ├── CliqueError                         the collective-communication group failed
     │   └── CollectiveFailed                a collective raised (a peer died or aborted)
     ├── RankFailed                          another rank failed; names that rank and its phase
@@ -56,6 +57,7 @@ __all__ = [
     "MismatchError",
     "NonFiniteLoss",
     "PeerDisconnected",
+    "PeerUnresponsive",
     "Phase",
     "ProtocolError",
     "RankFailed",
@@ -170,6 +172,13 @@ class JoinRejected(ControlError):
 
 class PeerDisconnected(ControlError):
     """A peer vanished: its connection closed or its heartbeats stopped."""
+
+
+class PeerUnresponsive(PeerDisconnected):
+    """A peer whose connection is still open fell silent: no heartbeat within the control
+    channel's ``heartbeat_timeout``, or it stopped reading. Its process may be stopped, hung
+    or on a machine that went away without closing its connections; the other ranks leave
+    their collectives with it at once (see docs/reliability.md)."""
 
 
 class CliqueError(LampdistError):

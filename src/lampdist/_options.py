@@ -477,6 +477,14 @@ class Timeouts:
     start; ``stop``: once a stop is requested, for the epoch in progress to end and be
     checkpointed (keep it below your scheduler's grace period). Raises
     :class:`~lampdist.ConfigError` for a negative or zero value (``stop`` may be 0).
+
+    ``end_unresponsive``: what the root does with a follower that the control channel finds
+    unresponsive (:class:`~lampdist.PeerUnresponsive`: its connection open, its heartbeats
+    gone for the channel's ``heartbeat_timeout``). Every rank leaves its collectives with it
+    at once either way; with ``True`` (the default) the root also ends the follower's process
+    with SIGKILL when it runs on the root's machine, so that a launcher sees it fail (and
+    torchrun names it as the root cause) and a supervisor can restart it. With ``False``, or
+    on another machine, the stalled process exits with a named error when it wakes up.
     """
 
     join: float | None = attrs.field(default=JOIN_TIMEOUT, validator=_seconds("join"))
@@ -485,6 +493,10 @@ class Timeouts:
         default=COLLECTIVE_TIMEOUT, validator=_seconds("collective")
     )
     stop: float | None = attrs.field(default=STOP_TIMEOUT, validator=_seconds("stop", zero=True))
+    end_unresponsive: bool = attrs.field(
+        default=True,
+        validator=_check(lambda value: isinstance(value, bool), "True or False", "pass a bool"),
+    )
 
 
 def check_monitors(loop: LoopOptions, data: ModelWithData, *, rank: int = 0) -> None:

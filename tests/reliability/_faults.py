@@ -29,6 +29,7 @@ import torch
 
 KINDS = (
     "kill",  # SIGKILL this process
+    "stop",  # SIGSTOP this process: it stalls with every connection open, until SIGCONT
     "raise",  # raise RuntimeError (in the loss, a batch source or the checkpoint effect)
     "stall-loop",  # block the event loop (a batch source sleeps on it): stops reading
     "sleep-step",  # sleep in the loss (a worker thread): the step stalls, heartbeats go on
@@ -120,6 +121,8 @@ class Injector:
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(60)  # never reached: SIGKILL is not deferred
+        elif kind == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)  # returns once continued
         elif kind in ("sigterm", "sigint"):
             os.kill(os.getpid(), signal.SIGTERM if kind == "sigterm" else signal.SIGINT)
         elif kind == "raise":
@@ -142,7 +145,9 @@ class Injector:
             assert self.fault is not None
             self.note()
             return value * (math.nan if self.fault.kind == "nan" else math.inf)
-        if self.due(self.phase, ("kill", "raise", "sleep-step", "drop", "sigterm", "sigint")):
+        if self.due(
+            self.phase, ("kill", "stop", "raise", "sleep-step", "drop", "sigterm", "sigint")
+        ):
             self.act_anywhere()
         return value
 
@@ -170,7 +175,7 @@ class Injector:
             self.note()
             assert self.cancel_scope is not None, "cancel is a root fault"
             self.cancel_scope.cancel()
-        elif self.due(phase, ("kill", "raise", "drop", "sigterm", "sigint")):
+        elif self.due(phase, ("kill", "stop", "raise", "drop", "sigterm", "sigint")):
             self.act_anywhere()
         await anyio.lowlevel.checkpoint()
 

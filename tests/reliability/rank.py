@@ -86,6 +86,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--join-timeout", type=float, default=30.0)
     parser.add_argument("--collective-timeout", type=float, default=30.0)
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    parser.add_argument(
+        "--keep-unresponsive",
+        action="store_true",
+        help="Timeouts(end_unresponsive=False): the root does not end a stalled follower",
+    )
     parser.add_argument("--width", type=int, default=6, help="model width (mismatch tests)")
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--non-finite", choices=["raise", "skip"], default="raise")
@@ -183,7 +188,7 @@ def inject_into_checkpoint_write(injector: Injector) -> None:
     original = vars(_write)[name]
 
     def fsync_directory(path: Path) -> None:
-        if injector.due("checkpoint", ("kill",)):
+        if injector.due("checkpoint", ("kill", "stop")):
             injector.act_anywhere()
         original(path)
 
@@ -221,7 +226,10 @@ async def run(
         accumulate_gradient_over_n_batches=args.accumulate, non_finite_loss=args.non_finite
     )
     timeouts = lampdist.Timeouts(
-        join=args.join_timeout, collective=args.collective_timeout, stop=args.stop_timeout
+        join=args.join_timeout,
+        collective=args.collective_timeout,
+        stop=args.stop_timeout,
+        end_unresponsive=not args.keep_unresponsive,
     )
     secret = os.environ["LAMPDIST_SECRET"]
     heartbeats = {"heartbeat_interval": 0.5, "heartbeat_timeout": args.heartbeat_timeout}

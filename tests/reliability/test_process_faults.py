@@ -69,6 +69,12 @@ def second_sigint(run: Cluster) -> None:
     run.signal(0, signal.SIGINT)
 
 
+def continue_after_the_others(run: Cluster, stopped: int) -> None:
+    """SIGCONT the ``stopped`` rank once every other rank has exited."""
+    run.wait(HEARTBEAT_TIMEOUT + 10, [r for r in run.ranks if r != stopped])
+    run.signal(stopped, signal.SIGCONT)
+
+
 CASES = [
     # -- a follower killed -------------------------------------------------------------------
     Case(
@@ -205,6 +211,67 @@ CASES = [
             1: r"^TrainingError: rank 1, phase 'train': the train batch source raised",
             2: stopped_by_root("train", r"RankFailed: rank 1, phase 'train'"),
         },
+    ),
+    # -- stopped processes (SIGSTOP): connections open, nothing read, default timeouts ------
+    Case(
+        name="follower stopped (SIGSTOP), 2 ranks",
+        nranks=2,
+        faulty=1,
+        args={1: ["--fault", "stop@train:1"]},
+        codes={0: FAILED, 1: KILLED},
+        errors={0: r"^PeerUnresponsive: rank 1, phase 'train': no heartbeat for"},
+        slow=False,
+    ),
+    Case(
+        name="follower stopped (SIGSTOP), 3 ranks",
+        nranks=3,
+        faulty=2,
+        args={2: ["--fault", "stop@train:1"]},
+        codes={0: FAILED, 1: FAILED, 2: KILLED},
+        errors={
+            0: r"^PeerUnresponsive: rank 2, phase 'train': no heartbeat for",
+            1: stopped_by_root("train", r"PeerUnresponsive: rank 2, phase 'train': no heart"),
+        },
+    ),
+    Case(
+        name="follower stopped (SIGSTOP) and left alone, then continued",
+        nranks=3,
+        faulty=2,
+        args={
+            0: ["--keep-unresponsive"],
+            2: ["--fault", "stop@train:1", "--keep-unresponsive"],
+        },
+        codes={0: FAILED, 1: FAILED, 2: FAILED},
+        errors={
+            0: r"^PeerUnresponsive: rank 2, phase 'train': no heartbeat for",
+            1: stopped_by_root("train", r"PeerUnresponsive: rank 2, phase 'train': no heart"),
+            # awake again, its collective and its channel have ended: it says so at once
+            2: r"^(CollectiveFailed|PeerDisconnected|RankFailed): rank [02], ",
+        },
+        faulty_deadline=HEARTBEAT_TIMEOUT + 10,
+        then=lambda run: continue_after_the_others(run, 2),
+    ),
+    Case(
+        name="follower stopped (SIGSTOP) while the root writes a checkpoint",
+        nranks=2,
+        faulty=1,
+        args={0: ["--slow-checkpoint", "8"], 1: ["--fault", "stop@checkpoint:1"]},
+        codes={0: FAILED, 1: KILLED},
+        errors={0: r"^PeerUnresponsive: rank 1, phase 'checkpoint': no heartbeat for"},
+    ),
+    Case(
+        name="root stopped (SIGSTOP), then continued",
+        nranks=3,
+        faulty=0,
+        args={0: ["--fault", "stop@train:1"]},
+        codes={0: FAILED, 1: FAILED, 2: FAILED},
+        errors={
+            0: r"^(CollectiveFailed|PeerDisconnected|CliqueTimeout|LampdistTimeout): rank [0-2], ",
+            1: r"^PeerUnresponsive: rank 0, phase 'train': no heartbeat for",
+            2: r"^PeerUnresponsive: rank 0, phase 'train': no heartbeat for",
+        },
+        faulty_deadline=HEARTBEAT_TIMEOUT + 10,
+        then=lambda run: continue_after_the_others(run, 0),
     ),
     # -- stalls ------------------------------------------------------------------------------
     Case(

@@ -3,11 +3,13 @@ raised on the ranks tells the most, and which peer the control channel names as 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import NoReturn
 
 import anyio
+import anyio.to_thread
 import attrs
 
 from .._errors import (
@@ -15,20 +17,25 @@ from .._errors import (
     CollectiveFailed,
     LampdistError,
     PeerDisconnected,
+    PeerUnresponsive,
     Phase,
     RankFailed,
 )
+from ..clique import Clique
 
 __all__ = [
     "CULPRIT_TIMEOUT",
     "DERIVED",
     "PhaseTracker",
     "describe",
+    "end_unresponsive",
     "find_culprit",
     "most_telling",
     "single_error",
     "watch_peers",
 ]
+
+logger = logging.getLogger(__name__)
 
 CULPRIT_TIMEOUT = 2.0
 """How long a rank whose collective failed waits for the control channel to name the culprit."""
@@ -78,8 +85,31 @@ async def watch_peers(watch: Callable[[], Awaitable[NoReturn]], tracker: PhaseTr
     current phase, which says more than the channel's (the kind of the last command)."""
     try:
         await watch()
-    except PeerDisconnected as exc:
-        raise PeerDisconnected(exc.message, rank=exc.rank, phase=tracker.current) from None
+    except PeerDisconnected as exc:  # PeerUnresponsive stays itself
+        raise type(exc)(exc.message, rank=exc.rank, phase=tracker.current) from None
+
+
+END_TIMEOUT = 2.0
+"""How long the root looks for an unresponsive follower's process (a read of its store)."""
+
+
+async def end_unresponsive(error: LampdistError, clique: Clique | None) -> None:
+    """On the root, when ``error`` finds a follower unresponsive: end its process if it runs
+    on this machine (see :meth:`lampdist.Clique.end_process`), so that its launcher sees it
+    fail first. Best effort, within :data:`END_TIMEOUT` seconds."""
+    if clique is None or not isinstance(error, PeerUnresponsive) or not error.rank:
+        return
+    pid = None
+    with anyio.move_on_after(END_TIMEOUT):
+        pid = await anyio.to_thread.run_sync(clique.end_process, error.rank, abandon_on_cancel=True)
+    if pid is not None:
+        logger.warning(
+            "rank %d (process %d on this machine) is unresponsive: ended it with SIGKILL, so "
+            "that its launcher sees it fail (Timeouts.end_unresponsive)",
+            error.rank,
+            pid,
+            extra={"rank": 0},
+        )
 
 
 async def find_culprit(

@@ -35,11 +35,12 @@ from .._model import original_module
 from .._options import LoopOptions
 from .._state import PassEvent, Recovered
 from ..checkpoint import Resumed
-from ..clique import ProcessGroups
+from ..clique import Clique, ProcessGroups
 from ..control import Command, CommandKind, RecoverableRootChannel, RootChannel
 from ._failures import (
     PhaseTracker,
     describe,
+    end_unresponsive,
     find_culprit,
     most_telling,
     single_error,
@@ -118,6 +119,13 @@ class Generations:
     def pass_index(self) -> int:
         return self.where()[1]
 
+    def clique_to_end(self) -> Clique | None:
+        """The current clique, through which the root ends an unresponsive follower's
+        process (``None`` without a clique, or with ``Timeouts(end_unresponsive=False)``)."""
+        if self.runner is None or not self.context.timeouts.end_unresponsive:
+            return None
+        return self.runner.clique
+
     def current(self) -> PassRunner:
         """The pass runner of the clique's current generation."""
         assert self.runner is not None  # between open() and close()
@@ -177,6 +185,7 @@ class Generations:
             try:
                 await watch_peers(self.control.watch, self.tracker)
             except LampdistError as exc:
+                await end_unresponsive(exc, self.clique_to_end())
                 failure.append(exc)
                 scope.cancel()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -29,12 +30,13 @@ from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts, check_
 from .._preload import preload
 from .._state import LoopState, TrainingState
 from ..checkpoint import Resumed, Saver, check_before_training, open_saver, shards_writer
-from ..clique import CliqueFactory
+from ..clique import Clique, CliqueFactory
 from ..control import Command, CommandKind, RootChannel
 from ..schedules import LearningRateSchedule
 from ._failures import (
     PhaseTracker,
     describe,
+    end_unresponsive,
     find_culprit,
     most_telling,
     watch_peers,
@@ -211,12 +213,16 @@ async def _let_exit_first(
     await anyio.sleep(EXIT_HEAD_START)
 
 
-async def _watch(control: RootChannel, tracker: PhaseTracker) -> None:
-    """Raise when a follower fails, remembering why (it cancels the run)."""
+async def _watch(
+    control: RootChannel, tracker: PhaseTracker, clique: Callable[[], Clique | None]
+) -> None:
+    """Raise when a follower fails, remembering why (it cancels the run); an unresponsive
+    one's process is ended first when ``clique()`` can (see :func:`end_unresponsive`)."""
     try:
         await watch_peers(control.watch, tracker)
     except LampdistError as exc:
         tracker.cause = exc
+        await end_unresponsive(exc, clique())
         raise
 
 
@@ -357,7 +363,7 @@ class _Root:
         """Beside the run: a follower that fails ends it (see :func:`_watch`); under recovery
         only until training begins, after which each effect watches for itself."""
         with self.setup_watch:
-            await _watch(self.control, self.tracker)
+            await _watch(self.control, self.tracker, self.generations.clique_to_end)
         await anyio.sleep_forever()
 
     async def _stop(self, final: LoopState) -> None:

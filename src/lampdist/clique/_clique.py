@@ -88,6 +88,16 @@ class Clique:
         kind, message = found
         return kind(message, rank=self.rank, phase=phase)
 
+    def end_process(self, rank: int) -> int | None:
+        """End rank ``rank``'s process with SIGKILL when it runs on this machine (same boot,
+        same PID namespace) and is still the process that opened the clique; returns its PID,
+        or ``None`` when nothing was ended (another machine, an in-process clique, a process
+        already gone). The root calls it for a follower the control channel found
+        unresponsive (:class:`~lampdist.PeerUnresponsive`), unless
+        ``Timeouts(end_unresponsive=False)``. Blocking (a store read): call it from a worker
+        thread in async code."""
+        return self._transport.end_process(rank)
+
     async def broadcast(self, tensors: Sequence[torch.Tensor], root: int = 0) -> None:
         """Copy ``root``'s tensors into every other rank's tensors, in place."""
         await self.start_broadcast(tensors, root)

@@ -21,7 +21,8 @@ import traceback
 from collections.abc import Callable
 from contextlib import nullcontext
 from datetime import timedelta
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -45,6 +46,8 @@ from ._backends import (
 )
 from ._backends import describe as _describe
 from ._bridge import Failure, PendingCollective, on_event_loop_thread
+from ._process import end_if_local, identity
+from ._sockets import TransportSockets, noting_sockets
 from ._tether import GOODBYE, Tether
 from ._trail import ANSWER_WAIT, Trail, account, answer, ask, asked
 
@@ -52,11 +55,21 @@ __all__ = ["Group", "Issue"]
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 # Enqueues the collective's works on the process group, appending each to the list.
 Issue = Callable[[Any, list[Any]], None]
 
 _TEARDOWN: Phase = "clique teardown"
-_STORE_OP_TIMEOUT = timedelta(seconds=10)  # store operations after setup (abort notices)
+# Store operations after setup (abort notices, trails): small, so a short deadline, which
+# bounds how long an abort waits on a store whose host stalled (the root's process).
+_STORE_OP_TIMEOUT = timedelta(seconds=2)
+# How long a failure path waits for one store operation (see Group._bounded).
+_STORE_WAIT = 1.0
+# How long the teardown waits for the watcher thread, which may be inside a store operation
+# on a stalled store (it is a daemon: left behind, it ends with its socket).
+_WATCHER_JOIN = 2.0
+_WATCHER_NAME = "lampdist-clique-watch"
 _WATCH_INTERVAL = 0.05  # how often the watcher polls the store for an abort notice
 # How long explain() waits for the watcher to learn of a peer's death or abort notice: a few
 # of its polls (only on the failure path of a collective run outside the clique).
@@ -87,6 +100,10 @@ class Group:
     _tether: Tether = attrs.field(alias="tether", repr=False)
     owns_default: bool = attrs.field(default=False, repr=False)
     """Whether this clique opened torch's default process group (and destroys it)."""
+    _sockets: TransportSockets = attrs.field(factory=TransportSockets, alias="sockets", repr=False)
+    """Gloo: the connections of the groups, shut down to free their collectives on an abort
+    (see ``_sockets``); emptied, under ``_sockets_lock``, before the groups are dropped."""
+    _sockets_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
     _pg_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
     _pending: set[PendingCollective] = attrs.field(factory=set, init=False, repr=False)
@@ -99,6 +116,9 @@ class Group:
     _wake_reader: socket.socket | None = attrs.field(default=None, init=False, repr=False)
     _wake_writer: socket.socket | None = attrs.field(default=None, init=False, repr=False)
     _goodbye: bool = attrs.field(default=False, init=False, repr=False)
+    _notice_posted: bool = attrs.field(default=False, init=False, repr=False)
+    # Set once the store did not answer within _STORE_WAIT (see _bounded).
+    _store_stalled: bool = attrs.field(default=False, init=False, repr=False)
     # Whether collectives started on an event loop thread go to the issuing thread (NCCL).
     _hand_off: bool = attrs.field(default=False, init=False, repr=False)
     # Set once a collective went to the issuing thread: every later one follows it there.
@@ -156,6 +176,7 @@ class Group:
         base: Any = None
         pg_store: Any = None
         tether: Tether | None = None
+        noted: list[TransportSockets] = []
         try:
             store = connect_store(clique_id.host, clique_id.port, setup.remaining)
             base = PrefixStore(clique_id.prefix, store)
@@ -172,38 +193,41 @@ class Group:
                 port=clique_id.port,
                 remaining=setup.remaining,
             )
+            keys.set(f"process/{rank}", identity())  # see end_process
             # Every rank alive and tied to rank 0 before the process group's own setup,
             # which cannot be interrupted, starts.
             keys.set(f"ready/{rank}", "1")
             setup.wait_for(keys, [f"ready/{peer}" for peer in range(clique_id.nranks)])
-            if backend == "gloo":
-                pg = make_gloo(
-                    store=pg_store,
-                    host=clique_id.host,
-                    rank=rank,
-                    nranks=clique_id.nranks,
-                    name=name,
-                    budget=setup.budget,
-                    op_timeout=op_timeout,
-                )
-            else:
-                pg = make_nccl(
-                    store=pg_store,
-                    rank=rank,
-                    nranks=clique_id.nranks,
-                    name=name,
-                    device=device,
-                    op_timeout=op_timeout,
-                )
-            if default_group:
-                open_default_group(
-                    store=PrefixStore("default", keys),
-                    backend=backend,
-                    rank=rank,
-                    nranks=clique_id.nranks,
-                    device=device,
-                    timeout=op_timeout,
-                )
+            # Gloo's connections, noted for an abort (NCCL has an abort of its own).
+            with noting_sockets(noted.append) if backend == "gloo" else nullcontext():
+                if backend == "gloo":
+                    pg = make_gloo(
+                        store=pg_store,
+                        host=clique_id.host,
+                        rank=rank,
+                        nranks=clique_id.nranks,
+                        name=name,
+                        budget=setup.budget,
+                        op_timeout=op_timeout,
+                    )
+                else:
+                    pg = make_nccl(
+                        store=pg_store,
+                        rank=rank,
+                        nranks=clique_id.nranks,
+                        name=name,
+                        device=device,
+                        op_timeout=op_timeout,
+                    )
+                if default_group:
+                    open_default_group(
+                        store=PrefixStore("default", keys),
+                        backend=backend,
+                        rank=rank,
+                        nranks=clique_id.nranks,
+                        device=device,
+                        timeout=op_timeout,
+                    )
             store.set_timeout(_STORE_OP_TIMEOUT)
             group = cls(
                 rank=rank,
@@ -216,6 +240,7 @@ class Group:
                 keys=keys,
                 tether=tether,
                 owns_default=default_group,
+                sockets=noted[0] if noted else TransportSockets(),
             )
         except BaseException as exc:
             if default_group and dist.is_initialized() and not isinstance(exc, _Occupied):
@@ -239,7 +264,7 @@ class Group:
     def _start_threads(self, threaded: bool) -> None:
         self._wake_reader, self._wake_writer = socket.socketpair()
         watcher = threading.Thread(
-            target=self._watch, daemon=True, name=f"lampdist-clique-watch-{self.rank}"
+            target=self._watch, daemon=True, name=f"{_WATCHER_NAME}-{self.rank}"
         )
         self._threads.append(watcher)
         self._hand_off = threaded
@@ -450,12 +475,33 @@ class Group:
         return None
 
     def _read_notice(self) -> tuple[str, str] | None:
-        """A peer's abort notice, or ``None`` when there is none or the store is gone."""
+        """A peer's abort notice, or ``None`` when there is none or the store is gone (or
+        stalled: see :meth:`_bounded`)."""
+        return self._bounded(read_notice, None)
+
+    def _bounded(self, operation: Callable[[Any], T], default: T) -> T:
+        """``operation(keys)`` on the clique's store from a failure path, within
+        :data:`_STORE_WAIT` seconds; ``default`` when the store is gone, fails, or does not
+        answer in time. A store that did not answer once (its host's process stalled: it is
+        the root's) is not asked again, and the thread left waiting on it is a daemon."""
         keys = self._keys
-        try:
-            return None if keys is None else read_notice(keys)
-        except Exception:
-            return None
+        if keys is None or self._store_stalled:
+            return default
+        outcome: list[T] = []
+
+        def call() -> None:
+            try:
+                outcome.append(operation(keys))
+            except Exception as exc:
+                logger.debug("rank %d: the clique's store failed: %s", self.rank, exc)
+
+        thread = threading.Thread(target=call, daemon=True, name=f"lampdist-store-{self.rank}")
+        thread.start()
+        thread.join(_STORE_WAIT)
+        if thread.is_alive():
+            self._store_stalled = True
+            logger.debug("rank %d: the clique's store does not answer", self.rank)
+        return outcome[0] if outcome else default
 
     # -- peers that die or abort ----------------------------------------------------------
 
@@ -474,7 +520,13 @@ class Group:
             check_store = True
             answered: int | None = 0  # the peers' last request for this rank's trail answered
             while True:
-                for key, _ in selector.select(_WATCH_INTERVAL):
+                if self._wake_reader is None:  # released while it was in a store operation
+                    return
+                try:
+                    events = selector.select(_WATCH_INTERVAL)
+                except (OSError, ValueError):  # the sockets were closed under it: released
+                    return
+                for key, _ in events:
                     if key.data is None:
                         return  # stopped
                     peer = key.data
@@ -490,6 +542,13 @@ class Group:
                     if not data:
                         selector.unregister(sock)
                         if peer not in gone_cleanly:
+                            # A peer that aborted posted why before it closed: say that.
+                            notice = self._read_notice() if check_store else None
+                            if notice is not None and notice[0] != str(self.rank):
+                                self._break(
+                                    f"rank {notice[0]} left the clique: {notice[1]}", relay=False
+                                )
+                                return
                             self._break(
                                 f"rank {peer} is gone: its process died or it left the "
                                 "clique without closing it",
@@ -537,8 +596,9 @@ class Group:
         """A peer died or aborted: fail everything here, tell the others, drop the group."""
         self._fail((CollectiveFailed, message))
         if relay:
-            post_notice(self._keys, self.rank, message)
+            self._post_notice(message)
         self._abort_nccl()
+        self._end_connections()
         with self._pg_lock:
             pg, self._pg = self._pg, None
         # Gloo: dropping the group closes its sockets, so peers blocked on us fail at once.
@@ -577,8 +637,38 @@ class Group:
 
     def _announce_abort(self, reason: str) -> None:
         self._fail((CollectiveFailed, f"the clique was torn down on rank {self.rank}: {reason}"))
-        post_notice(self._keys, self.rank, reason)
+        self._post_notice(reason)
         self._abort_nccl()
+        self._end_connections()
+
+    def _post_notice(self, reason: str) -> None:
+        """Post this rank's abort notice once: the first reason is the cause, and a store
+        whose host stalled costs each attempt ``_STORE_OP_TIMEOUT``."""
+        with self._lock:
+            if self._notice_posted:
+                return
+            self._notice_posted = True
+        self._bounded(partial(post_notice, rank=self.rank, reason=reason), None)
+
+    def _end_connections(self) -> None:
+        """Gloo: shut this rank's connections down, so that its collectives in flight fail at
+        once here and at the other end, a stalled peer included (see ``_sockets``). After the
+        notice is posted: a peer whose collective fails then reads it and names this rank."""
+        with self._sockets_lock:
+            ended = self._sockets.shut_down()
+        if ended:
+            logger.debug("rank %d: shut down %d Gloo connections", self.rank, ended)
+
+    def end_process(self, peer: int) -> int | None:
+        """SIGKILL rank ``peer``'s process if it runs on this machine (see ``_process``); its
+        PID, or ``None``. Blocking (a store read): run it in a worker thread."""
+        keys = self._keys
+        try:
+            noted = "" if keys is None else keys.get(f"process/{peer}").decode()
+        except Exception as exc:  # the store is gone or the key never came
+            logger.debug("rank %d: no process noted for rank %d: %s", self.rank, peer, exc)
+            return None
+        return end_if_local(noted)
 
     # -- teardown ------------------------------------------------------------------------
 
@@ -668,10 +758,16 @@ class Group:
             with self._lock:
                 self._queue.put(None)
         for thread in self._threads:
-            thread.join()
+            watcher = thread.name.startswith(_WATCHER_NAME)
+            # Not at all once the store stalled: the watcher may be waiting on it.
+            thread.join((0.0 if self._store_stalled else _WATCHER_JOIN) if watcher else None)
+            if thread.is_alive():  # inside a store operation on a stalled store
+                logger.debug("rank %d: left the watcher thread to end by itself", self.rank)
         self._threads.clear()
 
     def _release(self) -> None:
+        with self._sockets_lock:  # Gloo closes them once the group is gone
+            self._sockets = TransportSockets()
         with self._pg_lock:
             pg, self._pg = self._pg, None
         with self._lock:

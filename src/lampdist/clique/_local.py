@@ -366,6 +366,9 @@ class _Member:
     def abandon(self, reason: str) -> None:
         self.hub.abort(self.rank, reason)  # in process, nothing is left in flight
 
+    def end_process(self, rank: int) -> int | None:
+        return None  # every rank is in this process
+
     def explain(self, exc: BaseException, phase: Phase) -> Failure | None:
         return None  # every collective of the ranks of one process goes through the hub
 

@@ -55,6 +55,10 @@ class Transport(Protocol):
         """What the clique knows of a failure seen outside it (see
         :meth:`~lampdist.Clique.explain`)."""
 
+    def end_process(self, rank: int) -> int | None:
+        """End ``rank``'s process if it is on this machine (see
+        :meth:`~lampdist.Clique.end_process`)."""
+
 
 @attrs.define(eq=False)
 class GroupTransport:
@@ -173,6 +177,9 @@ class GroupTransport:
 
     def explain(self, exc: BaseException, phase: Phase) -> Failure | None:
         return self.group.explain(exc, phase)
+
+    def end_process(self, rank: int) -> int | None:
+        return self.group.end_process(rank)
 
     def close(self) -> None:
         """Drop what the transport keeps (the root's gather buffers) once the clique closed."""

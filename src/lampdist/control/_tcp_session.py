@@ -10,7 +10,7 @@ import attrs
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from .._errors import LampdistError, PeerDisconnected, ProtocolError, RankFailed
+from .._errors import LampdistError, PeerDisconnected, PeerUnresponsive, ProtocolError, RankFailed
 from ._bookkeeping import RootRegistry
 from ._settings import Liveness, TcpSettings
 from ._wire import Ack, FailureReport, FramedStream, Message, Ping, encode_frame
@@ -177,7 +177,7 @@ class FollowerSession:
             await anyio.sleep(self.settings.heartbeat_interval)
             problem = self._live.problem()
             if problem is not None:
-                self.lost(problem)
+                self._end(PeerUnresponsive(problem, rank=self.rank, phase=self.registry.phase))
                 task_group.cancel_scope.cancel()
                 return
             self.enqueue(ping)
