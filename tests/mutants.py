@@ -58,6 +58,8 @@ NAMES_RANKS = BLAME + "::test_a_non_finite_loss_names_the_ranks_it_came_from"
 RECOVERY = "tests/roles/test_recovery.py"
 KILLED = RECOVERY + "::test_a_killed_follower_is_replaced_and_the_run_ends_as_if_nothing_happened"
 STALLED = RECOVERY + "::test_a_stalled_follower_is_replaced_and_its_process_told_to_go"
+ENDED = RECOVERY + "::test_a_stalled_follower_on_the_roots_machine_is_ended_and_replaced"
+FAULTS = "tests/reliability/test_process_faults.py"
 REFORMS = RECOVERY + "::test_a_rank_alone_reforms_its_clique_and_goes_back_to_its_snapshot"
 ASYNCHRONOUS = "tests/checkpoint/test_asynchronous.py"
 MANIFEST_LAST = "tests/checkpoint/test_object_store.py::test_the_manifest_is_uploaded_last"
@@ -713,24 +715,28 @@ MUTANTS = [
         tests=(KILLED + "[every_rank-windows]",),
     ),
     Mutant(
-        name="recovery-waits-for-the-stalled",
-        guarantee="a stalled peer does not hold the old generation's teardown",
-        path="_roles/_generations.py",
-        old='            self.runner.clique.abandon(f"rank(s) {sorted(ranks)} were lost")',
-        new='            self.runner.clique.abort(f"rank(s) {sorted(ranks)} were lost")',
-        tests=(STALLED,),
+        name="abort-leaves-gloo-connections-open",
+        guarantee="an abort ends a Gloo group's collectives at once, a stalled peer's too",
+        path="clique/_group.py",
+        old="            ended = self._sockets.shut_down()",
+        new="            ended = 0",
+        tests=(FAULTS + "::test_fault[follower stopped (SIGSTOP) and left alone, then continued]",),
     ),
     Mutant(
-        name="hold-not-read-during-a-pass",
-        guarantee="a follower blocked in a collective with a stalled peer is freed by HOLD",
-        path="_roles/_follower.py",
-        old="""            if command.kind is CommandKind.HOLD:
-                held.append(command)
-                scope.cancel()
-            else:
-                self.pending = command""",
-        new="""            self.pending = command""",
-        tests=(STALLED,),
+        name="unresponsive-follower-left-running",
+        guarantee="the root ends an unresponsive follower's process on its machine",
+        path="_roles/_failures.py",
+        old="    if clique is None or not isinstance(error, PeerUnresponsive) or not error.rank:",
+        new="    if True:",
+        tests=(ENDED, FAULTS + "::test_fault[follower stopped (SIGSTOP), 2 ranks]"),
+    ),
+    Mutant(
+        name="unresponsive-reported-as-disconnected",
+        guarantee="a follower found unresponsive is reported as PeerUnresponsive",
+        path="_roles/_failures.py",
+        old="        raise type(exc)(exc.message, rank=exc.rank, phase=tracker.current) from None",
+        new="        raise PeerDisconnected(exc.message, rank=exc.rank, phase=tracker.current)",
+        tests=(FAULTS + "::test_fault[follower stopped (SIGSTOP), 2 ranks]",),
     ),
     Mutant(
         name="survivor-ignores-the-roots-hold",

@@ -250,6 +250,7 @@ CASES = [
         },
         faulty_deadline=HEARTBEAT_TIMEOUT + 10,
         then=lambda run: continue_after_the_others(run, 2),
+        slow=False,
     ),
     Case(
         name="follower stopped (SIGSTOP) while the root writes a checkpoint",

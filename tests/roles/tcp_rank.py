@@ -254,6 +254,11 @@ async def main(argv: list[str]) -> None:
         "--stall-at", type=int, default=None, help="rank 1 sleeps 12 s before its batch N"
     )
     parser.add_argument("--collective-timeout", type=float, default=None)
+    parser.add_argument(
+        "--keep-unresponsive",
+        action="store_true",
+        help="Timeouts(end_unresponsive=False): the root does not end a stalled follower",
+    )
     parser.add_argument("--shard-linear", action="store_true", help="fsdp: each Linear a unit")
     parser.add_argument("--recovery", type=float, default=None, help="Recovery(rejoin_timeout)")
     parser.add_argument("--max-recoveries", type=int, default=3)
@@ -340,7 +345,7 @@ async def main(argv: list[str]) -> None:
         validation_batches=unsized(valid, args.unsized),
     )
     limits = {} if args.collective_timeout is None else {"collective": args.collective_timeout}
-    timeouts = lampdist.Timeouts(join=30, **limits)
+    timeouts = lampdist.Timeouts(join=30, end_unresponsive=not args.keep_unresponsive, **limits)
     stop = anyio.Event()
     cancelled = anyio.CancelScope()
     recovery = None

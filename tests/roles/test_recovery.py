@@ -154,14 +154,76 @@ def test_a_killed_follower_is_replaced_and_the_run_ends_as_if_nothing_happened(
     assert 0 < event["rejoin_seconds"] <= event["seconds"] < 60
 
 
+def _stop_and_replace(job: Job) -> tuple[subprocess.Popen[str], float]:
+    """Wait until rank 2 has stopped itself (SIGSTOP), then start replacements as a
+    supervisor would until one joins; the stalled process and when it stopped."""
+    stalled = job.ranks[2]
+    deadline = time.monotonic() + 60
+    while _state(stalled.pid) != "T":
+        assert time.monotonic() < deadline and stalled.poll() is None
+        time.sleep(0.05)
+    stopped_at = time.monotonic()
+    # Until the root misses its heartbeats rank 2 is the stalled process's, and a
+    # replacement is refused; a supervisor starts it again, as this loop does.
+    for _ in range(20):
+        replacement = spawn(2, job.out, job.port, job.per_rank[2])
+        try:
+            code = replacement.wait(timeout=3)
+        except subprocess.TimeoutExpired:
+            break  # joined, and training
+        if code == 0:
+            break  # joined, trained and finished (its stderr is read below)
+        refused = _stderr(replacement)
+        assert "has already joined" in refused, refused
+    job.ranks[2] = replacement
+    return stalled, stopped_at
+
+
 def test_a_stalled_follower_is_replaced_and_its_process_told_to_go(tmp_path: Path) -> None:
-    """Rank 2 stops (SIGSTOP) in the middle of a pass: the root misses its heartbeats, holds
-    rank 1 (blocked in a collective with rank 2, which the HOLD frees), and takes a
-    replacement in; the stalled process, continued, finds itself forgotten and exits
-    non-zero; the run ends bitwise as without the stall."""
-    # The stalled process, continued, may be waiting in a collective of the old generation:
-    # it ends when that times out (Timeouts.collective, 10 s here).
-    args = ["--epochs", "3", "--heartbeat", "2", "--collective-timeout", "10"]
+    """Rank 2 stops (SIGSTOP) in the middle of a pass and the root leaves its process alone
+    (``Timeouts(end_unresponsive=False)``, as for a process on another machine): the root
+    misses its heartbeats, frees rank 1 (blocked in a collective with rank 2), and takes a
+    replacement in; the stalled process, continued, finds its connections ended and exits
+    non-zero at once, naming the root, not when its collective would time out (60 s); the run
+    ends bitwise as without the stall."""
+    args = ["--epochs", "3", "--heartbeat", "2", "--collective-timeout", "60"]
+    uninterrupted(tmp_path / "want", args)
+    job = Job(
+        tmp_path / "got",
+        [*args, "--recovery", "60", "--keep-unresponsive"],
+        {
+            0: ["--die-after", NEVER],
+            1: ["--die-after", NEVER],
+            2: ["--die-after", "3", "--signal", "SIGSTOP"],
+        },
+    )
+    stalled: subprocess.Popen[str] | None = None
+    try:
+        stalled, _ = _stop_and_replace(job)
+        ended = job.finish()
+        assert stalled.poll() is None  # left alone while stopped
+        stalled.send_signal(signal.SIGCONT)
+        woke = time.monotonic()
+        assert stalled.wait(timeout=60) != 0
+        took = time.monotonic() - woke
+        gone = _stderr(stalled)
+    finally:
+        job.kill()
+        if stalled is not None and stalled.poll() is None:
+            stalled.kill()
+    for rank, (code, error) in ended.items():
+        assert code == 0, f"rank {rank}: {error}"
+    assert "heartbeat" in ended[0][1] and "recovered rank(s) [2]" in ended[0][1], ended[0][1]
+    assert "rank 0" in gone, gone
+    assert took < 10, f"the continued process took {took:.1f} s to exit:\n{gone}"
+    assert_same_run(tmp_path / "got", tmp_path / "want")
+
+
+def test_a_stalled_follower_on_the_roots_machine_is_ended_and_replaced(tmp_path: Path) -> None:
+    """Rank 2 stops (SIGSTOP) in the middle of a pass, on the root's machine: the root finds
+    it unresponsive, ends its process (SIGKILL: a supervisor sees it fail and starts it
+    again), takes the replacement in, and the run ends bitwise as without the stall."""
+    args = ["--epochs", "3", "--heartbeat", "2"]
     uninterrupted(tmp_path / "want", args)
     job = Job(
         tmp_path / "got",
@@ -172,37 +234,17 @@ def test_a_stalled_follower_is_replaced_and_its_process_told_to_go(tmp_path: Pat
             2: ["--die-after", "3", "--signal", "SIGSTOP"],
         },
     )
+    stalled: subprocess.Popen[str] | None = None
     try:
-        stalled = job.ranks[2]
-        deadline = time.monotonic() + 60
-        while _state(stalled.pid) != "T":
-            assert time.monotonic() < deadline and stalled.poll() is None
-            time.sleep(0.05)
-        # Until the root misses its heartbeats rank 2 is the stalled process's, and a
-        # replacement is refused; a supervisor starts it again, as this loop does.
-        for _ in range(20):
-            replacement = spawn(2, job.out, job.port, job.per_rank[2])
-            try:
-                code = replacement.wait(timeout=3)
-            except subprocess.TimeoutExpired:
-                break  # joined, and training
-            if code == 0:
-                break  # joined, trained and finished (its stderr is read below)
-            refused = _stderr(replacement)
-            assert "has already joined" in refused, refused
-        job.ranks[2] = replacement
+        stalled, _ = _stop_and_replace(job)
+        assert stalled.wait(timeout=30) == -signal.SIGKILL
         ended = job.finish()
-        stalled.send_signal(signal.SIGCONT)
-        assert stalled.wait(timeout=60) != 0
-        gone = _stderr(stalled)
     finally:
         job.kill()
-        if stalled.poll() is None:
-            stalled.kill()
     for rank, (code, error) in ended.items():
         assert code == 0, f"rank {rank}: {error}"
-    assert "heartbeat" in ended[0][1] and "recovered rank(s) [2]" in ended[0][1], ended[0][1]
-    assert "rank 0" in gone, gone
+    assert "is unresponsive: ended it with SIGKILL" in ended[0][1], ended[0][1]
+    assert "recovered rank(s) [2]" in ended[0][1], ended[0][1]
     assert_same_run(tmp_path / "got", tmp_path / "want")
 
 

@@ -22,6 +22,7 @@ from .._errors import (
     LampdistError,
     MismatchError,
     PeerDisconnected,
+    PeerUnresponsive,
     Phase,
 )
 from ._command import Command, CommandKind
@@ -88,8 +89,11 @@ class RootRegistry:
     stopped: set[int] = attrs.field(factory=set)
     failures: dict[int, LampdistError] = attrs.field(factory=dict)
     first_failure: LampdistError | None = None
+    broken: LampdistError | None = None
+    """Why the channel itself failed (the TCP root's listener), or None."""
     refusals: list[str] = attrs.field(factory=list)
-    """Connections refused while joining, newest last (``"from HOST:PORT: reason"``)."""
+    """Connections refused while joining, newest last (``"from HOST:PORT: reason"``); at most
+    :data:`_REFUSALS_KEPT`."""
     left: set[int] = attrs.field(factory=set)
     """Followers whose connection (or in-process channel) has closed, for whatever reason."""
     changed: Notifier = attrs.field(factory=Notifier)
@@ -158,6 +162,16 @@ class RootRegistry:
         logger.info("rank %d joined the control channel", rank, extra={"rank": rank})
         self.changed.notify()
 
+    def channel_failed(self, error: LampdistError) -> None:
+        """Record that the channel itself failed: :meth:`watch` and :meth:`wait_for_peers`
+        raise ``error`` from now on (the first such error sticks)."""
+        if self.broken is None and not self.closed:
+            self.broken = error
+            self.changed.notify()
+
+    def _failure(self) -> LampdistError | None:
+        return self.broken if self.broken is not None else self.first_failure
+
     def fail(self, rank: int, error: LampdistError, *, reported: bool = False) -> None:
         """Record that ``rank`` failed; a disconnect after STOP is a clean leave. The first
         failure of a rank sticks."""
@@ -224,8 +238,8 @@ class RootRegistry:
         waiting = Waiting(timeout)
         with anyio.move_on_after(timeout):
             while len(self.live) < n:
-                if self.first_failure is not None:
-                    raise copy_error(self.first_failure)
+                if (failure := self._failure()) is not None:
+                    raise copy_error(failure)
                 with anyio.move_on_after(waiting.until_report()):
                     await self.changed.wait()
                 if waiting.report_due():
@@ -254,7 +268,7 @@ class RootRegistry:
 
     async def watch(self) -> NoReturn:
         """See :meth:`RootChannel.watch`."""
-        await self.changed.raise_failure(lambda: self.first_failure)
+        await self.changed.raise_failure(self._failure)
 
 
 @attrs.define(eq=False)
@@ -270,11 +284,13 @@ class FollowerState:
     failure: LampdistError | None = None
     changed: Notifier = attrs.field(factory=Notifier)
 
-    def root_lost(self, reason: str) -> None:
-        """Record that the root vanished (ignored after STOP; the first reason sticks)."""
+    def root_lost(self, reason: str, *, silent: bool = False) -> None:
+        """Record that the root vanished, or with ``silent`` fell silent (ignored after STOP;
+        the first reason sticks)."""
         if self.stopped or self.failure is not None:
             return
-        self.failure = PeerDisconnected(reason, rank=0, phase=self.phase)
+        kind = PeerUnresponsive if silent else PeerDisconnected
+        self.failure = kind(reason, rank=0, phase=self.phase)
         level = logging.DEBUG if self.reported else logging.WARNING
         logger.log(level, "rank %d: %s", self.rank, self.failure, extra={"rank": self.rank})
         self.changed.notify()

@@ -78,7 +78,7 @@ class TcpFollowerChannel(ChannelLifecycle):
     rank: int
     _host: str
     _port: int
-    _key: bytes
+    _key: bytes = attrs.field(repr=False)
     _settings: TcpSettings
     _join_timeout: float | None
     _follower: FollowerState = attrs.field(init=False)
@@ -208,7 +208,8 @@ class TcpFollowerChannel(ChannelLifecycle):
         except (anyio.EndOfStream, anyio.BrokenResourceError, OSError) as exc:
             raise JoinRejected(
                 f"the root closed the connection during the handshake ({exc!r}); is it a "
-                "lampdist root with the same TLS setting?",
+                "lampdist root with the same TLS setting, and not flooded with connections "
+                "(it closes those over its limits at once)?",
                 rank=self.rank,
                 phase="handshake",
             ) from exc
@@ -278,14 +279,14 @@ class TcpFollowerChannel(ChannelLifecycle):
             relay.end()
             self._progress.notify()
 
-    def _lost(self, reason: str) -> None:
+    def _lost(self, reason: str, *, silent: bool = False) -> None:
         if self._clique_id is None and self._join_error is None:
             self._join_error = JoinRejected(
                 f"lost the root before it published the clique id: {reason}",
                 rank=self.rank,
                 phase="join",
             )
-        self._follower.root_lost(reason)
+        self._follower.root_lost(reason, silent=silent)
 
     async def _read(self, framed: FramedStream, relay: CommandRelay, task_group: TaskGroup) -> None:
         try:
@@ -321,12 +322,12 @@ class TcpFollowerChannel(ChannelLifecycle):
                 await anyio.sleep(interval)
                 problem = self._live.problem()
                 if problem is not None:
-                    self._lost(f"{problem} on the connection to the root")
+                    self._lost(f"{problem} on the connection to the root", silent=True)
                     break
                 with anyio.move_on_after(timeout) as scope:
                     await self._send(Ping())
                 if scope.cancelled_caught:
-                    self._lost(f"a heartbeat to the root was stuck for {timeout} s")
+                    self._lost(f"a heartbeat to the root was stuck for {timeout} s", silent=True)
                     break
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
             self._lost(f"the control connection broke ({exc!r})")

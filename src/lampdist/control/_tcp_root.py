@@ -11,7 +11,8 @@ from typing import NoReturn
 import anyio
 import anyio.lowlevel
 import attrs
-from anyio.abc import ByteStream, SocketAttribute, SocketStream, TaskGroup
+from anyio.abc import ByteStream, SocketAttribute, SocketListener, SocketStream, TaskGroup
+from anyio.streams.stapled import MultiListener
 from anyio.streams.tls import TLSStream
 
 from .._clique_id import CliqueId
@@ -22,6 +23,15 @@ from .._errors import (
     LampdistTimeout,
     PeerDisconnected,
     ProtocolError,
+)
+from ._admission import (
+    FIRST_ACCEPT_RETRY_DELAY,
+    MAX_ACCEPT_RETRY_DELAY,
+    Admission,
+    ThrottledWarnings,
+    WarningKind,
+    accept_retry_delay,
+    os_error_of,
 )
 from ._auth import make_proof, new_nonce, secret_bytes, verify_proof
 from ._bookkeeping import RootRegistry, copy_error
@@ -61,6 +71,8 @@ logger = logging.getLogger(__name__)
 
 #: How long the root tries to tell a refused peer why (it may not listen).
 _REJECT_TIMEOUT = 1.0
+#: How often the counts of refusals held back are looked at (see ThrottledWarnings).
+_FLUSH_EVERY = 1.0
 
 
 class _Refused(Exception):
@@ -79,17 +91,21 @@ class TcpRootChannel(ChannelLifecycle):
     nranks: int
     _host: str
     _port: int
-    _key: bytes
+    _key: bytes = attrs.field(repr=False)
     _settings: TcpSettings
     _broadcast_timeout: float | None
     _registry: RootRegistry = attrs.field(init=False)
+    _admission: Admission = attrs.field(init=False)
+    _warnings: ThrottledWarnings = attrs.field(init=False)
     _sessions: dict[int, FollowerSession] = attrs.field(factory=dict)
     _seq: int = 0
     _address: tuple[str, int] | None = None
-    _listener: anyio.abc.Listener[SocketStream] | None = None
+    _listener: MultiListener[SocketStream] | None = None
 
     def __attrs_post_init__(self) -> None:
         self._registry = RootRegistry(nranks=self.nranks)
+        self._admission = Admission.for_run(self.nranks)
+        self._warnings = ThrottledWarnings(logger)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -116,20 +132,86 @@ class TcpRootChannel(ChannelLifecycle):
     def _start_tasks(self, task_group: TaskGroup) -> None:
         assert self._listener is not None  # set by _prepare
         task_group.start_soon(self._serve, self._listener)
+        task_group.start_soon(self._flush_warnings)
         logger.info("control root listening on %s:%d", *self.address, extra={"rank": 0})
 
     def _closing(self) -> None:
         self._registry.closed = True
         self._registry.changed.notify()
+        self._warnings.flush(every=True)
 
-    async def _serve(self, listener: anyio.abc.Listener[SocketStream]) -> None:
-        async with listener:
-            await listener.serve(self._handle_connection, task_group=self._task_group)
+    async def _flush_warnings(self) -> None:
+        while True:
+            await anyio.sleep(min(_FLUSH_EVERY, self._warnings.interval))
+            self._warnings.flush()
 
-    async def _handle_connection(self, raw: SocketStream) -> None:
-        peer = _peer_name(raw)
+    async def _serve(self, listener: MultiListener[SocketStream]) -> None:
+        async with listener, anyio.create_task_group() as group:
+            for each in listener.listeners:
+                assert isinstance(each, SocketListener)  # create_tcp_listener makes these
+                group.start_soon(self._accept, each)
+
+    async def _accept(self, listener: SocketListener) -> None:
+        """Accept connections until the channel closes. Running out of descriptors or memory
+        passes: ``accept`` is tried again after a wait that doubles up to
+        :data:`MAX_ACCEPT_RETRY_DELAY`. Any other failure of the listener ends this loop and
+        is raised by :meth:`watch` and :meth:`wait_for_peers` as a :class:`ControlError`."""
+        backoff = FIRST_ACCEPT_RETRY_DELAY
+        while True:
+            try:
+                raw = await listener.accept()
+            except anyio.ClosedResourceError:
+                return
+            except (OSError, anyio.BrokenResourceError) as exc:
+                error = os_error_of(exc)
+                delay = None if error is None else accept_retry_delay(error, backoff)
+                if delay is None:
+                    self._stop_accepting(error or exc)
+                    return
+                self._warnings.warn(
+                    "accept",
+                    f"could not accept a control connection ({error}); retrying in "
+                    f"{delay:.2f} s, followers that joined are not affected",
+                )
+                if delay:
+                    await anyio.sleep(delay)
+                    backoff = min(2 * backoff, MAX_ACCEPT_RETRY_DELAY)
+                continue
+            backoff = FIRST_ACCEPT_RETRY_DELAY
+            await self._admit(raw)
+
+    def _stop_accepting(self, error: BaseException) -> None:
+        failure = ControlError(
+            "the root's control listener on {}:{} failed ({!r}): no follower can join any "
+            "more".format(*self.address, error),
+            rank=0,
+            phase=self._registry.phase,
+        )
+        logger.error("%s", failure, extra={"rank": 0})
+        self._registry.channel_failed(failure)
+
+    async def _admit(self, raw: SocketStream) -> None:
+        """Give ``raw`` a handshake, or close it at once when too many connections are in
+        their handshake already."""
+        peer, host = _peer_name(raw)
+        refusal = self._admission.enter(host)
+        if refusal is None:
+            assert self._task_group is not None  # the channel is open
+            self._task_group.start_soon(self._handle_connection, raw, peer, host)
+            return
+        self._refuse(refusal.kind, peer, refusal.reason)
+        await aclose_shielded(raw)
+
+    def _refuse(self, kind: WarningKind, peer: str, reason: str) -> None:
+        self._warnings.warn(kind, f"refused a control connection from {peer}: {reason}")
+        self._registry.refused(peer, reason)
+
+    async def _handle_connection(self, raw: SocketStream, peer: str, host: str) -> None:
+        """The handshake of a connection counted in by :meth:`_admit`, then its session.
+        It counts until it has authenticated, or else until it is closed."""
         framed: FramedStream | None = None
         session: FollowerSession | None = None
+        counted = True
         try:
             with anyio.fail_after(self._settings.handshake_timeout):
                 stream: ByteStream = raw
@@ -142,18 +224,21 @@ class TcpRootChannel(ChannelLifecycle):
                     )
                 framed = FramedStream(stream, self._settings.max_frame_bytes)
                 session = await self._handshake(framed, peer)
+            self._admission.leave(host)
+            counted = False
             await session.run()
         except _Refused as exc:
-            logger.warning("refused a control connection from %s: %s", peer, exc.reason)
-            self._registry.refused(peer, exc.reason)
+            self._refuse(exc.code, peer, exc.reason)
             await _try_reject(framed, exc.code, exc.reason)
         except TimeoutError:
             reason = f"no complete handshake within {self._settings.handshake_timeout} s"
-            logger.warning("closed a control connection from %s: %s", peer, reason)
+            self._warnings.warn("timeout", f"closed a control connection from {peer}: {reason}")
             self._registry.refused(peer, reason)
             await _try_reject(framed, "protocol", reason)
         except (anyio.EndOfStream, anyio.BrokenResourceError, OSError) as exc:
-            logger.warning("a control connection from %s broke in the handshake: %r", peer, exc)
+            self._warnings.warn(
+                "broken", f"a control connection from {peer} broke in the handshake: {exc!r}"
+            )
             self._registry.refused(peer, f"the connection broke in the handshake ({exc!r})")
         except Exception:
             logger.exception("unexpected error on a control connection from %s", peer)
@@ -161,6 +246,8 @@ class TcpRootChannel(ChannelLifecycle):
                 session.lost("the root's connection handler failed")
         finally:
             await aclose_shielded(framed, raw)
+            if counted:
+                self._admission.leave(host)
             if session is not None and not session.forgotten:
                 self._registry.leave(session.rank)
 
@@ -337,14 +424,16 @@ async def _try_reject(framed: FramedStream | None, code: RejectCode, reason: str
         await framed.send(Reject(code=code, reason=reason))
 
 
-def _peer_name(stream: SocketStream) -> str:
+def _peer_name(stream: SocketStream) -> tuple[str, str]:
+    """How to name the peer of ``stream`` (``"10.0.0.2:51234"``), and its address alone."""
     try:
         address = stream.extra(SocketAttribute.remote_address)
     except (OSError, anyio.TypedAttributeLookupError):
-        return "an unknown peer"
+        return "an unknown peer", "unknown"
     if isinstance(address, tuple):
-        return f"{address[0]}:{address[1]}"
-    return str(address)
+        host = str(address[0]).removeprefix("::ffff:")  # an IPv4 peer of a dual-stack socket
+        return f"{address[0]}:{address[1]}", host
+    return str(address), str(address)
 
 
 def tcp_root(
@@ -369,12 +458,17 @@ def tcp_root(
     crosses the wire). ``ssl_context`` (a server context) turns on TLS. Heartbeats go both
     ways every ``heartbeat_interval`` seconds; a follower silent for ``heartbeat_timeout``
     counts as disconnected. A connection gets ``handshake_timeout`` seconds to authenticate;
-    frames over ``max_frame_bytes`` are refused. Bad peers are refused with a WARNING log
-    line and never disturb the followers that joined.
+    frames over ``max_frame_bytes`` are refused. At most 64 connections may be in their
+    handshake at once, 16 from one address (each plus one per follower); one over a bound
+    is closed as soon as it is accepted. Bad peers are refused with WARNING log lines, at
+    most one per kind of refusal every 10 s (the next one counts those held back), and never
+    disturb the followers that joined; nor does the root's process running out of file
+    descriptors, after which it accepts again (see ``docs/threat-model.md``).
 
     Raises :class:`lampdist.ConfigError` for bad settings, and without a secret unless
     ``insecure=True`` (for a trusted network only); :class:`lampdist.ControlError` on
-    entering if it cannot listen.
+    entering if it cannot listen, and from :meth:`~RootChannel.watch` and
+    :meth:`~RootChannel.wait_for_peers` if its listener fails later.
     """
     key = secret_bytes(secret, insecure=insecure, rank=0)
     if not isinstance(nranks, int) or isinstance(nranks, bool) or nranks < 1:
