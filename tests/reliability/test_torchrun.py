@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import attrs
+import pytest
 
 import lampdist
 
@@ -233,6 +234,21 @@ def test_with_three_ranks_the_failed_follower_is_still_the_root_cause(tmp_path: 
             assert exited > 0.1, (other, exited, job.explain())
     assert job.root_cause == 2, job.explain()
     assert "TrainingError: rank 2, phase 'train'" in job.last_line(2), job.explain()
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_a_stalled_follower_is_the_root_cause_within_seconds(tmp_path: Path, nranks: int) -> None:
+    """The last follower stops (SIGSTOP) in a training pass, with the default timeouts: the
+    root finds it unresponsive after heartbeat_timeout (5 s), ends its process, and every
+    other rank leaves its collective at once; torchrun names the stalled rank as the root
+    cause, and the job ends well within 10 s of the stall (not at Timeouts.collective)."""
+    stalled = nranks - 1
+    job = run_job(tmp_path, "--fault", "stop", "--fault-rank", str(stalled), nranks=nranks)
+    report(f"SIGSTOP of rank {stalled} of {nranks}", job)
+    assert job.root_cause == stalled, job.explain()
+    assert job.exitcodes[stalled] == SIGKILLED, job.explain()
+    assert job.after_fault is not None and job.after_fault < 10, job.explain()
+    assert f"PeerUnresponsive: rank {stalled}, phase 'train'" in job.stderr[0], job.explain()
 
 
 def test_a_non_finite_loss_names_the_rank_it_came_from(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ A 2-rank classifier trained with ``lampdist.train``: step windows, a metric, ear
 and checkpoints. The end of the script is the README's pattern, word for word. Faults:
 
 - ``kill``: the fault rank SIGKILLs itself in epoch 1's training pass;
+- ``stop``: the fault rank SIGSTOPs itself there (it stalls with its connections open);
 - ``nan``: the fault rank's loss is NaN in epoch 1;
 - ``bad-shape``: the fault rank's batches of epoch 1 have a column too many;
 - ``secret``: the fault rank uses another secret (the root refuses it in the handshake);
@@ -90,6 +91,9 @@ async def main() -> None:
             if args.fault == "kill":
                 mark(args.out, "fault.json")
                 os.kill(os.getpid(), signal.SIGKILL)
+            if args.fault == "stop":
+                mark(args.out, "fault.json")
+                os.kill(os.getpid(), signal.SIGSTOP)
             if args.fault == "nan":
                 mark(args.out, "fault.json")
                 return value * float("nan")

@@ -388,7 +388,7 @@ class _Follower:
             try:
                 command = await self._next(commands)
             except PeerDisconnected as exc:
-                raise type(exc)(exc.message, rank=0, phase=tracker.current) from None
+                raise type(exc)(exc.message, rank=exc.rank, phase=tracker.current) from None
             if command.kind is CommandKind.STOP:
                 if command.error is not None:
                     raise RankFailed(command.error, rank=0, phase="stop")

@@ -21,8 +21,7 @@ import traceback
 from collections.abc import Callable
 from contextlib import nullcontext
 from datetime import timedelta
-from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -39,7 +38,6 @@ from ._backends import (
     Setup,
     make_gloo,
     make_nccl,
-    post_notice,
     read_notice,
     span,
     translate,
@@ -48,6 +46,7 @@ from ._backends import describe as _describe
 from ._bridge import Failure, PendingCollective, on_event_loop_thread
 from ._process import end_if_local, identity
 from ._sockets import TransportSockets, noting_sockets
+from ._store_link import StoreLink
 from ._tether import GOODBYE, Tether
 from ._trail import ANSWER_WAIT, Trail, account, answer, ask, asked
 
@@ -55,7 +54,6 @@ __all__ = ["Group", "Issue"]
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
 # Enqueues the collective's works on the process group, appending each to the list.
 Issue = Callable[[Any, list[Any]], None]
@@ -64,12 +62,13 @@ _TEARDOWN: Phase = "clique teardown"
 # Store operations after setup (abort notices, trails): small, so a short deadline, which
 # bounds how long an abort waits on a store whose host stalled (the root's process).
 _STORE_OP_TIMEOUT = timedelta(seconds=2)
-# How long a failure path waits for one store operation (see Group._bounded).
-_STORE_WAIT = 1.0
 # How long the teardown waits for the watcher thread, which may be inside a store operation
 # on a stalled store (it is a daemon: left behind, it ends with its socket).
 _WATCHER_JOIN = 2.0
 _WATCHER_NAME = "lampdist-clique-watch"
+# How long rank 0, leaving cleanly, waits for the followers to release their cliques before
+# it closes (and its rendezvous the store) behind them (see Tether.await_goodbyes).
+_GOODBYE_WAIT = 2.0
 _WATCH_INTERVAL = 0.05  # how often the watcher polls the store for an abort notice
 # How long explain() waits for the watcher to learn of a peer's death or abort notice: a few
 # of its polls (only on the failure path of a collective run outside the clique).
@@ -98,6 +97,8 @@ class Group:
     _store: Any = attrs.field(alias="store", repr=False)
     _keys: Any = attrs.field(alias="keys", repr=False)
     _tether: Tether = attrs.field(alias="tether", repr=False)
+    _link: StoreLink = attrs.field(alias="link", repr=False)
+    """The store as the failure paths reach it (see ``_store_link``)."""
     owns_default: bool = attrs.field(default=False, repr=False)
     """Whether this clique opened torch's default process group (and destroys it)."""
     _sockets: TransportSockets = attrs.field(factory=TransportSockets, alias="sockets", repr=False)
@@ -116,9 +117,8 @@ class Group:
     _wake_reader: socket.socket | None = attrs.field(default=None, init=False, repr=False)
     _wake_writer: socket.socket | None = attrs.field(default=None, init=False, repr=False)
     _goodbye: bool = attrs.field(default=False, init=False, repr=False)
-    _notice_posted: bool = attrs.field(default=False, init=False, repr=False)
-    # Set once the store did not answer within _STORE_WAIT (see _bounded).
-    _store_stalled: bool = attrs.field(default=False, init=False, repr=False)
+    # The peers whose tether said goodbye (the watcher thread's, read after it is joined).
+    _gone_cleanly: set[int] = attrs.field(factory=set, init=False, repr=False)
     # Whether collectives started on an event loop thread go to the issuing thread (NCCL).
     _hand_off: bool = attrs.field(default=False, init=False, repr=False)
     # Set once a collective went to the issuing thread: every later one follows it there.
@@ -241,6 +241,7 @@ class Group:
                 tether=tether,
                 owns_default=default_group,
                 sockets=noted[0] if noted else TransportSockets(),
+                link=StoreLink(rank, keys, (clique_id.host, clique_id.port)),
             )
         except BaseException as exc:
             if default_group and dist.is_initialized() and not isinstance(exc, _Occupied):
@@ -405,7 +406,7 @@ class Group:
         if isinstance(exc, LampdistError):
             return kind, message
         # A peer that leaves abnormally posts its notice before its sockets close: name it.
-        notice = self._read_notice()
+        notice = self._link.read_notice()
         if notice is not None and notice[0] != str(self.rank):
             return CollectiveFailed, f"{phase} failed: rank {notice[0]} left the clique: " + (
                 f"{notice[1]} ({message.removeprefix(f'{phase} failed: ')})"
@@ -459,7 +460,7 @@ class Group:
         if failure is not None:
             kind, message = failure
             return self._account((kind, f"{message} ({type(exc).__name__}: {exc})"))
-        notice = self._read_notice()
+        notice = self._link.read_notice()
         if notice is not None and notice[0] != str(self.rank):
             return CollectiveFailed, (
                 f"{phase} failed: rank {notice[0]} left the clique: {notice[1]} "
@@ -474,35 +475,6 @@ class Group:
             return self._account((kind, message))
         return None
 
-    def _read_notice(self) -> tuple[str, str] | None:
-        """A peer's abort notice, or ``None`` when there is none or the store is gone (or
-        stalled: see :meth:`_bounded`)."""
-        return self._bounded(read_notice, None)
-
-    def _bounded(self, operation: Callable[[Any], T], default: T) -> T:
-        """``operation(keys)`` on the clique's store from a failure path, within
-        :data:`_STORE_WAIT` seconds; ``default`` when the store is gone, fails, or does not
-        answer in time. A store that did not answer once (its host's process stalled: it is
-        the root's) is not asked again, and the thread left waiting on it is a daemon."""
-        keys = self._keys
-        if keys is None or self._store_stalled:
-            return default
-        outcome: list[T] = []
-
-        def call() -> None:
-            try:
-                outcome.append(operation(keys))
-            except Exception as exc:
-                logger.debug("rank %d: the clique's store failed: %s", self.rank, exc)
-
-        thread = threading.Thread(target=call, daemon=True, name=f"lampdist-store-{self.rank}")
-        thread.start()
-        thread.join(_STORE_WAIT)
-        if thread.is_alive():
-            self._store_stalled = True
-            logger.debug("rank %d: the clique's store does not answer", self.rank)
-        return outcome[0] if outcome else default
-
     # -- peers that die or abort ----------------------------------------------------------
 
     def _watch(self) -> None:
@@ -516,7 +488,7 @@ class Group:
             for peer, sock in self._tether.sockets.items():
                 sock.setblocking(False)
                 selector.register(sock, selectors.EVENT_READ, peer)
-            gone_cleanly: set[int] = set()
+            gone_cleanly = self._gone_cleanly
             check_store = True
             answered: int | None = 0  # the peers' last request for this rank's trail answered
             while True:
@@ -543,21 +515,27 @@ class Group:
                         selector.unregister(sock)
                         if peer not in gone_cleanly:
                             # A peer that aborted posted why before it closed: say that.
-                            notice = self._read_notice() if check_store else None
+                            notice = self._link.read_notice() if check_store else None
                             if notice is not None and notice[0] != str(self.rank):
                                 self._break(
                                     f"rank {notice[0]} left the clique: {notice[1]}", relay=False
                                 )
                                 return
+                            # Rank 0 tells the others; a follower sees only rank 0's
+                            # death, which every other rank sees for itself.
                             self._break(
                                 f"rank {peer} is gone: its process died or it left the "
                                 "clique without closing it",
-                                relay=True,
+                                relay=self.rank == 0,
                             )
                             return
+                if self._link.lost:  # found gone (or stalled) on a failure path
+                    answered, check_store = None, False
+                if (answered is not None or check_store) and selector.select(0):
+                    continue  # news from a peer came meanwhile: read it before the store
                 if answered is not None:
                     answered = self._answer(answered)
-                if check_store:
+                if check_store and not self._link.lost:
                     check_store = self._check_notice()
                     if self._failure is not None and self._pg is None:
                         return
@@ -574,6 +552,7 @@ class Group:
                     trail = self.trail.snapshot()
                 answer(self._keys, self.rank, request, trail)
         except Exception as exc:  # the store is gone: nobody can ask any more
+            self._link.lost = True
             logger.debug("rank %d: stop answering for the trail: %s", self.rank, exc)
             return None
         return request
@@ -583,6 +562,7 @@ class Group:
         try:
             notice = read_notice(self._keys)
         except Exception as exc:  # the store is gone: the tether still watches the peers
+            self._link.lost = True
             logger.debug("rank %d: stop watching the store: %s", self.rank, exc)
             return False
         if notice is None:
@@ -596,7 +576,7 @@ class Group:
         """A peer died or aborted: fail everything here, tell the others, drop the group."""
         self._fail((CollectiveFailed, message))
         if relay:
-            self._post_notice(message)
+            self._link.post_notice(message)
         self._abort_nccl()
         self._end_connections()
         with self._pg_lock:
@@ -637,18 +617,9 @@ class Group:
 
     def _announce_abort(self, reason: str) -> None:
         self._fail((CollectiveFailed, f"the clique was torn down on rank {self.rank}: {reason}"))
-        self._post_notice(reason)
+        self._link.post_notice(reason)
         self._abort_nccl()
         self._end_connections()
-
-    def _post_notice(self, reason: str) -> None:
-        """Post this rank's abort notice once: the first reason is the cause, and a store
-        whose host stalled costs each attempt ``_STORE_OP_TIMEOUT``."""
-        with self._lock:
-            if self._notice_posted:
-                return
-            self._notice_posted = True
-        self._bounded(partial(post_notice, rank=self.rank, reason=reason), None)
 
     def _end_connections(self) -> None:
         """Gloo: shut this rank's connections down, so that its collectives in flight fail at
@@ -760,7 +731,7 @@ class Group:
         for thread in self._threads:
             watcher = thread.name.startswith(_WATCHER_NAME)
             # Not at all once the store stalled: the watcher may be waiting on it.
-            thread.join((0.0 if self._store_stalled else _WATCHER_JOIN) if watcher else None)
+            thread.join((0.0 if self._link.lost else _WATCHER_JOIN) if watcher else None)
             if thread.is_alive():  # inside a store operation on a stalled store
                 logger.debug("rank %d: left the watcher thread to end by itself", self.rank)
         self._threads.clear()
@@ -789,12 +760,14 @@ class Group:
                 dist.destroy_process_group()
             except Exception:
                 logger.exception("rank %d: destroying the default process group failed", self.rank)
+        if self._goodbye and self.rank == 0:
+            self._tether.await_goodbyes(self._gone_cleanly, _GOODBYE_WAIT)
         self._tether.close(goodbye=self._goodbye)
         for end in (self._wake_reader, self._wake_writer):
             if end is not None:
                 end.close()
         self._wake_reader = self._wake_writer = None
-        self._keys = self._store = None
+        self._keys = self._store = self._link.keys = None
         if not self._goodbye:
             # Every reference above is dropped by reference counting; after a failure, also
             # collect the cycles that tracebacks form, in case one of them reaches a work.

@@ -14,8 +14,10 @@ import contextlib
 import json
 import logging
 import secrets
+import selectors
 import socket
 import struct
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -131,6 +133,29 @@ class Tether:
                     sock.close()
                 raise
         return cls(sockets=sockets)
+
+    def await_goodbyes(self, said: set[int], limit: float) -> None:
+        """Rank 0, leaving cleanly: wait up to ``limit`` seconds until every follower not in
+        ``said`` has said goodbye or closed its end. A follower says goodbye once its clique
+        is released, so it no longer reads the clique's store, which this rank's rendezvous
+        may close right after (a follower that still polled it would log the store's
+        errors)."""
+        waiting = {peer: sock for peer, sock in self.sockets.items() if peer not in said}
+        deadline = time.monotonic() + limit
+        with selectors.DefaultSelector() as selector:
+            for peer, sock in waiting.items():
+                sock.setblocking(False)
+                selector.register(sock, selectors.EVENT_READ, peer)
+            while waiting and (left := deadline - time.monotonic()) > 0:
+                for key, _ in selector.select(left):
+                    try:
+                        data = waiting[key.data].recv(64)
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        data = b""
+                    if GOODBYE in data or not data:
+                        selector.unregister(waiting.pop(key.data))
 
     def close(self, *, goodbye: bool) -> None:
         """Close every connection, saying goodbye first when leaving cleanly."""

@@ -284,13 +284,13 @@ class FollowerState:
     failure: LampdistError | None = None
     changed: Notifier = attrs.field(factory=Notifier)
 
-    def root_lost(self, reason: str, *, silent: bool = False) -> None:
-        """Record that the root vanished, or with ``silent`` fell silent (ignored after STOP;
-        the first reason sticks)."""
+    def root_lost(self, reason: str, *, silent: bool = False, rank: int = 0) -> None:
+        """Record that the root vanished, or with ``silent`` fell silent (or this follower,
+        ``rank``, did: it was stopped); ignored after STOP; the first reason sticks."""
         if self.stopped or self.failure is not None:
             return
         kind = PeerUnresponsive if silent else PeerDisconnected
-        self.failure = kind(reason, rank=0, phase=self.phase)
+        self.failure = kind(reason, rank=rank, phase=self.phase)
         level = logging.DEBUG if self.reported else logging.WARNING
         logger.log(level, "rank %d: %s", self.rank, self.failure, extra={"rank": self.rank})
         self.changed.notify()

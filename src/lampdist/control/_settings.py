@@ -101,6 +101,19 @@ class Liveness:
     def heard(self) -> None:
         self.last_heard = anyio.current_time()
 
+    def stalled_here(self, since: float) -> str | None:
+        """Why this process itself counts as lost, when a watchdog that went to sleep at
+        ``since`` (``anyio.current_time()``) woke more than ``timeout`` seconds later: the
+        process did not run meanwhile (it was stopped, or starved of CPU), so the peer has
+        given up on it, and its silence is not the peer's fault."""
+        slept = anyio.current_time() - since
+        if slept <= self.timeout:
+            return None
+        return (
+            f"this process did not run for {slept:.1f} s (stopped, or starved of CPU), longer "
+            f"than heartbeat_timeout={self.timeout} s"
+        )
+
     def problem(self) -> str | None:
         """Why the peer counts as lost now, or None."""
         now = anyio.current_time()

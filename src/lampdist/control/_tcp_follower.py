@@ -279,14 +279,14 @@ class TcpFollowerChannel(ChannelLifecycle):
             relay.end()
             self._progress.notify()
 
-    def _lost(self, reason: str, *, silent: bool = False) -> None:
+    def _lost(self, reason: str, *, silent: bool = False, rank: int = 0) -> None:
         if self._clique_id is None and self._join_error is None:
             self._join_error = JoinRejected(
                 f"lost the root before it published the clique id: {reason}",
                 rank=self.rank,
                 phase="join",
             )
-        self._follower.root_lost(reason, silent=silent)
+        self._follower.root_lost(reason, silent=silent, rank=rank)
 
     async def _read(self, framed: FramedStream, relay: CommandRelay, task_group: TaskGroup) -> None:
         try:
@@ -319,7 +319,13 @@ class TcpFollowerChannel(ChannelLifecycle):
         interval, timeout = self._settings.heartbeat_interval, self._settings.heartbeat_timeout
         try:
             while True:
+                since = anyio.current_time()
                 await anyio.sleep(interval)
+                own = self._live.stalled_here(since)
+                if own is not None:  # this rank's own stall: not the root's fault
+                    message = f"{own}: the root has given up on it"
+                    self._lost(message, silent=True, rank=self.rank)
+                    break
                 problem = self._live.problem()
                 if problem is not None:
                     self._lost(f"{problem} on the connection to the root", silent=True)

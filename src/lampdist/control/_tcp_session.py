@@ -174,7 +174,15 @@ class FollowerSession:
     async def _watchdog(self, task_group: TaskGroup) -> None:
         ping = encode_frame(Ping())
         while True:
+            since = anyio.current_time()
             await anyio.sleep(self.settings.heartbeat_interval)
+            own = self._live.stalled_here(since)
+            if own is not None:  # the root's own stall: no follower's fault
+                phase = self.registry.phase
+                message = f"{own}: its followers have given up on it"
+                self._end(PeerUnresponsive(message, rank=0, phase=phase))
+                task_group.cancel_scope.cancel()
+                return
             problem = self._live.problem()
             if problem is not None:
                 self._end(PeerUnresponsive(problem, rank=self.rank, phase=self.registry.phase))
