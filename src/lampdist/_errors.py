@@ -128,6 +128,18 @@ class LampdistError(Exception):
         return (_rebuild, (type(self), self.message, self.rank, self.phase))
 
 
+def name_rank(error: BaseException, rank: int) -> None:
+    """Name ``rank`` in ``error`` (and the errors of an exception group) wherever no rank is
+    named yet: an error raised below a rank's own code (a checkpoint's storage, say) leaves
+    the rank through the rank's entry point, which knows it."""
+    if isinstance(error, BaseExceptionGroup):
+        for each in error.exceptions:
+            name_rank(each, rank)
+    elif isinstance(error, LampdistError) and error.rank is None:
+        error.rank = rank
+        error.args = (error._render(),)
+
+
 def _rebuild(
     cls: type[LampdistError], message: str, rank: int | None, phase: Phase | None
 ) -> LampdistError:

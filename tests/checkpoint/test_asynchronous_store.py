@@ -82,3 +82,25 @@ async def test_a_store_that_stops_answering_ends_the_run_and_keeps_what_was_comm
     assert url in message
     loaded = checkpoint.load_latest(url)
     assert loaded is not None and loaded.epoch in (1, 2)  # the committed ones, verified
+
+
+async def test_a_store_that_stops_answering_a_synchronous_checkpoint_names_the_rank(
+    own_s3_server: S3Server,
+) -> None:
+    """A synchronous write that the store stops answering ends the run with a
+    CheckpointError naming rank 0 and the phase, as the asynchronous one does."""
+    url = f"s3://{own_s3_server.create_bucket()}/run-{secrets.token_hex(3)}"
+    options = {"timeout": "1s", "connect_timeout": "1s", "max_retries": "1", "retry_timeout": "2"}
+    effect = checkpoint.to_url(url, keep=5, options=options)
+
+    async def pause_at_epoch_2(event: lampdist.PassEvent) -> None:
+        if event.epoch == 2:
+            own_s3_server.pause()
+
+    try:
+        with pytest.raises(lampdist.CheckpointError) as caught:
+            await _train(effect, epochs=8, on_event=pause_at_epoch_2)
+    finally:
+        own_s3_server.resume()
+    assert caught.value.rank == 0 and caught.value.phase == "checkpoint"
+    assert str(caught.value).startswith("rank 0, phase 'checkpoint': ")

@@ -20,6 +20,7 @@ from .._errors import (
     PeerUnresponsive,
     Phase,
     RankFailed,
+    name_rank,
 )
 from ..clique import Clique
 
@@ -31,6 +32,7 @@ __all__ = [
     "end_unresponsive",
     "find_culprit",
     "most_telling",
+    "naming_rank",
     "single_error",
     "watch_peers",
 ]
@@ -132,6 +134,17 @@ DERIVED: tuple[type[BaseException], ...] = (
     CliqueTimeout,
 )
 """Errors that report another failure, most telling first."""
+
+
+@contextmanager
+def naming_rank(rank: int) -> Iterator[None]:
+    """Name ``rank`` in a lampdist error that leaves the block naming no rank (see
+    :func:`lampdist._errors.name_rank`)."""
+    try:
+        yield
+    except BaseException as error:
+        name_rank(error, rank)
+        raise
 
 
 @contextmanager

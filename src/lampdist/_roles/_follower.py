@@ -37,6 +37,7 @@ from ._failures import (
     describe,
     find_culprit,
     most_telling,
+    naming_rank,
     watch_peers,
 )
 from ._rank import RankContext, RunOptions, check_optimizer_factory, check_rank, open_rank
@@ -108,13 +109,14 @@ async def follow(
     """Rank ``rank``'s run as :func:`follow_distributed_training` describes it, for this
     package's entry points: the device resolved, the options built once."""
     check_optimizer_factory(rank, run)
-    async with open_rank(rank, nranks, torch_device, data, run) as context:
-        follower = _Follower(context=context, control=control)
-        send, receive = anyio.create_memory_object_stream[Command](math.inf)
-        with receive:
-            watch = partial(watch_peers, control.watch, context.tracker)
-            async with context.supervised(watch, partial(follower.tell_root, receive)):
-                await follower.run(receive, send)
+    with naming_rank(rank):  # what the checkpoint's storage raises names no rank
+        async with open_rank(rank, nranks, torch_device, data, run) as context:
+            follower = _Follower(context=context, control=control)
+            send, receive = anyio.create_memory_object_stream[Command](math.inf)
+            with receive:
+                watch = partial(watch_peers, control.watch, context.tracker)
+                async with context.supervised(watch, partial(follower.tell_root, receive)):
+                    await follower.run(receive, send)
 
 
 async def _report(control: FollowerChannel, phase: Phase, error: BaseException) -> None:

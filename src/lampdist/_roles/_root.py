@@ -39,6 +39,7 @@ from ._failures import (
     end_unresponsive,
     find_culprit,
     most_telling,
+    naming_rank,
     watch_peers,
 )
 from ._generations import Generations, check_recovery
@@ -155,17 +156,20 @@ async def drive(
             loop.max_epochs,
             extra={"rank": 0},
         )
-    await check_before_training(loop.checkpoint_state, resume)
-    async with open_rank(0, nranks, torch_device, data, run) as context:
-        root = _Root(context=context, control=control, loop=loop, resume=resume, lr_state=lr_state)
-        stopping = context.stopping
-        try:
-            async with context.supervised(root.watch, root.tell_followers):
-                state = await root.run()
-        except Exception as exc:
-            if stopping.ended_it(exc):
-                raise stopping.timeout_error() from exc
-            raise
+    with naming_rank(0):  # what the checkpoint's storage raises names no rank
+        await check_before_training(loop.checkpoint_state, resume)
+        async with open_rank(0, nranks, torch_device, data, run) as context:
+            root = _Root(
+                context=context, control=control, loop=loop, resume=resume, lr_state=lr_state
+            )
+            stopping = context.stopping
+            try:
+                async with context.supervised(root.watch, root.tell_followers):
+                    state = await root.run()
+            except Exception as exc:
+                if stopping.ended_it(exc):
+                    raise stopping.timeout_error() from exc
+                raise
     return state
 
 
