@@ -731,6 +731,28 @@ MUTANTS = [
         tests=(ENDED, FAULTS + "::test_fault[follower stopped (SIGSTOP), 2 ranks]"),
     ),
     Mutant(
+        name="rank-0-leaves-before-its-followers",
+        guarantee="rank 0's store closes only after its followers released their cliques",
+        path="clique/_group.py",
+        old="        if self._goodbye and self.rank == 0:",
+        new="        if False:",
+        tests=(
+            "tests/clique/test_failures.py::"
+            "test_rank_0_leaves_only_after_its_followers_have_released_their_cliques",
+        ),
+    ),
+    Mutant(
+        name="dead-store-asked-again",
+        guarantee="a store found gone or stalled is not asked again (torch logs every failure)",
+        path="clique/_store_link.py",
+        old="        if keys is None or self.lost or not self._listens():",
+        new="        if keys is None:",
+        tests=(
+            "tests/reliability/test_process_faults.py::"
+            "test_a_dead_roots_store_costs_a_follower_one_warning_at_most",
+        ),
+    ),
+    Mutant(
         name="unresponsive-reported-as-disconnected",
         guarantee="a follower found unresponsive is reported as PeerUnresponsive",
         path="_roles/_failures.py",

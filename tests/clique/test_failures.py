@@ -300,3 +300,24 @@ async def test_abort_wakes_a_blocked_waiter_and_tells_the_peers() -> None:
         mine, theirs = await run_ranks(2, body)
     assert "torn down on rank 0: stopped by the test" in mine
     assert "rank 0" in theirs and "stopped by the test" in theirs
+
+
+async def test_rank_0_leaves_only_after_its_followers_have_released_their_cliques() -> None:
+    """Leaving cleanly, rank 0 waits for every follower's goodbye before its clique (and the
+    rendezvous store after it) closes: no follower's watcher asks a store that has gone."""
+    left: dict[int, float] = {}
+    closed: dict[int, float] = {}
+
+    async def rank(clique_id: CliqueId, index: int) -> None:
+        async with open_rank(clique_id, index, "cpu") as clique:
+            await clique.barrier()
+            if index == 1:
+                await anyio.sleep(0.5)  # the fault: a follower slow to leave
+            left[index] = time.monotonic()
+        closed[index] = time.monotonic()
+
+    with anyio.fail_after(15):
+        async with serve_rendezvous(nranks=2) as clique_id, anyio.create_task_group() as group:
+            for index in range(2):
+                group.start_soon(rank, clique_id, index)
+    assert closed[0] >= left[1], (closed, left)

@@ -462,3 +462,33 @@ def resume_with_processes(case: Case, tmp_path: Path, want: dict[str, torch.Tens
 )
 async def test_fault(case: Case, tmp_path: Path) -> None:
     await check_case(case, tmp_path)
+
+
+C10D_WARNING = "[c10d]"
+"""How torch's C++ side starts a warning line (each followed by C++ frames)."""
+
+
+def test_a_finished_run_leaves_no_store_warning_in_any_log(tmp_path: Path) -> None:
+    """Three ranks finish a run: every rank exits 0, and no rank's stderr holds a warning of
+    the clique's store (the root waits for its followers' goodbyes before its store closes,
+    so no follower's watcher asks a closed store)."""
+    with cluster(tmp_path) as run:
+        run.start(3, dict.fromkeys(range(1, 3), FOLLOWERS))
+        run.wait(60)
+        for rank, handle in run.ranks.items():
+            stderr = handle.stderr_text()
+            assert handle.code == 0, f"rank {rank}:\n{stderr}"
+            assert C10D_WARNING not in stderr, f"rank {rank}:\n{stderr}"
+
+
+def test_a_dead_roots_store_costs_a_follower_one_warning_at_most(tmp_path: Path) -> None:
+    """The root is killed in training: each follower ends naming it, its stderr holding at
+    most one failed store call (one call in flight as the root died: torch writes two warning
+    lines for it at most), not one per poll and abort."""
+    with cluster(tmp_path) as run:
+        run.start(3, {0: ["--fault", "kill@train:1"], **dict.fromkeys(range(1, 3), FOLLOWERS)})
+        run.wait(40)
+        for rank in (1, 2):
+            stderr = run.ranks[rank].stderr_text()
+            assert run.ranks[rank].code == FAILED, f"rank {rank}:\n{stderr}"
+            assert stderr.count(C10D_WARNING) <= 2, f"rank {rank}:\n{stderr}"
