@@ -728,7 +728,10 @@ MUTANTS = [
         path="_roles/_failures.py",
         old="    if clique is None or not isinstance(error, PeerUnresponsive) or not error.rank:",
         new="    if True:",
-        tests=(ENDED, FAULTS + "::test_fault[follower stopped (SIGSTOP), 2 ranks]"),
+        tests=(
+            ENDED,
+            FAULTS + "::test_fault[follower stopped (SIGSTOP), 2 ranks, heartbeat_timeout 2 s]",
+        ),
     ),
     Mutant(
         name="rank-0-leaves-before-its-followers",
@@ -758,7 +761,9 @@ MUTANTS = [
         path="_roles/_failures.py",
         old="        raise type(exc)(exc.message, rank=exc.rank, phase=tracker.current) from None",
         new="        raise PeerDisconnected(exc.message, rank=exc.rank, phase=tracker.current)",
-        tests=(FAULTS + "::test_fault[follower stopped (SIGSTOP), 2 ranks]",),
+        tests=(
+            FAULTS + "::test_fault[follower stopped (SIGSTOP), 2 ranks, heartbeat_timeout 2 s]",
+        ),
     ),
     Mutant(
         name="survivor-ignores-the-roots-hold",

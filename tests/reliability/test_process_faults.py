@@ -220,6 +220,18 @@ CASES = [
         args={1: ["--fault", "stop@train:1"]},
         codes={0: FAILED, 1: KILLED},
         errors={0: r"^PeerUnresponsive: rank 1, phase 'train': no heartbeat for"},
+    ),
+    Case(  # the same with a short heartbeat, in the quick suite
+        name="follower stopped (SIGSTOP), 2 ranks, heartbeat_timeout 2 s",
+        nranks=2,
+        faulty=1,
+        args={
+            0: ["--heartbeat-timeout", "2"],
+            1: ["--fault", "stop@train:1", "--heartbeat-timeout", "2"],
+        },
+        codes={0: FAILED, 1: KILLED},
+        errors={0: r"^PeerUnresponsive: rank 1, phase 'train': no heartbeat for"},
+        deadline=2 + 5,
         slow=False,
     ),
     Case(
@@ -238,8 +250,9 @@ CASES = [
         nranks=3,
         faulty=2,
         args={
-            0: ["--keep-unresponsive"],
-            2: ["--fault", "stop@train:1", "--keep-unresponsive"],
+            0: ["--keep-unresponsive", "--heartbeat-timeout", "2"],
+            1: ["--heartbeat-timeout", "2"],
+            2: ["--fault", "stop@train:1", "--keep-unresponsive", "--heartbeat-timeout", "2"],
         },
         codes={0: FAILED, 1: FAILED, 2: FAILED},
         errors={
@@ -248,7 +261,8 @@ CASES = [
             # awake again, it knows that it stalled, and says so at once
             2: r"^PeerUnresponsive: rank 2, phase 'train': this process did not run for",
         },
-        faulty_deadline=HEARTBEAT_TIMEOUT + 10,
+        deadline=2 + 5,
+        faulty_deadline=2 + 10,
         then=lambda run: continue_after_the_others(run, 2),
         slow=False,
     ),

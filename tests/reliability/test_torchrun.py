@@ -236,7 +236,7 @@ def test_with_three_ranks_the_failed_follower_is_still_the_root_cause(tmp_path: 
     assert "TrainingError: rank 2, phase 'train'" in job.last_line(2), job.explain()
 
 
-@pytest.mark.parametrize("nranks", [2, 3])
+@pytest.mark.parametrize("nranks", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_a_stalled_follower_is_the_root_cause_within_seconds(tmp_path: Path, nranks: int) -> None:
     """The last follower stops (SIGSTOP) in a training pass, with the default timeouts: the
     root finds it unresponsive after heartbeat_timeout (5 s), ends its process, and every
