@@ -49,7 +49,7 @@ from ._progress import Progress, ProgressFields
 from ._result import CheckpointParts, PassResult
 from ._stream import StreamPosition
 from ._tally import ReadBack, Tally
-from ._telemetry import ROW, PassTelemetry, splits, straggler, tokens
+from ._telemetry import ROW, PassTelemetry, Stragglers, splits, tokens
 
 __all__ = ["StepKernel"]
 
@@ -70,6 +70,8 @@ class StepKernel:
     model: SupervisedModel
     design: Design
     _read_back: ReadBack | None = attrs.field(default=None, init=False)
+    _stragglers: Stragglers = attrs.field(init=False)
+    """The root's account of stragglers over the passes."""
     position: StreamPosition | None = attrs.field(default=None, init=False)
     """With ``steps_per_epoch``: the rank's place in its training stream after the last
     window (what a checkpoint stores)."""
@@ -91,6 +93,7 @@ class StepKernel:
 
     def __attrs_post_init__(self) -> None:
         self.design.connect(self.clique)
+        self._stragglers = Stragglers(every_rank_steps=self.design.followers_step)
         given = self.model.flops_per_example
         if self.is_root:
             self._count_flops = given == "count"
@@ -312,7 +315,7 @@ class StepKernel:
         norms = None if stepper is None else stepper.take_norms()
         if self.is_root:
             split = splits(rows, measured=options.step_split)
-            message = straggler(split)
+            message = self._stragglers.judge(split)
             if message is not None:
                 logger.warning("epoch %d: %s", epoch, message, extra={"rank": self.rank})
             if progress is not None and last is not None:
