@@ -12,7 +12,7 @@ import lampdist
 ROOT = Path(lampdist.__file__).parent
 
 LAYERS = [
-    {"_errors", "_version", "_defaults"},
+    {"_errors", "_version", "_defaults", "_words", "_early_signals"},
     {
         "_clique_id",
         "_wakeup",

@@ -6,6 +6,7 @@ from .._errors import Interrupted as Interrupted
 from ._follower import follow_distributed_training as follow_distributed_training
 from ._local import local_data_parallel_training_loop as local_data_parallel_training_loop
 from ._root import drive_distributed_training as drive_distributed_training
+from ._train import handling_signals as handling_signals
 from ._train import run_until_signal as run_until_signal
 from ._train import train as train
 
@@ -14,6 +15,7 @@ __all__ = [
     "OptimizerFactory",
     "drive_distributed_training",
     "follow_distributed_training",
+    "handling_signals",
     "local_data_parallel_training_loop",
     "run_until_signal",
     "train",

@@ -3,16 +3,19 @@ signal."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import signal
 import ssl
-from collections.abc import Awaitable, Callable
-from functools import partial
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TypeVar, cast
 
 import anyio
 import attrs
+from anyio.abc import TaskStatus
 
+from .._early_signals import STOP_SIGNALS, take_early_signals
 from .._effects import OptimizerFactory
 from .._errors import Interrupted
 from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts
@@ -28,28 +31,51 @@ from ._rank import RunOptions, check_rank
 from ._root import drive
 from ._stopping import abandoned_stop
 
-__all__ = ["Interrupted", "run_until_signal", "train"]
+__all__ = ["Interrupted", "handling_signals", "run_until_signal", "train"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-"""The signals that stop a run gracefully."""
+
+@attrs.define(eq=False)
+class Guard:
+    """One stretch of work under the signals (:meth:`_Signals.guarded`): while
+    :attr:`starting`, a first signal cancels it at once; once :meth:`ready`, a first signal
+    only sets ``stop`` (the work stops in order) and a second cancels it."""
+
+    scope: anyio.CancelScope = attrs.field(factory=anyio.CancelScope)
+    starting: bool = True
+
+    def ready(self) -> None:
+        """The start is over: from now on a first signal stops the work in order."""
+        self.starting = False
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether a signal cancelled the work."""
+        return self.scope.cancel_called
 
 
 @attrs.define(eq=False)
 class _Signals:
-    """What the signals did: the first sets ``stop`` (a graceful stop), a second cancels."""
+    """What the signals did: the first sets ``stop`` (a graceful stop) and cancels the
+    innermost guarded work that is still starting; a second cancels the innermost guarded
+    work whatever it does."""
 
+    rank: int | None = None
     stop: anyio.Event = attrs.field(factory=anyio.Event)
     received: list[int] = attrs.field(factory=list)
+    _guards: list[Guard] = attrs.field(factory=list)
 
-    async def watch(self, scope: anyio.CancelScope) -> None:
+    async def watch(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Handle the signals from the moment this task has started (``await tg.start``)."""
         with anyio.open_signal_receiver(*STOP_SIGNALS) as signals:
+            task_status.started()
             async for signum in signals:
                 name = signal.Signals(signum).name
                 self.received.append(signum)
+                innermost = self._guards[-1] if self._guards else None
                 if len(self.received) == 1:
                     logger.warning(
                         "received %s: stopping after the epoch in progress, or at once before "
@@ -57,10 +83,60 @@ class _Signals:
                         name,
                     )
                     self.stop.set()
+                    if innermost is not None and innermost.starting:
+                        innermost.scope.cancel()
                 else:
                     logger.warning("received %s again: stopping at once", name)
-                    scope.cancel()
-                    return
+                    if innermost is not None:
+                        innermost.scope.cancel()
+
+    @contextlib.contextmanager
+    def guarded(self) -> Iterator[Guard]:
+        """Work that the signals may cancel (see :class:`Guard`); it starts cancelled when
+        a signal came before it."""
+        guard = Guard()
+        self._guards.append(guard)
+        try:
+            with guard.scope:
+                if self.received:
+                    guard.scope.cancel()
+                yield guard
+        finally:
+            self._guards.remove(guard)
+
+    def interrupted(self) -> Interrupted:
+        """The :class:`Interrupted` of the first signal."""
+        return _interrupted(self.received[0], self.rank)
+
+
+_HANDLING: contextvars.ContextVar[_Signals | None] = contextvars.ContextVar(
+    "lampdist_signals", default=None
+)
+"""The signals handled around the current task, if any: an entry point inside a command that
+handles them (the CLI) shares its handling rather than install a second one."""
+
+
+@contextlib.asynccontextmanager
+async def handling_signals(rank: int | None) -> AsyncIterator[_Signals]:
+    """SIGTERM and SIGINT handled from now on, until the block ends (the handling around the
+    caller, when there is one)."""
+    current = _HANDLING.get()
+    if current is not None:
+        yield current
+        return
+    signals = _Signals(rank=rank, received=take_early_signals())
+    if signals.received:  # before the handling began: acted on at once
+        signals.stop.set()
+    with single_error():  # the block's error, not a group around it
+        async with anyio.create_task_group() as group:
+            await group.start(signals.watch)
+            logger.debug("rank %s: SIGTERM and SIGINT stop the run from now on", rank)
+            token = _HANDLING.set(signals)
+            try:
+                yield signals
+            finally:
+                _HANDLING.reset(token)
+                group.cancel_scope.cancel()
 
 
 async def run_until_signal(
@@ -71,12 +147,12 @@ async def run_until_signal(
 
     Give ``stop`` to the entry point as its ``stop``: the run then ends gracefully (the
     epoch in progress finishes and is checkpointed, the followers stop). The signal handlers
-    are installed while ``work`` runs (call this from the main thread, as the signal APIs
-    require). Raises :class:`Interrupted` after a signal once the work has ended, returning or
-    abandoned by the stop itself (a :class:`~lampdist.LampdistTimeout` in phase ``'stop'``,
-    chained); any other error the work raises is raised as it is, signal or not: a failure
-    that came first (a dead follower, then torchrun's SIGTERM) is the run's outcome, not the
-    stop.
+    are installed before ``work`` starts and until it ends (call this from the main thread,
+    as the signal APIs require). Raises :class:`Interrupted` after a signal once the work has
+    ended, returning or abandoned by the stop itself (a :class:`~lampdist.LampdistTimeout` in
+    phase ``'stop'``, chained); any other error the work raises is raised as it is, signal or
+    not: a failure that came first (a dead follower, then torchrun's SIGTERM) is the run's
+    outcome, not the stop.
     """
     return await _run_until_signal(work, rank=rank, done_is_interrupted=True)
 
@@ -86,23 +162,36 @@ async def _run_until_signal(
 ) -> T:
     """:func:`run_until_signal`; with ``done_is_interrupted=False`` a ``work`` that still
     ends normally after a signal (a follower that the root's STOP ended) returns its result."""
-    signals = _Signals()
+
+    async def ready_at_once(stop: anyio.Event, guard: Guard) -> T:
+        guard.ready()
+        return await work(stop)
+
+    async with handling_signals(rank) as signals:
+        return await _until_signal(signals, ready_at_once, done_is_interrupted=done_is_interrupted)
+
+
+async def _until_signal(
+    signals: _Signals,
+    work: Callable[[anyio.Event, Guard], Awaitable[T]],
+    *,
+    done_is_interrupted: bool,
+) -> T:
+    """``work(signals.stop, guard)`` under ``signals`` (see :func:`_run_until_signal`); the
+    work calls ``guard.ready()`` once its start is over."""
     results: list[T] = []
     try:
-        with single_error():  # the error of ``work``, not a group around it
-            async with anyio.create_task_group() as group:
-                group.start_soon(signals.watch, group.cancel_scope)
-                results.append(await work(signals.stop))
-                group.cancel_scope.cancel()
+        with signals.guarded() as guard, single_error():
+            results.append(await work(signals.stop, guard))
     except Exception as exc:
         if signals.received and abandoned_stop(exc):  # else a failure came first
-            raise _interrupted(signals.received[0], rank) from exc
+            raise signals.interrupted() from exc
         raise  # a failure, whatever signal came after it: the failure is the news
-    if signals.received and (done_is_interrupted or not results):  # none: a second signal
-        raise _interrupted(signals.received[0], rank)
+    if signals.received and (done_is_interrupted or not results):  # none: cancelled
+        raise signals.interrupted()
     if signals.received:
         name = signal.Signals(signals.received[0]).name
-        logger.info("rank %s: the root's STOP ended the run after %s", rank, name)
+        logger.info("rank %s: the root's STOP ended the run after %s", signals.rank, name)
     return results[0]
 
 
@@ -159,7 +248,29 @@ async def train(
     env = launch if launch is not None else from_env()
 
     check_rank(env.rank, env.nranks)
-    await preload()
+    if not stop_on_signals:
+        return await _train(
+            env, data, optimizer_factory, loop, step, timeouts, resume, ssl_context, None
+        )
+    # The signals are handled from the first instant: one during the start ends it at once.
+    async with handling_signals(env.rank) as signals:
+        return await _train(
+            env, data, optimizer_factory, loop, step, timeouts, resume, ssl_context, signals
+        )
+
+
+async def _train(
+    env: LaunchEnv,
+    data: ModelWithData,
+    optimizer_factory: OptimizerFactory,
+    loop: LoopOptions,
+    step: StepOptions,
+    timeouts: Timeouts,
+    resume: Resumed | None,
+    ssl_context: ssl.SSLContext | None,
+    signals: _Signals | None,
+) -> LoopState | None:
+    """:func:`train`'s work, with ``signals`` handled when given."""
     # A root alone gets the in-process clique of one rank that drive() picks for cliques=None.
     run_options = RunOptions(
         optimizer_factory, step, timeouts, None, ProcessGroups(env.host) if env.nranks > 1 else None
@@ -173,28 +284,29 @@ async def train(
         run = attrs.evolve(run_options, stop=stop)
         await follow(env.rank, env.nranks, env.device, control, data, run)
 
-    async def run(work: Callable[[anyio.Event | None], Awaitable[T]]) -> T:
-        # Only the training stops on a signal, not the channel: the root still tells the
-        # followers why it stops.
-        # A follower that the root's STOP ended after a signal ended in order: the root
-        # reports the interruption (exit codes in docs/reliability.md).
-        if stop_on_signals:
-            return await _run_until_signal(work, rank=env.rank, done_is_interrupted=env.is_root)
-        return await work(None)
-
-    logger.info(
-        "rank %d of %d on %s, root at %s:%s",
-        env.rank,
-        env.nranks,
-        env.device,
-        env.host,
-        env.port or ("a free port given through the launcher's store" if env.port_exchange else 0),
-        extra={"rank": env.rank},
-    )
-    with single_error():
+    async def run(stop: anyio.Event | None, guard: Guard | None) -> LoopState | None:
+        await preload()
+        logger.info(
+            "rank %d of %d on %s, root at %s:%s",
+            env.rank,
+            env.nranks,
+            env.device,
+            env.host,
+            env.port
+            or ("a free port given through the launcher's store" if env.port_exchange else 0),
+            extra={"rank": env.rank},
+        )
         async with env.open_control(ssl_context=ssl_context) as control:
+            if guard is not None:  # a first signal now stops the run in order
+                guard.ready()
             # open_control gives rank 0 the root's side and every other rank a follower's
             if env.is_root:
-                return await run(partial(run_root, cast(RootChannel, control)))
-            await run(partial(run_follower, cast(FollowerChannel, control)))
+                return await run_root(cast(RootChannel, control), stop)
+            await run_follower(cast(FollowerChannel, control), stop)
             return None
+
+    if signals is None:
+        return await run(None, None)
+    # A follower that the root's STOP ended after a signal ended in order: the root reports
+    # the interruption (exit codes in docs/reliability.md).
+    return await _until_signal(signals, run, done_is_interrupted=env.is_root)

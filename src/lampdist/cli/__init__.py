@@ -174,8 +174,19 @@ def _configure_logging(console: Console, *, verbose: bool) -> None:
 
 
 def _demo(args: argparse.Namespace, console: Console) -> int:
+    from .._early_signals import note_signals_early
+
+    # A signal from now on stops the command in order, even while it still imports.
+    restore = note_signals_early()
+    try:
+        return _run_demo(args, console)
+    finally:
+        restore()
+
+
+def _run_demo(args: argparse.Namespace, console: Console) -> int:
     from .._roles import Interrupted
-    from ._demo import DemoOptions, run_demo
+    from ._demo import DemoOptions, run_demo_until_signal
     from ._summary import print_summary
 
     options = DemoOptions(
@@ -195,7 +206,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
         tensorboard=args.tensorboard,
     )
     try:
-        result = anyio.run(run_demo, options, console, os.environ)
+        result = anyio.run(run_demo_until_signal, options, console, os.environ)
     except Interrupted as exc:
         name = signal.Signals(exc.signum).name
         if any((options.out / "checkpoints").glob("epoch-*")):

@@ -23,7 +23,7 @@ from .._errors import ConfigError
 from .._model import SupervisedModel
 from .._monitor import Monitor
 from .._options import LoopOptions, ModelWithData, StepOptions
-from .._roles import local_data_parallel_training_loop, run_until_signal, train
+from .._roles import handling_signals, local_data_parallel_training_loop, run_until_signal, train
 from .._state import LoopState
 from ..checkpoint import Resumed
 from ..launch import LaunchEnv, from_env
@@ -108,6 +108,19 @@ def choose_launch(options: DemoOptions, environ: Mapping[str, str]) -> LaunchEnv
     if launch.device.type != "cuda":
         raise ConfigError("--device cuda, but CUDA is not available", phase="demo")
     return launch
+
+
+async def run_demo_until_signal(
+    options: DemoOptions, console: Console, environ: Mapping[str, str] | None = None
+) -> DemoResult | None:
+    """:func:`run_demo` with SIGTERM and SIGINT handled from the command's first instant: one
+    before training (loading the data, importing, joining) ends the command at once with
+    :class:`~lampdist._roles.Interrupted`; during training, the run stops in order."""
+    async with handling_signals(None) as signals:
+        with signals.guarded():  # starting until train() takes the signals over
+            return await run_demo(options, console, environ)
+        raise signals.interrupted()  # cancelled by a signal, out of train()
+    raise AssertionError("unreachable: the guard returns or raises")
 
 
 async def run_demo(
