@@ -44,6 +44,12 @@ def sgd(parameters: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(parameters, lr=0.05, momentum=0.9)
 
 
+async def report(event: lampdist.PassEvent) -> None:
+    """The root's progress, one line per training pass, on stderr."""
+    if event.kind == "train" and event.done:
+        print(f"epoch {event.epoch}: training loss {event.loss:.5f}", file=sys.stderr, flush=True)
+
+
 async def main(epochs: int) -> None:
     env = lampdist.launch.from_env()
     torch.manual_seed(env.rank)  # any start: the root's weights reach every rank first
@@ -58,7 +64,7 @@ async def main(epochs: int) -> None:
         ),
         launch=env,
         optimizer_factory=sgd,
-        loop=lampdist.LoopOptions(max_epochs=epochs),
+        loop=lampdist.LoopOptions(max_epochs=epochs, on_event=report),
     )
     checksum = sum(float(p.detach().double().sum()) for p in module.parameters())
     result: dict[str, object] = {"rank": env.rank, "checksum": checksum}

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import ModuleType
@@ -145,6 +147,75 @@ async def test_job_service_stops_a_job_after_its_epoch(service: ModuleType) -> N
             assert passes[-2:] == [(last_epoch, "train"), (last_epoch, "valid")]
             assert last_epoch < 100_000 - 1
             assert (await client.post("/jobs/99/stop")).status_code == 404
+
+
+async def _stop_and_read(client: httpx.AsyncClient, job: int) -> list[dict[str, Any]]:
+    """Stop ``job`` (the answer comes once every rank stopped): its events, checked to end
+    ``stopped``, with no error and every epoch whole."""
+    stopped = (await client.post(f"/jobs/{job}/stop")).json()
+    assert (stopped["status"], stopped["error"]) == ("stopped", None), stopped
+    lines = [
+        json.loads(line) for line in (await client.get(f"/jobs/{job}/events")).text.splitlines()
+    ]
+    assert lines[-1] == {"status": "stopped"}, lines[-3:]
+    passes = _passes(lines)
+    assert passes == _every_pass(len(passes) // 2), passes  # the epoch in progress ended whole
+    return lines
+
+
+async def test_job_service_stops_a_job_stopped_whenever_the_stop_comes(
+    service: ModuleType,
+) -> None:
+    """A stop before training (the ranks joining, opening their clique, agreeing: nothing to
+    finish, the run is abandoned at once) ends the job ``stopped`` as one in training does,
+    not ``failed``. The stops come at a spread of moments: before the job's task has run,
+    after a growing number of the event loop's turns, and after the first pass; each one
+    must end ``stopped``, and at least one came before training and one in it."""
+    app, client = await _client_for(service)
+    trained: list[int] = []
+    with anyio.fail_after(120):
+        async with app.router.lifespan_context(app), client:
+            for turns in (0, 1, 3, 10, 30, 100, 300, None):  # None: after the first pass
+                job = (await client.post("/jobs", json={"epochs": 100_000})).json()["id"]
+                if turns is None:
+                    await _running(client, job)
+                for _ in range(turns or 0):
+                    await anyio.lowlevel.checkpoint()
+                trained.append(len(_passes(await _stop_and_read(client, job))))
+    assert trained[0] == 0 and trained[-1] > 0, trained
+
+
+async def test_job_service_stops_a_job_with_followers_stopped_whenever_the_stop_comes(
+    service: ModuleType, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As above with a follower process: a stop before the process has started, while it
+    starts (the root waits for it to join), once it has joined (the root opens the clique or
+    agrees), and in training. The job ends ``stopped`` each time, its follower ended and
+    waited for, and not started again."""
+    caplog.set_level(logging.INFO, logger="lampdist.control")
+
+    def joined() -> bool:  # the root's record of the follower's join
+        return any(r.getMessage() == "rank 1 joined the control channel" for r in caplog.records)
+
+    app, client = await _client_for(service)
+    with anyio.fail_after(240):
+        async with app.router.lifespan_context(app), client:
+            for moment in ("at once", "started", "joined", "trained"):
+                caplog.clear()
+                job = (await client.post("/jobs", json={"epochs": 100_000, "followers": 1})).json()
+                if moment == "started":
+                    while not (await client.get(f"/jobs/{job['id']}")).json()["pids"]:
+                        await anyio.sleep(0.01)
+                if moment == "joined":
+                    while not joined():  # noqa: ASYNC110
+                        await anyio.sleep(0.01)
+                if moment == "trained":
+                    await _running(client, job["id"])
+                lines = await _stop_and_read(client, job["id"])
+                assert (len(_passes(lines)) > 0) == (moment == "trained"), (moment, lines)
+                summary = (await client.get(f"/jobs/{job['id']}")).json()
+                assert summary["restarts"] == 0, (moment, summary, lines)
+                assert all(_gone(pid) for pid in summary["pids"].values()), (moment, summary)
 
 
 def _passes(lines: list[dict[str, Any]]) -> list[tuple[int, str]]:
@@ -282,10 +353,18 @@ def test_torchrun_script_stops_in_order_on_ctrl_c(tmp_path: Path) -> None:
                     process_group=ranks[0].pid if ranks else 0,  # one group, as in a terminal
                 )
             )
-        time.sleep(8)  # imports, join, clique setup, the first epochs
-        assert all(process.poll() is None for process in ranks), "a rank ended early"
+        root_err: list[str] = []
+        reader = threading.Thread(target=_read_into, args=(ranks[0], root_err), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 120
+        while not any("training loss" in line for line in root_err):  # an epoch trained
+            assert all(process.poll() is None for process in ranks), "a rank ended early"
+            assert time.monotonic() < deadline, "no epoch trained within 120 s"
+            time.sleep(0.05)
         os.killpg(ranks[0].pid, signal.SIGINT)
-        errors = [process.communicate(timeout=60)[1] for process in ranks]
+        ranks[0].wait(timeout=60)
+        reader.join(timeout=10)
+        errors = ["".join(root_err), ranks[1].communicate(timeout=60)[1]]
     finally:
         for process in ranks:
             if process.poll() is None:
@@ -295,6 +374,13 @@ def test_torchrun_script_stops_in_order_on_ctrl_c(tmp_path: Path) -> None:
     assert ranks[1].returncode == 0, errors[1]
     assert "Traceback" not in errors[0] + errors[1], errors
     assert errors[0].strip().splitlines()[-1].startswith("Interrupted: rank 0, phase 'stop'")
+
+
+def _read_into(process: subprocess.Popen[str], lines: list[str]) -> None:
+    """Append ``process``'s stderr lines to ``lines`` as they come."""
+    assert process.stderr is not None
+    for line in process.stderr:
+        lines.append(line)
 
 
 def _free_port() -> int:

@@ -358,6 +358,8 @@ async def main(argv: list[str]) -> None:
         liveness = {"heartbeat_interval": args.heartbeat / 4, "heartbeat_timeout": args.heartbeat}
 
     async def on_event(event: lampdist.PassEvent) -> None:
+        if event.kind == "train" and event.done and not (args.out / "trained").exists():
+            (args.out / "trained").touch()  # a training pass done: the tests' "well into"
         # a graceful stop asked for in the middle of a training pass of epoch --stop-in-epoch
         if event.kind == "train" and event.epoch == args.stop_in_epoch and not event.done:
             stop.set()

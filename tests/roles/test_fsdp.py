@@ -558,7 +558,11 @@ def test_a_killed_follower_ends_the_run_naming_it(tmp_path: Path) -> None:
         assert root.stdout is not None
         port = int(root.stdout.readline().split()[1])
         follower = spawn(1, 2, tmp_path, port, "--step-on", "fsdp", "--epochs", "100000")
-        time.sleep(4)  # well into training
+        deadline = time.monotonic() + 120  # a training pass done: well into training
+        while not (tmp_path / "trained").exists():
+            assert root.poll() is None and follower.poll() is None
+            assert time.monotonic() < deadline, "no training pass done within 120 s"
+            time.sleep(0.05)
         assert root.poll() is None and follower.poll() is None
         follower.kill()
         killed = time.monotonic()
