@@ -55,6 +55,7 @@ from ._checkpoint import (
 from ._effects import CheckpointState
 from ._errors import CheckpointError, ConfigError
 from ._state import TrainingState
+from ._words import counted
 
 __all__ = [
     "FORMAT_VERSION",
@@ -70,7 +71,7 @@ _WRITE_TIMEOUT = 600.0
 write still in flight before that write is aborted and the run ends with a CheckpointError."""
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen(kw_only=True, repr=False)
 class Resumed:
     """Where a checkpointed run left off: what :func:`load_latest` returns and every training
     entry point takes as ``resume=``.
@@ -93,6 +94,59 @@ class Resumed:
     def epoch(self) -> int:
         """The next epoch to run."""
         return self.training_state.loop_state.epoch
+
+    def __repr__(self) -> str:
+        # What it holds and how big, not the values: the state dicts and every rank's RNG
+        # states would fill the screen.
+        state = self.training_state
+        parts = [
+            f"path={str(self.path)!r}" if self.path is not None else "path=None",
+            f"epoch={self.epoch}",
+        ]
+        if state.shards is not None:
+            parts.append(f"shards=from {counted(state.shards.nranks, 'rank')}")
+        else:
+            parts.append(f"model={_tensors(state.model_state)}")
+            parts.append(f"optimizer={_tensors(state.optimizer_state)}")
+        if state.best_model_state is not None:
+            parts.append(f"best_model={_tensors(state.best_model_state)}")
+        if state.rank_states is not None:
+            parts.append(f"rank_states=for {counted(len(state.rank_states), 'rank')}")
+        parts.append(f"rng_states={'yes' if self.rng_states is not None else None}")
+        schedule = repr(self.schedule_state)
+        if len(schedule) > 60:
+            schedule = f"{schedule[:57]}..."
+        parts.append(f"schedule_state={schedule}")
+        return f"Resumed({', '.join(parts)})"
+
+
+def _tensors(state: Any) -> str:
+    """``'2 tensors (1.2 MB)'``: the tensors in a (nested) state dict, and their bytes."""
+    import torch
+
+    count, size = 0, 0
+    pending = [state]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, torch.Tensor):
+            count += 1
+            size += value.numel() * value.element_size()
+        elif isinstance(value, Mapping):
+            pending.extend(value.values())
+        elif isinstance(value, list | tuple):
+            pending.extend(value)
+    return f"{counted(count, 'tensor')} ({_bytes(size)})"
+
+
+def _bytes(size: int) -> str:
+    """``size`` bytes for people: ``'36 B'``, ``'1.2 MB'``."""
+    if size < 1000:
+        return f"{size} B"
+    if size < 1e6:
+        return f"{size / 1e3:.1f} kB"
+    if size < 1e9:
+        return f"{size / 1e6:.1f} MB"
+    return f"{size / 1e9:.1f} GB"
 
 
 def to_directory(
@@ -415,12 +469,18 @@ def load_latest(
     )
 
 
-def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path | str:
-    """Write the model of the newest intact checkpoint in ``path`` to ``out`` as one plain
-    ``state_dict`` (``torch.load(out, weights_only=True)`` reads it back; load it into the
-    model for inference), whether every rank wrote its own shards (``step_on="fsdp"``) or
-    the root the whole model. ``out`` appears complete or not at all. Returns the checkpoint
-    it was read from. This call blocks and holds the whole model in host memory.
+def consolidate(
+    path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    options: Mapping[str, str] | None = None,
+) -> Path | str:
+    """Write the model of the newest intact checkpoint in ``path`` (a directory, or an
+    object store URL read with ``options``, as by :func:`load_latest`) to ``out`` as one
+    plain ``state_dict`` (``torch.load(out, weights_only=True)`` reads it back; load it into
+    the model for inference), whether every rank wrote its own shards (``step_on="fsdp"``)
+    or the root the whole model. ``out`` appears complete or not at all. Returns the
+    checkpoint it was read from. This call blocks and holds the whole model in host memory.
 
     Raises CheckpointError when ``path`` holds no checkpoint or none is intact, and the
     errors of :func:`load_latest`.
@@ -429,7 +489,7 @@ def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
 
     from ._checkpoint import local_shards, read_whole
 
-    loaded = load_latest(path, map_location="cpu")
+    loaded = load_latest(path, map_location="cpu", options=options)
     if loaded is None:
         raise CheckpointError(f"{path} holds no checkpoint to consolidate", phase="resume")
     state = loaded.training_state

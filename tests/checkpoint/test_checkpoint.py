@@ -29,7 +29,7 @@ import torch
 
 import lampdist
 from lampdist import CurvePoint, LoopState, TrainingState, checkpoint, schedules
-from lampdist._checkpoint import _torch_io
+from lampdist._checkpoint import ShardedState, _torch_io
 from lampdist._checkpoint._files import HashingWriter, hash_file, write_file
 from lampdist._checkpoint._format import BLOCK_BYTES
 from lampdist._checkpoint._rng import capture_rng_states, restore_rng_states
@@ -325,6 +325,48 @@ async def test_rng_states_come_back_on_request(tmp_path: Path) -> None:
         torch.set_rng_state(saved.torch_cpu)
         random.setstate(saved.python)
         np.random.set_state(saved.numpy)
+
+
+def test_a_resumed_checkpoint_prints_what_it_holds_not_its_values() -> None:
+    rng = capture_rng_states()
+    rank_state = {"position": None, "rng_tensors": {"torch_cpu": rng.torch_cpu}}
+    model = {"weight": torch.zeros(250, 1000), "bias": torch.zeros(1000)}  # 1.004 MB
+    resumed = checkpoint.Resumed(
+        training_state=TrainingState(
+            loop_state=LoopState(epoch=3),
+            model_state=model,
+            optimizer_state={
+                "state": {0: {"momentum_buffer": torch.zeros(3)}, 1: {"step": torch.tensor(2.0)}},
+                "param_groups": [{"lr": 0.1, "params": [0, 1]}],
+            },
+            best_model_state=model,
+            rank_states=(rank_state, rank_state),
+        ),
+        schedule_state={"count": 3, "history": list(range(100))},
+        rng_states=rng,
+        path="runs/a/epoch-000003",
+    )
+    assert repr(resumed) == (
+        "Resumed(path='runs/a/epoch-000003', epoch=3, model=2 tensors (1.0 MB), "
+        "optimizer=2 tensors (16 B), best_model=2 tensors (1.0 MB), rank_states=for 2 ranks, "
+        "rng_states=yes, schedule_state={'count': 3, 'history': [0, 1, 2, 3, 4, 5, 6, 7, 8, "
+        "9, 10...)"
+    )
+    assert str(resumed) == repr(resumed)
+
+    sharded = attrs.evolve(
+        resumed.training_state,
+        model_state={},
+        optimizer_state={},
+        best_model_state=None,
+        rank_states=None,
+        shards=ShardedState(path="runs/a/epoch-000003/shards", nranks=1),
+    )
+    plain = attrs.evolve(resumed, training_state=sharded, rng_states=None, schedule_state=None)
+    assert repr(plain) == (
+        "Resumed(path='runs/a/epoch-000003', epoch=3, shards=from 1 rank, rng_states=None, "
+        "schedule_state=None)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------

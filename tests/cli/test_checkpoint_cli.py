@@ -87,8 +87,9 @@ def test_verify_fails_naming_the_damaged_checkpoint_and_file(
         ["checkpoint", "verify"],
         ["checkpoint", "verify", "no/such/directory"],
         ["checkpoint", "ls", ".", "--option", "no-equals-sign"],
+        ["checkpoint", "consolidate", ".", "model.pt", "-o", "no-equals-sign"],
     ],
-    ids=["no-location", "no-directory", "bad-option"],
+    ids=["no-location", "no-directory", "bad-option", "bad-consolidate-option"],
 )
 def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
@@ -177,6 +178,30 @@ def test_consolidate_reads_the_newest_checkpoint_of_a_url(s3_url: str, tmp_path:
     )
     out = tmp_path / "model.pt"
     assert main(["checkpoint", "consolidate", s3_url, str(out)]) == 0
+    model = torch.load(out, weights_only=True)
+    assert model.keys() == state.model_state.keys()
+    assert all(torch.equal(model[name], state.model_state[name]) for name in model)
+
+
+def test_consolidate_takes_the_store_options_as_ls_and_verify_do(
+    s3_url: str, s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``-o KEY=VALUE`` reaches the store: here the endpoint that no variable names."""
+    import torch
+
+    from lampdist._checkpoint import write_to_store
+
+    state, lr_state = expected_state(2)
+    write_to_store(
+        s3_url, state, lr_state, capture_rng_states(), keep=3, check=lambda: None, options=None
+    )
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    monkeypatch.delenv("AWS_ALLOW_HTTP")
+    options = ["-o", f"endpoint={s3_server.endpoint}", "--option", "allow_http=true"]
+    for action in (["ls", s3_url], ["verify", s3_url]):
+        assert main(["checkpoint", *action, *options]) == 0
+    out = tmp_path / "model.pt"
+    assert main(["checkpoint", "consolidate", s3_url, str(out), *options]) == 0
     model = torch.load(out, weights_only=True)
     assert model.keys() == state.model_state.keys()
     assert all(torch.equal(model[name], state.model_state[name]) for name in model)

@@ -20,10 +20,10 @@ import pytest
 import torch
 from rich.console import Console
 
-from lampdist import ConfigError, PassEvent
+from lampdist import ConfigError, LoopState, PassEvent
 from lampdist._epoch._clock import PARTS
 from lampdist.cli._data import create_model, load_digits
-from lampdist.cli._demo import DemoOptions, choose_launch, run_demo
+from lampdist.cli._demo import DemoOptions, DemoResult, choose_launch, run_demo
 from lampdist.cli._demo import _prepare as prepare
 from lampdist.cli._progress import PassCounter, read_metrics
 from lampdist.cli._summary import summary_lines
@@ -289,6 +289,20 @@ def test_pass_counter_counts_batches_across_passes() -> None:
     assert counter.done == 12
     eta = counter.eta()
     assert eta is not None and eta > 0
+
+
+def test_the_summary_of_one_rank_and_one_epoch_is_singular(tmp_path: Path) -> None:
+    """The summary counts epochs from 1, as the progress does: the run's epoch 0 is "1-1"."""
+    result = DemoResult(
+        state=LoopState(epoch=1),
+        accuracy=0.5,
+        seconds=1.0,
+        nranks=1,
+        device="cpu",
+        out=tmp_path,
+        first_epoch=0,
+    )
+    assert summary_lines(result)[0] == "1 epoch (1-1) on 1 rank (cpu) in 1.0 s"
 
 
 def test_metrics_lines_are_json(tmp_path: Path) -> None:

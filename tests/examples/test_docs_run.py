@@ -4,7 +4,7 @@ The blocks of a page run in order in one namespace, in a scratch directory, on t
 run of one rank (``torchrun``'s variables for ``RANK=0, WORLD_SIZE=1``). What a page leaves to
 the reader is supplied here, and nothing else is changed:
 
-- a name the page uses without defining it (``dataset``, ``my_shard``, ...) comes from the
+- a name the page uses without defining it (``dataset``, ``ranks``, ...) comes from the
   page's ``given`` namespace;
 - ``name=...`` in a call is the page saying "yours": the value comes from ``given[name]``;
 - ``...`` as a positional argument stands for "the other arguments": the call gets the
@@ -186,6 +186,7 @@ def _service(_: Path) -> dict[str, Any]:
         "adam": service.adam,
         "Job": service.Job,
         "JobRunner": service.JobRunner,
+        "ended_by_stop": service.ended_by_stop,
         "Starlette": service.Starlette,
         "AsyncIterator": service.AsyncIterator,
         "asynccontextmanager": service.asynccontextmanager,
@@ -327,6 +328,58 @@ def _big_models_page(directory: Path) -> dict[str, Any]:
     return namespace
 
 
+def _encoder() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True),
+        torch.nn.Linear(8, 1),
+    )
+
+
+async def _start_on_meta(policy: lampdist.FsdpPolicy) -> dict[str, torch.Tensor]:
+    """An :func:`_encoder` built on the meta device, after one fsdp step of rate 0 on one
+    rank: its starting values, whole."""
+    with torch.device("meta"):
+        module = _encoder()
+    generator = torch.Generator().manual_seed(0)
+    batch = (torch.randn(2, 3, 8, generator=generator), torch.randn(2, 3, 1, generator=generator))
+    await lampdist.train(
+        launch=lampdist.launch.LaunchEnv(rank=0, nranks=1),
+        data=lampdist.ModelWithData(
+            model=lampdist.SupervisedModel(module, torch.nn.functional.mse_loss),
+            train_batches=lambda: [batch],
+        ),
+        optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.0),
+        loop=lampdist.LoopOptions(max_epochs=1),
+        step=lampdist.StepOptions(step_on="fsdp", fsdp=policy),
+        stop_on_signals=False,
+    )
+    from torch.distributed.tensor import DTensor
+
+    whole = {}
+    for name, p in module.named_parameters():
+        assert isinstance(p, DTensor), name  # sharded
+        whole[name] = p.full_tensor().detach()
+    return whole
+
+
+async def then_big_models(namespace: dict[str, Any]) -> None:
+    """What the page says of layers without ``reset_parameters()``: a TransformerEncoderLayer
+    built on the meta device fails naming its attention, and with the page's ``policy`` it
+    starts as torch builds it on a device (its zeros and ones where torch has them)."""
+    with pytest.raises(lampdist.ConfigError, match=r"'0\.self_attn' \(MultiheadAttention\)"):
+        await _start_on_meta(lampdist.FsdpPolicy())
+    started = await _start_on_meta(namespace["policy"])
+    built = {name: p.detach() for name, p in _encoder().named_parameters()}
+    assert started.keys() == built.keys()
+    for name, value in built.items():
+        if value.numel() > 1 and bool((value == value.flatten()[0]).all()):  # LayerNorm's, ...
+            assert torch.equal(started[name], value), name
+        else:  # drawn at random (from other seeds than here)
+            assert started[name].shape == value.shape, name
+            assert bool(started[name].isfinite().all() and started[name].all()), name
+    assert not bool(started["0.self_attn.out_proj.bias"].any())  # zeros, as torch leaves it
+
+
 def _recovery_page(directory: Path) -> dict[str, Any]:
     """The root alone (a one-rank launch) with recovery: a snapshot after every window."""
     namespace = _shared(directory)
@@ -345,7 +398,7 @@ def _given(*parts: Callable[[Path], dict[str, Any]]) -> Callable[[Path], dict[st
 
 
 PAGES: dict[str, Page] = {
-    "README.md": Page(given=lambda _: {"my_shard": batches}),
+    "README.md": Page(),  # a whole script: it defines its own data (my_shard)
     "docs/tutorial.md": Page(given=lambda _: {"ranks": classification_ranks()}),
     "docs/loop.md": Page(given=_loop_page, then=then_resume_loop),
     "docs/checkpoints.md": Page(given=_shared, then=then_main),
@@ -353,7 +406,7 @@ PAGES: dict[str, Page] = {
         given=lambda _: {"loss": torch.ones(2, requires_grad=True).sum()},
     ),
     "docs/control.md": Page(),
-    "docs/howto-big-models.md": Page(given=_big_models_page),
+    "docs/howto-big-models.md": Page(given=_big_models_page, then=then_big_models),
     "docs/howto-checkpoint-resume.md": Page(given=_shared),
     "docs/howto-object-store.md": Page(
         given=_shared, then=then_object_store_main, s3_bucket="my-bucket"

@@ -25,6 +25,7 @@ from .._effects import BatchSource, OnPassEvent, PassAwareBatchSource
 from .._openmp import release_team
 from .._source import PassContext, PassKind, pass_seed
 from .._state import PassEvent, TrainingState
+from .._words import counted
 from ..clique import Clique
 from ._compute import ComputeThread
 from ._feed import BatchFeed, open_feed
@@ -110,9 +111,9 @@ class PassRunner:
                 # nothing to drop and so nothing to warn of.
                 if self.rank == 0 and any(rank["position"] is not None for rank in ranks):
                     logger.warning(
-                        "the checkpoint was written by %d ranks and this run has %d: every "
+                        "the checkpoint was written by %s and this run has %d: every "
                         "rank starts its training data afresh",
-                        len(ranks),
+                        counted(len(ranks), "rank"),
                         self.clique.nranks,
                         extra={"rank": 0},
                     )

@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING
 import anyio
 
 from .._errors import ConfigError, LampdistError
-from ._checkpoint import add_inventory_actions, run_ls, run_verify
+from ._checkpoint import (
+    add_consolidate_action,
+    add_inventory_actions,
+    run_consolidate,
+    run_ls,
+    run_verify,
+)
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -88,21 +94,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     actions = saved.add_subparsers(dest="action", metavar="ACTION")
-    consolidate = actions.add_parser(
-        "consolidate",
-        help="write the newest checkpoint's model as one plain state_dict",
-        description=(
-            "Write the model of the newest intact checkpoint in LOCATION (a directory or an\n"
-            "object store URL) as one plain state_dict\n"
-            "to OUT (torch.load(OUT, weights_only=True) reads it), whether every rank wrote\n"
-            "its shards (step_on='fsdp') or the root the whole model."
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    consolidate.add_argument(
-        "directory", metavar="LOCATION", help="a checkpoint directory or an object store URL"
-    )
-    consolidate.add_argument("out", metavar="OUT", type=Path, help="the state_dict file to write")
+    consolidate = add_consolidate_action(actions)
     inventory = add_inventory_actions(actions)
     demo.add_argument("-v", "--verbose", action="store_true", help="log lampdist's INFO lines")
     demo.add_argument("--ranks", type=int, help="ranks in this process (default: 2; GPUs)")
@@ -132,6 +124,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     return parser, {
         "demo": demo,
         "checkpoint": saved,
+        "checkpoint consolidate": consolidate,
         **{f"checkpoint {name}": action for name, action in inventory.items()},
     }
 
@@ -143,18 +136,10 @@ def _checkpoint(args: argparse.Namespace, commands: dict[str, argparse.ArgumentP
         return run_ls(args, commands["checkpoint ls"])
     if args.action == "verify":
         return run_verify(args, commands["checkpoint verify"])
-    if args.action != "consolidate":
-        parser.print_help()
-        return 2
-    from ..checkpoint import consolidate
-
-    try:
-        source = consolidate(args.directory, args.out)
-    except LampdistError as exc:
-        print(f"lampdist checkpoint consolidate: {exc}", file=sys.stderr)
-        return 1
-    print(f"wrote {args.out} from {source}")
-    return 0
+    if args.action == "consolidate":
+        return run_consolidate(args, commands["checkpoint consolidate"])
+    parser.print_help()
+    return 2
 
 
 def _configure_logging(console: Console, *, verbose: bool) -> None:

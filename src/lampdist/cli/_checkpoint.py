@@ -1,5 +1,5 @@
-"""``lampdist checkpoint ls`` and ``lampdist checkpoint verify``: what a checkpoint directory or
-an object store's prefix holds, and whether it is intact."""
+"""``lampdist checkpoint ls``, ``verify`` and ``consolidate``: what a checkpoint directory or
+an object store's prefix holds, whether it is intact, and its model as one file."""
 
 from __future__ import annotations
 
@@ -10,11 +10,55 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .._errors import ConfigError, LampdistError
+from .._words import counted
 
 if TYPE_CHECKING:
     from .._checkpoint import Listed
 
-__all__ = ["add_inventory_actions", "run_ls", "run_verify"]
+__all__ = [
+    "add_consolidate_action",
+    "add_inventory_actions",
+    "run_consolidate",
+    "run_ls",
+    "run_verify",
+]
+
+
+def _add_store_options(parser: argparse.ArgumentParser) -> None:
+    """``-o/--option KEY=VALUE``: every action that reads a location takes it."""
+    parser.add_argument(
+        "-o",
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an object store option, e.g. endpoint=http://127.0.0.1:9000 (repeatable)",
+    )
+
+
+def add_consolidate_action(
+    actions: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    """Add ``consolidate`` to ``lampdist checkpoint``'s actions; its parser."""
+    consolidate = actions.add_parser(
+        "consolidate",
+        help="write the newest checkpoint's model as one plain state_dict",
+        description=(
+            "Write the model of the newest intact checkpoint in LOCATION (a directory or an\n"
+            "object store URL) as one plain state_dict\n"
+            "to OUT (torch.load(OUT, weights_only=True) reads it), whether every rank wrote\n"
+            "its shards (step_on='fsdp') or the root the whole model.\n"
+            "Exit status: 0 when written, 1 when reading or writing fails, 2 for bad\n"
+            "arguments or options."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    consolidate.add_argument(
+        "directory", metavar="LOCATION", help="a checkpoint directory or an object store URL"
+    )
+    consolidate.add_argument("out", metavar="OUT", type=Path, help="the state_dict file to write")
+    _add_store_options(consolidate)
+    return consolidate
 
 
 def add_inventory_actions(
@@ -45,14 +89,7 @@ def add_inventory_actions(
         parser.add_argument(
             "location", metavar="LOCATION", help="a checkpoint directory or an object store URL"
         )
-        parser.add_argument(
-            "-o",
-            "--option",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="an object store option, e.g. endpoint=http://127.0.0.1:9000 (repeatable)",
-        )
+        _add_store_options(parser)
     ls.add_argument("--verify", action="store_true", help="check every file's checksums too")
     return {"ls": ls, "verify": verify}
 
@@ -128,5 +165,23 @@ def run_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         names = ", ".join(item.name for item in damaged)
         print(f"{len(damaged)} of {len(listed)} checkpoints damaged: {names}", file=sys.stderr)
         return 1
-    print(f"{len(listed)} checkpoints verified in {args.location}")
+    print(f"{counted(len(listed), 'checkpoint')} verified in {args.location}")
+    return 0
+
+
+def run_consolidate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``lampdist checkpoint consolidate``: 0 once OUT is written, 1 when reading or writing
+    fails, 2 for bad options."""
+    from ..checkpoint import consolidate
+
+    options = _options(args.option, parser)
+    try:
+        source = consolidate(args.directory, args.out, options=options)
+    except ConfigError as exc:
+        print(f"lampdist checkpoint consolidate: {exc}", file=sys.stderr)
+        return 2
+    except LampdistError as exc:
+        print(f"lampdist checkpoint consolidate: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out} from {source}")
     return 0

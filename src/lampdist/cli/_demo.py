@@ -25,6 +25,7 @@ from .._monitor import Monitor
 from .._options import LoopOptions, ModelWithData, StepOptions
 from .._roles import handling_signals, local_data_parallel_training_loop, run_until_signal, train
 from .._state import LoopState
+from .._words import counted
 from ..checkpoint import Resumed
 from ..launch import LaunchEnv, from_env
 from ..trackers import TensorBoardTracker, Tracker
@@ -240,8 +241,8 @@ async def _run_root(
         )
         if first_epoch < options.epochs:  # else the library warns, and the summary names --epochs
             logger.info(
-                "training on %d ranks (%s), epochs %d..%d, files in %s",
-                nranks,
+                "training on %s (%s), epochs %d..%d, files in %s",
+                counted(nranks, "rank"),
                 devices[0].type,
                 first_epoch + 1,
                 options.epochs,

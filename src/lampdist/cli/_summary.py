@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
+from .._words import counted
 from ._demo import CHECKPOINTS, CURVE, METRICS, MODEL, DemoResult
 
 __all__ = ["print_summary", "summary_lines"]
@@ -16,10 +17,9 @@ def summary_lines(result: DemoResult) -> list[str]:
     if trained == 0:
         done = f"no epoch left to train (the run has {state.epoch}; raise --epochs to go on)"
     else:
-        epochs = "1 epoch" if trained == 1 else f"{trained} epochs"
-        done = f"{epochs} ({result.first_epoch + 1}-{state.epoch})"
+        done = f"{counted(trained, 'epoch')} ({result.first_epoch + 1}-{state.epoch})"
     lines = [
-        f"{done} on {result.nranks} ranks ({result.device}) in {result.seconds:.1f} s",
+        f"{done} on {counted(result.nranks, 'rank')} ({result.device}) in {result.seconds:.1f} s",
         f"validation accuracy {result.accuracy:.1%}",
     ]
     if state.min_validation_epoch is not None and state.min_validation_loss is not None:

@@ -51,6 +51,7 @@ from ..._fsdp_options import FsdpPolicy
 from ..._model import original_module
 from ..._options import StepOptions
 from ..._state import TrainingState
+from ..._words import counted
 from ...clique import PendingCollective
 from .._clock import DATA, EXCHANGE
 from .._device import host_to_device
@@ -61,7 +62,15 @@ from .._tally import Tally
 from .._values import write_meta
 from ._base import CheckOptimizer, StepBatches, build_optimizer
 from ._every_rank import EveryRankSteps
-from ._fsdp_model import check_sharded, check_units, local, materialize, shard, unit_sizes
+from ._fsdp_model import (
+    check_sharded,
+    check_units,
+    ignore_root_output_view_warning,
+    local,
+    materialize,
+    shard,
+    unit_sizes,
+)
 from ._solo import step_alone
 
 __all__ = ["FsdpSteps"]
@@ -170,6 +179,7 @@ class FsdpSteps(EveryRankSteps):
                 self.clique.start_broadcast(tensors).wait_blocking(None)
         mesh = init_device_mesh(self.device.type, (self.nranks,))
         self._units = shard(module, self.policy, mesh, rank=self.rank)
+        ignore_root_output_view_warning(module)
         if template is not None:
             module.to_empty(device=self.device)
             materialize(
@@ -189,9 +199,9 @@ class FsdpSteps(EveryRankSteps):
         self._resume(module, resume)
         if self.rank == 0:
             logger.info(
-                "fsdp over %d ranks: %d sharded modules, precision %s",
-                self.nranks,
-                len(self._units),
+                "fsdp over %s: %s, precision %s",
+                counted(self.nranks, "rank"),
+                counted(len(self._units), "sharded module"),
                 self.policy.precision.describe(),
                 extra={"rank": 0},
             )

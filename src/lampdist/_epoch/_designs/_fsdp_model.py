@@ -4,6 +4,8 @@ calls these on every rank)."""
 
 from __future__ import annotations
 
+import re
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -11,8 +13,17 @@ import torch
 
 from ..._errors import ConfigError, MismatchError, Phase
 from ..._fsdp_options import FsdpPolicy
+from ..._words import counted
 
-__all__ = ["check_sharded", "check_units", "local", "materialize", "shard", "unit_sizes"]
+__all__ = [
+    "check_sharded",
+    "check_units",
+    "ignore_root_output_view_warning",
+    "local",
+    "materialize",
+    "shard",
+    "unit_sizes",
+]
 
 _PHASE: Phase = "configure"
 
@@ -48,6 +59,31 @@ def shard(module: torch.nn.Module, policy: FsdpPolicy, mesh: Any, *, rank: int) 
         unit.set_gradient_divide_factor(1.0)  # sums, never averages
         unit.set_force_sum_reduction_for_comms(True)
     return units
+
+
+def ignore_root_output_view_warning(module: torch.nn.Module) -> None:
+    """Ignore FSDP2's "returned a view tensor" ``UserWarning`` for the sharded root
+    ``module``, and for it alone.
+
+    FSDP2 warns whenever a unit's forward returns a view (a ``Linear`` on a batch of
+    sequences does), because an in-place op on that view would drop the unit's pre-backward
+    hook. The root's output goes to lampdist, which hands it to the loss and the metrics and
+    changes it nowhere, so for the root the warning only repeats on every run. The
+    warnings of the inner units stay: their outputs go on into the model's own code.
+
+    A filter of the process, added when the model is sharded and left in place (adding an
+    equal filter again replaces it, so runs do not pile them up), rather than
+    ``catch_warnings()`` around each forward: entering and leaving that on every batch
+    resets Python's record of the warnings already shown, so that every other warning of
+    the model would then be shown on every step instead of once, and it swaps the filters
+    of the whole process under the event loop's thread.
+    """
+    name = type(module).__name__  # FSDP2's class of the root: "FSDPGpt" for a Gpt
+    warnings.filterwarnings(
+        "ignore",
+        message=re.escape(f"FSDP2-wrapped module ({name}) returned a view tensor"),
+        category=UserWarning,
+    )
 
 
 def materialize(
@@ -116,8 +152,9 @@ def check_sharded(module: torch.nn.Module, nranks: int, *, rank: int) -> None:
     meshes = {p.device_mesh.size() for p in module.parameters() if isinstance(p, DTensor)}
     if meshes != {nranks}:
         raise MismatchError(
-            f"the model is sharded over meshes of {sorted(meshes)} ranks, the clique has "
-            f"{nranks}: FsdpPolicy.parallelize must shard over the mesh it is given",
+            f"the model is sharded over meshes of sizes {sorted(meshes)}, the clique has "
+            f"{counted(nranks, 'rank')}: FsdpPolicy.parallelize must shard over the mesh it "
+            "is given",
             rank=rank,
             phase=_PHASE,
         )
@@ -140,7 +177,8 @@ def check_units(
         if total and empty:
             raise ConfigError(
                 f"ranks {empty} hold no element of the parameters of sharded module "
-                f"{names[id(unit)]!r} ({total} elements over {len(rows)} ranks): shard "
+                f"{names[id(unit)]!r} ({counted(total, 'element')} over "
+                f"{counted(len(rows), 'rank')}): shard "
                 "bigger modules (FsdpPolicy.shard_modules) or use fewer ranks",
                 rank=rank,
                 phase=_PHASE,
