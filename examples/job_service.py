@@ -10,8 +10,9 @@
 
 A job trains on two CPU ranks in the service's own event loop. The jobs run in a task
 group that the app's lifespan owns, so no job outlives the service. Stopping a job lets it
-finish the epoch in progress (validated and checkpointed as usual) and then return;
-cancelling a job cancels its ranks at once. Either way its ranks have closed their clique
+finish the epoch in progress (validated and checkpointed as usual) and then return, or ends
+it at once before its training began; either way it ends ``stopped``. Cancelling a job
+cancels its ranks at once. Either way its ranks have closed their clique
 before the request answers.
 
 A job with ``"followers": K`` (1 to 8) trains on K + 1 ranks: the root in the service's
@@ -320,6 +321,21 @@ async def follow(rank: int, nranks: int, port: int, pause: float) -> None:
         )
 
 
+def ended_by_stop(job: Job, error: Exception) -> bool:
+    """Whether ``error`` is the job's stop, not a failure: a stop that came before training
+    began (the ranks joining, opening their clique, agreeing: no epoch to finish) abandons
+    the run at once, and one whose epoch outlasts ``Timeouts.stop`` (30 s) abandons that
+    epoch; either raises :class:`lampdist.LampdistTimeout` with ``phase='stop'``."""
+    if not job.stop.is_set():
+        return False
+    # train()'s in-process ranks may raise it in a group, beside a follower that the stop
+    # kept from joining (JoinRejected: "the run has already stopped").
+    errors = error.exceptions if isinstance(error, ExceptionGroup) else (error,)
+    return any(
+        isinstance(each, lampdist.LampdistTimeout) and each.phase == "stop" for each in errors
+    )
+
+
 @attrs.define(eq=False)
 class JobRunner:
     """Starts, tracks and cancels jobs; its task group holds every running job."""
@@ -341,7 +357,10 @@ class JobRunner:
             if job.scope.cancelled_caught:
                 job.status = "cancelled"
         except Exception as exc:  # a failed job is reported, the service goes on
-            job.status, job.error = "failed", f"{type(exc).__name__}: {exc}"
+            if ended_by_stop(job, exc):
+                job.status = "stopped"
+            else:
+                job.status, job.error = "failed", f"{type(exc).__name__}: {exc}"
         finally:
             if job.status == "running":  # the service itself is shutting down
                 job.status = "cancelled"

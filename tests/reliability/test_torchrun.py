@@ -282,3 +282,16 @@ def test_bad_settings_exit_2(tmp_path: Path) -> None:
     assert job.exitcodes[1] in ENDED_BY_SIGTERM, job.explain()
     assert job.root_cause == 0, job.explain()
     assert job.last_line(0).startswith("ConfigError: rank 0, phase 'configure'"), job.explain()
+
+
+def test_bad_settings_on_a_follower_only_exit_2_on_every_rank(tmp_path: Path) -> None:
+    """Only the follower's optimizer factory returns no optimizer (under ``every_rank`` it
+    steps too): it reports its ConfigError to the root before it exits, and the root raises
+    it in turn, so the README's script exits 2 on every rank, the follower first."""
+    job = run_job(tmp_path, "--fault", "config", "--fault-rank", "1", "--step-on", "every_rank")
+    report("bad settings on the follower", job)
+    assert job.exitcodes == {0: 2, 1: 2}, job.explain()
+    assert job.root_cause == 1, job.explain()
+    raised = "ConfigError: rank 1, phase 'configure': optimizer_factory must return"
+    assert job.last_line(0).startswith(raised), job.explain()
+    assert job.last_line(1).startswith(raised), job.explain()

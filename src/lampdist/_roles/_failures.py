@@ -4,9 +4,10 @@ raised on the ranks tells the most, and which peer the control channel names as 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from typing import NoReturn
+from typing import NoReturn, cast, get_args
 
 import anyio
 import anyio.to_thread
@@ -15,6 +16,7 @@ import attrs
 from .._errors import (
     CliqueTimeout,
     CollectiveFailed,
+    ConfigError,
     LampdistError,
     PeerDisconnected,
     PeerUnresponsive,
@@ -33,6 +35,7 @@ __all__ = [
     "find_culprit",
     "most_telling",
     "naming_rank",
+    "reported_config_error",
     "single_error",
     "watch_peers",
 ]
@@ -71,6 +74,46 @@ def describe(error: BaseException) -> str:
     if isinstance(leaf, anyio.get_cancelled_exc_class()):
         return "cancelled"  # the backend's message names internals, not a reason
     return f"{type(leaf).__name__}: {leaf}"
+
+
+_REPORTED_WHERE = re.compile(r"rank (?P<rank>\d+), phase '(?P<phase>[^']+)': (?P<message>.*)", re.S)
+"""The start of a lampdist error's text: where it happened, then its message."""
+
+_PHASES: frozenset[str] = frozenset(get_args(Phase))
+
+
+def _config_errors(kind: type[ConfigError]) -> dict[str, type[ConfigError]]:
+    """``kind`` and its subclasses in lampdist, by name."""
+    found = {kind.__name__: kind}
+    for sub in kind.__subclasses__():
+        if sub.__module__ == ConfigError.__module__:
+            found |= _config_errors(sub)
+    return found
+
+
+def reported_config_error(error: BaseException) -> ConfigError | None:
+    """On the root: the :class:`ConfigError` (or the subclass of it, :class:`MismatchError`)
+    that a follower reported, when ``error`` is that report, else ``None``.
+
+    A follower reports its failure as :func:`describe`'s text (``"MismatchError: rank 1,
+    phase 'clique setup': ..."``), which the root's channel raises as :class:`RankFailed`
+    naming the follower and the phase of its report. Bad settings are a
+    :class:`ConfigError` on every rank that learns of them, so that a launcher's script
+    that catches it (exit 2, see docs/reliability.md) does so on the root too: the error
+    returned names the follower's rank and the phase its own error names (else that of its
+    report), with the follower's message."""
+    leaf = most_telling(error)
+    if not isinstance(leaf, RankFailed) or not leaf.rank:
+        return None
+    name, colon, text = leaf.message.partition(": ")
+    kind = _config_errors(ConfigError).get(name)
+    if not colon or kind is None:
+        return None
+    phase, message = leaf.phase, text
+    where = _REPORTED_WHERE.fullmatch(text)
+    if where is not None and int(where["rank"]) == leaf.rank and where["phase"] in _PHASES:
+        phase, message = cast(Phase, where["phase"]), where["message"]
+    return kind(message, rank=leaf.rank, phase=phase)
 
 
 def most_telling(error: BaseException) -> BaseException:

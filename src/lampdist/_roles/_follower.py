@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
 from functools import partial
 
 import anyio
@@ -25,6 +26,7 @@ from .._errors import (
     PeerDisconnected,
     Phase,
     RankFailed,
+    name_rank,
 )
 from .._options import ModelWithData, StepOptions, Timeouts
 from .._preload import preload
@@ -84,7 +86,11 @@ async def follow_distributed_training(
     :class:`~lampdist.LampdistTimeout` (phase ``'stop'``); before training began (join,
     clique setup, agreement) it abandons the run so at once.
 
-    Raises :class:`~lampdist.MismatchError` when this rank disagrees with the root,
+    Raises :class:`~lampdist.ConfigError` for bad arguments or settings; those of its
+    optimizer factory, its design or its clique also go to the root, which raises them in
+    turn (found before joining, they are reported by a join for that alone, within
+    ``timeouts.join``). Raises :class:`~lampdist.MismatchError` when this rank disagrees
+    with the root,
     :class:`~lampdist.RankFailed` when the root (rank 0) aborts the run, naming its error,
     :class:`~lampdist.PeerDisconnected` when the root vanishes, and the errors of this
     rank's own training (:class:`~lampdist.TrainingError`), which it also reports to the root.
@@ -108,15 +114,49 @@ async def follow(
 ) -> None:
     """Rank ``rank``'s run as :func:`follow_distributed_training` describes it, for this
     package's entry points: the device resolved, the options built once."""
-    check_optimizer_factory(rank, run)
     with naming_rank(rank):  # what the checkpoint's storage raises names no rank
-        async with open_rank(rank, nranks, torch_device, data, run) as context:
+        async with AsyncExitStack() as stack:
+            try:
+                check_optimizer_factory(rank, run)
+                context = await stack.enter_async_context(
+                    open_rank(rank, nranks, torch_device, data, run)
+                )
+            except ConfigError as exc:  # before joining: the root would wait for this rank
+                name_rank(exc, rank)
+                await _report_unjoined(control, run, exc)
+                raise
             follower = _Follower(context=context, control=control)
             send, receive = anyio.create_memory_object_stream[Command](math.inf)
             with receive:
                 watch = partial(watch_peers, control.watch, context.tracker)
                 async with context.supervised(watch, partial(follower.tell_root, receive)):
                     await follower.run(receive, send)
+
+
+async def _report_unjoined(control: FollowerChannel, run: RunOptions, error: ConfigError) -> None:
+    """Best effort: join the root only to report ``error``, bad settings found before this
+    rank joined (its optimizer factory, its options), in its phase (``'configure'``), so that
+    the root raises it at once (as a :class:`ConfigError` naming this rank) and tells the
+    other followers, rather than wait ``Timeouts.join`` for this rank. Within
+    ``Timeouts.join``; a stop requested meanwhile (a signal) ends the attempt, and a root
+    that refuses the join or is gone is left alone."""
+    send, receive = anyio.create_memory_object_stream[Command](math.inf)
+    with send, receive, anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as group:
+            if run.stop is not None:
+                group.start_soon(_cancel_on, run.stop, scope)
+            try:
+                await control.join(send, timeout=run.timeouts.join)
+            except LampdistError as exc:
+                logger.debug("could not join the root to report %s: %s", error, exc)
+            else:
+                await _report(control, error.phase or "configure", error)
+            group.cancel_scope.cancel()
+
+
+async def _cancel_on(event: anyio.Event, scope: anyio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
 
 
 async def _report(control: FollowerChannel, phase: Phase, error: BaseException) -> None:

@@ -40,6 +40,7 @@ from ._failures import (
     find_culprit,
     most_telling,
     naming_rank,
+    reported_config_error,
     watch_peers,
 )
 from ._generations import Generations, check_recovery
@@ -119,10 +120,11 @@ async def drive_distributed_training(
     process (:func:`lampdist.clique.in_process`); a root alone (``nranks=1``) uses an
     in-process one.
 
-    Raises :class:`~lampdist.ConfigError` for bad arguments, :class:`~lampdist.MismatchError`
+    Raises :class:`~lampdist.ConfigError` for bad arguments, a follower's too (the error it
+    reported, of its own type, naming its rank and phase), :class:`~lampdist.MismatchError`
     when ranks disagree, :class:`~lampdist.RankFailed` or :class:`~lampdist.PeerDisconnected`
-    naming a follower that failed, :class:`~lampdist.JoinTimeout`, and the errors of the
-    training itself (:class:`~lampdist.TrainingError`, :class:`~lampdist.NonFiniteLoss`,
+    naming a follower that failed otherwise, :class:`~lampdist.JoinTimeout`, and the errors
+    of the training itself (:class:`~lampdist.TrainingError`, :class:`~lampdist.NonFiniteLoss`,
     :class:`~lampdist.CheckpointError`). Several unrelated failures at once come as an
     ``ExceptionGroup``.
     """
@@ -169,6 +171,9 @@ async def drive(
             except Exception as exc:
                 if stopping.ended_it(exc):
                     raise stopping.timeout_error() from exc
+                bad_settings = reported_config_error(exc)  # a follower's, as a ConfigError
+                if bad_settings is not None:
+                    raise bad_settings from exc
                 raise
     return state
 

@@ -68,10 +68,11 @@ class _Signals:
     received: list[int] = attrs.field(factory=list)
     _guards: list[Guard] = attrs.field(factory=list)
 
-    async def watch(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    async def watch(self, *, task_status: TaskStatus[None] | None = None) -> None:
         """Handle the signals from the moment this task has started (``await tg.start``)."""
         with anyio.open_signal_receiver(*STOP_SIGNALS) as signals:
-            task_status.started()
+            if task_status is not None:
+                task_status.started()
             async for signum in signals:
                 name = signal.Signals(signum).name
                 self.received.append(signum)
