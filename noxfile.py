@@ -26,7 +26,8 @@ def tests(session: nox.Session) -> None:
 def slow(session: nox.Session) -> None:
     """The fault-injection and soak tests marked ``slow``."""
     install(session, "test")
-    session.run("python", "-m", "pytest", "-m", "slow", "--run-slow", *session.posargs)
+    # One test at a time: the fault matrix times how fast ranks notice a fault.
+    session.run("python", "-m", "pytest", "-m", "slow", "--run-slow", "-n", "0", *session.posargs)
 
 
 @nox.session

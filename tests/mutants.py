@@ -911,6 +911,9 @@ def run(mutant: Mutant) -> tuple[str, float]:
                     "-q",
                     "-p",
                     "no:cacheprovider",
+                    "-n",  # one process: -x stops at the first failure
+                    "0",
+                    "--run-slow",  # a mutant's tests run whether marked slow or not
                     *mutant.tests,
                 ],
                 cwd=ROOT,

@@ -32,6 +32,7 @@ def throughput(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return importlib.import_module("throughput")
 
 
+@pytest.mark.slow
 def test_cpu_mode_measures_every_configuration(tmp_path: Path) -> None:
     result = run_harness(json_path=tmp_path / "result.json")
     assert result.returncode == 0, result.stderr

@@ -276,10 +276,10 @@ async def test_a_healthy_run_of_the_default_design_names_no_straggler(
     """Two even ranks under ``step_on="root"``: only the root steps, which is no straggler's
     doing (the followers wait for it in the exchange), and two ranks' passes that differ now
     and then are no straggler either."""
-    sources = [Paced(_wide(rank, [32] * 20), 0.004) for rank in range(2)]
+    sources = [_listed(_wide(rank, [256] * 20, 256)) for rank in range(2)]
     with caplog.at_level(logging.WARNING, logger="lampdist"):
         events = await _run(
-            [_wide_model() for _ in sources], sources, lampdist.StepOptions(), epochs=6
+            [_wide_model(256) for _ in sources], sources, lampdist.StepOptions(), epochs=6
         )
     assert len(events) == 6
     assert all(event.step_split[0].optimizer > 0 for event in events)  # the root steps

@@ -185,6 +185,7 @@ async def test_job_service_stops_a_job_stopped_whenever_the_stop_comes(
     assert 0 in trained and trained[-1] > 0, trained
 
 
+@pytest.mark.slow
 async def test_job_service_stops_a_job_with_followers_stopped_whenever_the_stop_comes(
     service: ModuleType, caplog: pytest.LogCaptureFixture
 ) -> None:

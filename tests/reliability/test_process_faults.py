@@ -482,6 +482,7 @@ C10D_WARNING = "[c10d]"
 """How torch's C++ side starts a warning line (each followed by C++ frames)."""
 
 
+@pytest.mark.slow
 def test_a_finished_run_leaves_no_store_warning_in_any_log(tmp_path: Path) -> None:
     """Three ranks finish a run: every rank exits 0, and no rank's stderr holds a warning of
     the clique's store (the root waits for its followers' goodbyes before its store closes,

@@ -156,6 +156,7 @@ def test_a_killed_root_ends_the_follower_with_its_error(tmp_path: Path) -> None:
     assert "PeerDisconnected: rank 0, phase 'train'" in job.last_line(1), job.explain()
 
 
+@pytest.mark.slow
 def test_fsdp_under_torchrun_trains_checkpoints_and_names_a_killed_follower(
     tmp_path: Path,
 ) -> None:
@@ -189,6 +190,7 @@ def test_a_refused_secret_ends_the_joining_root_at_once(tmp_path: Path) -> None:
     assert "AuthenticationError: rank 1, phase 'handshake'" in job.last_line(1), job.explain()
 
 
+@pytest.mark.slow
 def test_a_refused_checkpoint_directory_ends_the_joining_follower_at_once(
     tmp_path: Path,
 ) -> None:

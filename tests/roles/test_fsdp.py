@@ -192,6 +192,7 @@ def test_the_in_process_loop_refuses_fsdp() -> None:
         anyio.run(main)
 
 
+@pytest.mark.slow
 def test_a_model_built_on_the_meta_device_starts_from_the_roots_weights(tmp_path: Path) -> None:
     """Each rank builds the model on the meta device after seeding its RNG differently; each
     allocates and initializes its own shards only. On 1, 2 and 3 ranks the whole model is the
@@ -311,6 +312,7 @@ def _assert_bitwise(got: Parts, want: Parts) -> None:
             assert torch.equal(held[name], value), name
 
 
+@pytest.mark.slow
 def test_checkpoints_reshard_between_rank_counts_and_designs(tmp_path: Path) -> None:
     """Every rank writes its own shards; the checkpoint loads on another number of ranks and
     under another design, each rank then holding exactly (bitwise) its part of what was
@@ -349,6 +351,7 @@ def test_checkpoints_reshard_between_rank_counts_and_designs(tmp_path: Path) -> 
     assert_matches(resumed, 2, expected, [[a, b] for a, b in zip(train, valid, strict=True)])
 
 
+@pytest.mark.slow
 def test_sharded_checkpoints_in_an_object_store_are_uploaded_by_each_rank_and_reshard(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -508,6 +511,7 @@ def test_metrics_count_no_padding_pass(tmp_path: Path) -> None:
             assert got[f"{kind}_mse"] == pytest.approx(metric_of(squared, outputs), rel=1e-9)
 
 
+@pytest.mark.slow
 def test_bf16_precision_trains_like_one_process_with_the_same_policy(tmp_path: Path) -> None:
     """Precision(param_dtype=bfloat16) gathers the parameters in bfloat16 for forward and
     backward: 2 ranks end within bfloat16's rounding (1e-2) of one process under the same
@@ -579,6 +583,7 @@ def test_a_killed_follower_ends_the_run_naming_it(tmp_path: Path) -> None:
     assert took < 30  # a deadline, not a speed: the collective timeout is far longer
 
 
+@pytest.mark.slow
 def test_a_non_finite_loss_names_its_rank_or_is_skipped_on_every_rank(tmp_path: Path) -> None:
     """Rank 1's second batch has a NaN target. By default every rank fails with
     NonFiniteLoss naming rank 1; with non_finite_loss='skip' every rank skips that step (in
@@ -597,6 +602,7 @@ def test_a_non_finite_loss_names_its_rank_or_is_skipped_on_every_rank(tmp_path: 
     assert all(torch.isfinite(value).all() for value in assembled(skipped, 2).values())
 
 
+@pytest.mark.slow
 def test_fp16_loss_scaling_skips_and_steps_as_every_rank_does(tmp_path: Path) -> None:
     """float16 autocast with dynamic loss scaling on a loss large enough to overflow at the
     first scales: every rank of fsdp checks the overflow over all shards and skips the same
@@ -652,6 +658,7 @@ def test_a_cancelled_root_ends_every_follower_naming_it(tmp_path: Path) -> None:
     assert took < 60  # a deadline, not a speed: the collective timeout is far longer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step_on", ["fsdp", "every_rank"])
 def test_a_stalled_follower_times_out_as_a_collective_not_as_the_model(
     tmp_path: Path, step_on: str

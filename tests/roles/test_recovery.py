@@ -179,6 +179,7 @@ def _stop_and_replace(job: Job) -> tuple[subprocess.Popen[str], float]:
     return stalled, stopped_at
 
 
+@pytest.mark.slow
 def test_a_stalled_follower_is_replaced_and_its_process_told_to_go(tmp_path: Path) -> None:
     """Rank 2 stops (SIGSTOP) in the middle of a pass and the root leaves its process alone
     (``Timeouts(end_unresponsive=False)``, as for a process on another machine): the root
@@ -219,6 +220,7 @@ def test_a_stalled_follower_is_replaced_and_its_process_told_to_go(tmp_path: Pat
     assert_same_run(tmp_path / "got", tmp_path / "want")
 
 
+@pytest.mark.slow
 def test_a_stalled_follower_on_the_roots_machine_is_ended_and_replaced(tmp_path: Path) -> None:
     """Rank 2 stops (SIGSTOP) in the middle of a pass, on the root's machine: the root finds
     it unresponsive, ends its process (SIGKILL: a supervisor sees it fail and starts it
@@ -254,6 +256,7 @@ def _state(pid: int) -> str:
     return fields[0]
 
 
+@pytest.mark.slow
 def test_a_follower_not_back_in_time_ends_the_run_naming_it(tmp_path: Path) -> None:
     """No replacement within ``rejoin_timeout``: the root ends with a JoinTimeout naming the
     rank, the phase and the time it waited, soon after the timeout; the survivor ends
@@ -275,6 +278,7 @@ def test_a_follower_not_back_in_time_ends_the_run_naming_it(tmp_path: Path) -> N
     assert took < 3 + 10, took  # the issue's bound: an error within 10 s
 
 
+@pytest.mark.slow
 def test_a_replacement_that_disagrees_is_refused_and_the_root_waits_for_another(
     tmp_path: Path,
 ) -> None:
@@ -304,6 +308,7 @@ def test_a_replacement_that_disagrees_is_refused_and_the_root_waits_for_another(
     assert_same_run(tmp_path / "got", tmp_path / "want")
 
 
+@pytest.mark.slow
 def test_recoveries_beyond_max_recoveries_end_the_run(tmp_path: Path) -> None:
     """Two losses with ``max_recoveries=1``: the first is recovered, the second ends the run
     with the lost rank's error, saying that recoveries are used up."""
@@ -326,6 +331,7 @@ def test_recoveries_beyond_max_recoveries_end_the_run(tmp_path: Path) -> None:
     assert "as many as Recovery.max_recoveries allows" in error, error
 
 
+@pytest.mark.slow
 def test_the_roots_loss_still_ends_the_run(tmp_path: Path) -> None:
     """Recovery is the followers': the root's own death ends every follower fast, naming
     it (a restart resumes from the checkpoint)."""

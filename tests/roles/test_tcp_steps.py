@@ -52,6 +52,7 @@ def _run(out: Path, checkpoints: Path, *extra: str) -> tuple[int, int, str]:
     return root.returncode, follower.returncode, root_err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step_on", ["every_rank", "fsdp"])
 def test_two_processes_killed_mid_window_resume_bitwise(tmp_path: Path, step_on: str) -> None:
     """Windows of steps over stateful loaders, a per-step schedule, dropout: a run killed in
