@@ -294,10 +294,10 @@ CASES = [
         nranks=3,
         faulty=1,
         args={1: ["--fault", "stall-loop@train:1", "--sleep", "12"]},
-        codes={0: FAILED, 1: FAILED, 2: FAILED},
+        codes={0: FAILED, 1: KILLED, 2: FAILED},  # the root ends an unresponsive follower
         errors={
-            0: r"^PeerDisconnected: rank 1, phase 'train': no heartbeat",
-            2: stopped_by_root("train", r"PeerDisconnected: rank 1, phase 'train': no heart"),
+            0: r"^PeerUnresponsive: rank 1, phase 'train': no heartbeat",
+            2: stopped_by_root("train", r"PeerUnresponsive: rank 1, phase 'train': no heart"),
         },
         deadline=HEARTBEAT_TIMEOUT + 10,
         faulty_deadline=12 + 10,
