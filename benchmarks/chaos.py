@@ -2,12 +2,15 @@
 
     python benchmarks/chaos.py --faults 20 --seed 1 [--json PATH] [--followers 2|3]
         [--no-recovery] [--kinds follower_kill,root_kill,...] [--workdir DIR] [--keep]
+        [--batch-sleep 0.07] [--batch-compute]
 
 A root and 2 or 3 followers of ``benchmarks/chaos_rank.py`` train a small CPU job in windows
-of steps (``StepOptions(steps_per_epoch=...)``), checkpointing every window. First the job
-runs once without faults and its final weights are kept as the reference. Then jobs are run
-to completion one after another while faults are injected at random moments (the moments and
-targets drawn from ``--seed``), one at a time, until ``--faults`` have been injected:
+of steps (``StepOptions(steps_per_epoch=...)``), checkpointing every window; their batch
+source takes ``--batch-sleep`` seconds a batch, asleep or, with ``--batch-compute``, in torch
+operations. First the job runs once without faults and its final weights are kept as the
+reference. Then jobs are run to completion one after another while faults are injected at
+random moments (the moments and targets drawn from ``--seed``), one at a time, until
+``--faults`` have been injected:
 
 - ``follower_kill``: SIGKILL of a follower;
 - ``root_kill``: SIGKILL of the root;
@@ -38,8 +41,13 @@ absorbed (nothing lost), recovery and restart times (p50, max), hangs, lost chec
 checkpoint committed before a fault that is missing or unreadable after it), and whether the
 final weights of every run equal the reference bitwise. Job attempts that ended without
 completing the run are counted apart, with whether every process that ended ended with an
-error naming a rank and a phase within 10 s. ``--json PATH`` writes it all. The exit status
-is 1 when there was a hang, a lost checkpoint or a run whose weights differ.
+error naming a rank and a phase within 10 s. Every process whose work was done (the rank
+script prints ``DONE`` once it has written its final weights) must exit 0: any other code
+(a crash at exit, which a supervisor would take for a lost rank) is listed under
+``finished_nonzero_exits`` with the process's last stderr lines, and that process is neither
+counted as lost nor started again (a root's completes the run). ``--json PATH`` writes it
+all. The exit status is 1 when there was a hang, a lost checkpoint, a run whose weights
+differ or a non-zero exit after the work was done.
 
 Logs of every process go to ``--workdir`` (a temporary directory by default, removed after a
 clean result unless ``--keep``).
@@ -113,6 +121,7 @@ class Settings:
     epochs: int
     steps_per_window: int
     batch_sleep: float
+    batch_compute: bool
     step_on: str
     heartbeat_interval: float
     heartbeat_timeout: float
@@ -147,6 +156,7 @@ class Settings:
             "--rejoin-timeout", str(self.rejoin_timeout),
             "--max-recoveries", str(self.max_recoveries),
         ]  # fmt: skip
+        args += ["--batch-compute"] if self.batch_compute else []
         return args if self.recovery else [*args, "--no-recovery"]
 
 
@@ -165,6 +175,8 @@ class Proc:
         self.ended_at: float | None = None
         self.code: int | None = None
         self.killed_by_harness = False
+        self.faulted = False
+        """Whether a fault signalled it (its exit code may be the fault's)."""
         self.stopped = False
         self._file = log.open("a", buffering=1)
         self._file.write(f"# {time.time():.3f} started: {' '.join(argv)}\n")
@@ -225,6 +237,13 @@ class Proc:
         for reader in self._readers:
             reader.join(timeout=5)
         self._file.close()
+
+    def finished(self) -> bool:
+        """Whether it said ``DONE``: its work was done, so it must exit 0. Call it once the
+        process has exited: it waits for its output to be read to the end first."""
+        for reader in self._readers:
+            reader.join(timeout=2)
+        return any(line == "DONE" for _, line in self.out)
 
     def last_error(self) -> str:
         """The last stderr line that names a rank and phase, else the last line."""
@@ -666,6 +685,8 @@ class Harness:
         self.attempt_ends: list[AttemptEnd] = []
         self.runs: list[dict[str, Any]] = []
         self.unexpected: list[str] = []
+        self.finished_nonzero: list[dict[str, Any]] = []
+        """Processes that said ``DONE`` (their work was done) and exited non-zero."""
         self.hangs: list[str] = []
         self.reference: dict[str, Any] | None = None
         self.reference_seconds = 0.0
@@ -850,12 +871,21 @@ class Harness:
                     continue
                 seen_exit.add(id(proc))
                 said = "" if proc.code == 0 else f": {proc.last_error()[:240]}"
+                done = (
+                    proc.code != 0
+                    and not (proc.killed_by_harness or proc.faulted)
+                    and proc.finished()
+                )
+                if done:  # a supervisor sees a crash of a rank whose work was done
+                    last = proc.err[-1][1] if proc.err else ""
+                    said = f" AFTER ITS WORK WAS DONE: {last[:240]}"
+                    self.finished_nonzero.append(self.finished_exit(proc, run, attempt))
                 self.log(f"{label}: rank {proc.rank} exited {proc.code}{said}")
                 if proc.rank == 0:
                     root_ended_at = proc.ended_at
                     continue
-                if proc.code == 0:
-                    continue  # the root's STOP ended it
+                if proc.code == 0 or done:
+                    continue  # the root's STOP ended it: not lost, not started again
                 if root_ended_at is not None:
                     pass  # the root's end ended it
                 elif active is not None:
@@ -934,6 +964,7 @@ class Harness:
         target = job.current(fault.rank)
         settings = self.settings
         fault.injected_at = time.monotonic()
+        target.faulted = not fault.kind.startswith("conn_")
         if fault.kind in ("follower_kill", "root_kill"):
             target.signal(signal.SIGKILL)
         elif fault.kind in ("follower_term", "root_term"):
@@ -1000,6 +1031,17 @@ class Harness:
             return True
         return False
 
+    def finished_exit(self, proc: Proc, run: int, attempt: int) -> dict[str, Any]:
+        """The record of a process that exited non-zero after its work was done."""
+        job = "reference" if run < 0 else f"run {run} start {attempt}"
+        return {
+            "job": job,
+            "rank": proc.rank,
+            "code": proc.code,
+            "log": str(proc.log),
+            "stderr": [line for _, line in proc.err[-12:]],
+        }
+
     def hang(self, label: str, fault: Fault | None, survivors: list[Proc], when: str) -> None:
         ranks = sorted({proc.rank for proc in survivors})
         self.log(f"{label}: HANG {when}: ranks {ranks}: their stacks in their logs, killed")
@@ -1025,7 +1067,9 @@ class Harness:
     ) -> bool:
         """Record how this start ended; whether it completed the run (the root's exit 0)."""
         root = job.root
-        if root.code == 0 and not cause:
+        # A root that exited non-zero after its work was done completed the run (the exit is
+        # listed in finished_nonzero_exits).
+        if not cause and (root.code == 0 or root.finished()):
             if fault is not None and fault.outcome is None:
                 fault.outcome = "absorbed"
                 if fault.lost:
@@ -1141,6 +1185,7 @@ class Harness:
             "graceful_stops": len(self.attempt_ends) - len(failed),
             "hang_details": self.hangs,
             "unexpected_exits": self.unexpected,
+            "finished_nonzero_exits": self.finished_nonzero,
             "fault_log": [fault_record(fault) for fault in struck],
             "config": {
                 "seed": self.args.seed,
@@ -1231,7 +1276,9 @@ def print_table(report: dict[str, Any]) -> None:
     failed = report["failed_attempts"]
     print(
         f"bitwise equal: {report['bitwise_equal']}; hangs: {report['hangs']}; "
-        f"unfinished runs: {report['unfinished_runs']}; failed job starts: {failed['count']} "
+        f"unfinished runs: {report['unfinished_runs']}; "
+        f"non-zero exits after the work was done: {len(report['finished_nonzero_exits'])}; "
+        f"failed job starts: {failed['count']} "
         f"({failed['named_within_10s']} ended naming rank and phase within 10 s); "
         f"wall {report['wall_seconds']} s"
     )
@@ -1273,6 +1320,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--windows", type=int, default=10, help="windows (epochs) per run")
     parser.add_argument("--steps-per-window", type=int, default=4)
     parser.add_argument("--batch-sleep", type=float, default=0.07)
+    parser.add_argument(
+        "--batch-compute", action="store_true", help="spend --batch-sleep in torch operations"
+    )
     parser.add_argument("--step-on", default="root", choices=["root", "every_rank", "sharded"])
     parser.add_argument("--heartbeat-interval", type=float, default=0.25)
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0)
@@ -1301,6 +1351,7 @@ def main(argv: list[str]) -> int:
         epochs=args.windows,
         steps_per_window=args.steps_per_window,
         batch_sleep=args.batch_sleep,
+        batch_compute=args.batch_compute,
         step_on=args.step_on,
         heartbeat_interval=args.heartbeat_interval,
         heartbeat_timeout=args.heartbeat_timeout,
@@ -1326,7 +1377,12 @@ def main(argv: list[str]) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     print_table(report)
-    clean = report["hangs"] == 0 and report["lost_checkpoints"] == 0 and report["bitwise_equal"]
+    clean = (
+        report["hangs"] == 0
+        and report["lost_checkpoints"] == 0
+        and report["bitwise_equal"]
+        and not report["finished_nonzero_exits"]
+    )
     if clean and not args.keep and args.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)
     else:

@@ -8,14 +8,17 @@ The root listens on 127.0.0.1 (``--port``, 0: a free one) and prints ``PORT <n>`
 does; followers connect to ``--port``. The secret comes from ``LAMPDIST_SECRET``. Every epoch
 is a window of ``--steps-per-window`` optimizer steps (``StepOptions(steps_per_epoch=...)``)
 over the rank's own deterministic, shuffled data; the batch source sleeps ``--batch-sleep``
-seconds per batch, so that a window takes a fraction of a second and faults land mid-pass.
+seconds per batch, so that a window takes a fraction of a second and faults land mid-pass
+(with ``--batch-compute`` it spends them in torch operations, as a source that prepares its
+batches with torch does).
 
 The root checkpoints every window into ``--checkpoint`` (``checkpoint.to_directory``, keeping
 every checkpoint so that a missing one is a lost one) and, with ``--resume``, resumes from
 the newest one there (``load_latest(..., restore_rng=True)``; a new run when there is none
 yet). It prints one ``EVENT <kind> <epoch> <step> <done>`` line per progress event to
-stdout and ``DONE`` at the end. Each rank that ends cleanly writes its final weights to
-``DIR/rank<r>.pt``. Without ``--no-recovery`` the root recovers a lost follower in the job
+stdout. Each rank that ends cleanly writes its final weights to ``DIR/rank<r>.pt`` and then
+prints ``DONE``: its work is done, and it must exit 0 (the harness lists any other code).
+Without ``--no-recovery`` the root recovers a lost follower in the job
 (``LoopOptions(recovery=lampdist.Recovery(...))``): a follower started again with the same
 command line takes its place.
 
@@ -69,6 +72,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=10, help="windows to train")
     parser.add_argument("--steps-per-window", type=int, default=4)
     parser.add_argument("--batch-sleep", type=float, default=0.04, help="seconds per batch")
+    parser.add_argument(
+        "--batch-compute",
+        action="store_true",
+        help="spend --batch-sleep in torch operations instead of asleep",
+    )
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--step-on", default="root", choices=["root", "every_rank", "sharded"])
     parser.add_argument("--no-recovery", action="store_true")
@@ -101,9 +109,22 @@ def make_batches(rank: int, count: int, salt: int) -> list[Batch]:
     return batches
 
 
-def sleeping_source(batches: list[Batch], sleep: float, shuffle: bool) -> Any:
+def compute_for(seconds: float) -> None:
+    """Spend ``seconds`` in torch operations, as a source that prepares its batches with
+    torch does (torch runs each one with the GIL released)."""
+    deadline = time.monotonic() + seconds
+    scratch = torch.ones(64, 64)
+    while time.monotonic() < deadline:
+        scratch = torch.tanh(scratch @ scratch / 64)
+
+
+def sleeping_source(
+    batches: list[Batch], sleep: float, shuffle: bool, *, compute: bool = False
+) -> Any:
     """A pass-aware batch source: the batches (shuffled by the pass's generator), each after
-    ``sleep`` seconds (the source runs on a loading thread: the event loop goes on)."""
+    ``sleep`` seconds, asleep or, with ``compute``, in torch operations (the source runs on a
+    loading thread: the event loop goes on)."""
+    wait = compute_for if compute else time.sleep
 
     def source(context: lampdist.PassContext) -> Iterator[Batch]:
         order = (
@@ -112,7 +133,7 @@ def sleeping_source(batches: list[Batch], sleep: float, shuffle: bool) -> Any:
             else range(len(batches))
         )
         for index in order:
-            time.sleep(sleep)
+            wait(sleep)
             yield batches[index]
 
     return source
@@ -148,10 +169,16 @@ async def run(args: argparse.Namespace) -> int:
     data = lampdist.ModelWithData(
         model=model,
         train_batches=sleeping_source(
-            make_batches(args.rank, TRAIN_BATCHES, salt=1), args.batch_sleep, shuffle=True
+            make_batches(args.rank, TRAIN_BATCHES, salt=1),
+            args.batch_sleep,
+            shuffle=True,
+            compute=args.batch_compute,
         ),
         validation_batches=sleeping_source(
-            make_batches(args.rank, VALID_BATCHES, salt=2), args.batch_sleep / 4, shuffle=False
+            make_batches(args.rank, VALID_BATCHES, salt=2),
+            args.batch_sleep / 4,
+            shuffle=False,
+            compute=args.batch_compute,
         ),
     )
     step = lampdist.StepOptions(step_on=args.step_on, steps_per_epoch=args.steps_per_window)
@@ -240,6 +267,7 @@ async def run(args: argparse.Namespace) -> int:
             raise
         # The root's STOP ended the run after this follower's signal: done, as lampdist.train
         # reports it (docs/reliability.md, exit codes).
+    print("DONE", flush=True)
     return 0
 
 

@@ -823,7 +823,9 @@ def drop_within(
 
     Returns whether the references were dropped in time. A destructor that does not return
     is left behind in that daemon thread with an error logged, so the clique's exit (and the
-    error it may carry) does not wait for it forever.
+    error it may carry) does not wait for it forever; the process then waits for that thread
+    when it exits, before the interpreter shuts down (``_preload.await_own_threads``): a
+    group destroyed while the interpreter shuts down aborts the process.
     """
 
     def drop() -> None:
@@ -835,6 +837,9 @@ def drop_within(
     thread.join(limit)
     if not thread.is_alive():
         return True
+    from .._preload import register_exit_hook  # the teardown's one tie to the process's exit
+
+    register_exit_hook()
     if abandoned:
         logger.info(
             "rank %d: %s: the abandoned process group ends in the background once its "
