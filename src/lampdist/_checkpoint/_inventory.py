@@ -11,7 +11,7 @@ import attrs
 from .._errors import CheckpointError, CheckpointVersionError
 from ._format import CheckpointName, Damaged
 from ._object_store import is_url, store_checkpoints
-from ._read import CheckpointFiles, DirectoryFiles, read_manifest, verify_checkpoint
+from ._read import CheckpointFiles, DirectoryFiles, Vanished, read_manifest, verify_checkpoint
 from ._write import committed_checkpoints
 
 __all__ = ["Listed", "list_checkpoints"]
@@ -73,6 +73,8 @@ def _listed(files: CheckpointFiles, *, verify: bool) -> Listed:
             verify_checkpoint(files)
     except Damaged as exc:
         problem = str(exc)
+    except Vanished:
+        problem = "removed while being listed (pruned by a writer)"
     except CheckpointVersionError as exc:
         problem = exc.message
     return Listed(

@@ -53,6 +53,7 @@ __all__ = [
     "DirectoryFiles",
     "Loaded",
     "Stream",
+    "Vanished",
     "read_checkpoint",
     "read_latest",
     "read_manifest",
@@ -137,7 +138,7 @@ class DirectoryFiles:
         return self.path.exists()
 
 
-class _Vanished(Exception):
+class Vanished(Exception):
     """The checkpoint was removed (by a concurrent writer's pruning) while being read."""
 
 
@@ -186,7 +187,7 @@ def read_newest(
                 except Damaged as exc:
                     _log.warning("skipping damaged checkpoint %s: %s", files.location, exc)
                     damaged.append(f"{files.name} ({exc})")
-        except _Vanished:
+        except Vanished:
             continue
         raise CheckpointError(
             f"every checkpoint in {where} is damaged: {'; '.join(damaged)}; "
@@ -207,7 +208,7 @@ def _reading(files: CheckpointFiles) -> Iterator[None]:
         yield
     except FileNotFoundError as exc:
         if not files.committed():
-            raise _Vanished from exc
+            raise Vanished from exc
         raise Damaged(f"missing file ({exc.filename})") from exc
     except OSError as exc:
         raise Damaged(f"unreadable ({exc})") from exc
@@ -218,6 +219,10 @@ def read_manifest(files: CheckpointFiles) -> Manifest:
     CheckpointVersionError."""
     try:
         data = files.read(MANIFEST)
+    except FileNotFoundError as exc:
+        if not files.committed():  # pruned by a writer meanwhile: no damage
+            raise Vanished from exc
+        raise Damaged(f"unreadable manifest ({exc})") from exc
     except OSError as exc:
         raise Damaged(f"unreadable manifest ({exc})") from exc
     return parse_manifest(data, where=str(files.location))
@@ -233,7 +238,7 @@ def verify_checkpoint(files: CheckpointFiles) -> Manifest:
             _stems(manifest)
             for record in manifest.files:
                 _check(files, record, manifest.checksum)
-    except _Vanished:
+    except Vanished:
         raise Damaged("removed while being checked") from None
     return manifest
 
