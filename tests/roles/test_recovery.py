@@ -154,6 +154,14 @@ def test_a_killed_follower_is_replaced_and_the_run_ends_as_if_nothing_happened(
     assert 0 < event["rejoin_seconds"] <= event["seconds"] < 60
 
 
+STALLS_RANK_2 = {
+    0: ["--die-after", NEVER],
+    1: ["--die-after", NEVER],
+    2: ["--die-after", "3", "--signal", "SIGSTOP"],
+}
+"""Rank 2 stops itself (SIGSTOP) as it takes its third training batch."""
+
+
 def _stop_and_replace(job: Job) -> tuple[subprocess.Popen[str], float]:
     """Wait until rank 2 has stopped itself (SIGSTOP), then start replacements as a
     supervisor would until one joins; the stalled process and when it stopped."""
@@ -192,11 +200,7 @@ def test_a_stalled_follower_is_replaced_and_its_process_told_to_go(tmp_path: Pat
     job = Job(
         tmp_path / "got",
         [*args, "--recovery", "60", "--keep-unresponsive"],
-        {
-            0: ["--die-after", NEVER],
-            1: ["--die-after", NEVER],
-            2: ["--die-after", "3", "--signal", "SIGSTOP"],
-        },
+        STALLS_RANK_2,
     )
     stalled: subprocess.Popen[str] | None = None
     try:
@@ -230,11 +234,7 @@ def test_a_stalled_follower_on_the_roots_machine_is_ended_and_replaced(tmp_path:
     job = Job(
         tmp_path / "got",
         [*args, "--recovery", "60"],
-        {
-            0: ["--die-after", NEVER],
-            1: ["--die-after", NEVER],
-            2: ["--die-after", "3", "--signal", "SIGSTOP"],
-        },
+        STALLS_RANK_2,
     )
     stalled: subprocess.Popen[str] | None = None
     try:
@@ -243,6 +243,8 @@ def test_a_stalled_follower_on_the_roots_machine_is_ended_and_replaced(tmp_path:
         ended = job.finish()
     finally:
         job.kill()
+        if stalled is not None and stalled.poll() is None:
+            stalled.kill()
     for rank, (code, error) in ended.items():
         assert code == 0, f"rank {rank}: {error}"
     assert "is unresponsive: ended it with SIGKILL" in ended[0][1], ended[0][1]

@@ -115,12 +115,8 @@ def _listed(
     options = _options(args.option, parser)
     try:
         return list_checkpoints(args.location, verify=verify, options=options)
-    except ConfigError as exc:
-        print(f"lampdist checkpoint {args.action}: {exc}", file=sys.stderr)
-        return 2
     except LampdistError as exc:
-        print(f"lampdist checkpoint {args.action}: {exc}", file=sys.stderr)
-        return 1
+        return _failed(args.action, exc)
 
 
 def run_ls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -177,11 +173,13 @@ def run_consolidate(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     options = _options(args.option, parser)
     try:
         source = consolidate(args.directory, args.out, options=options)
-    except ConfigError as exc:
-        print(f"lampdist checkpoint consolidate: {exc}", file=sys.stderr)
-        return 2
     except LampdistError as exc:
-        print(f"lampdist checkpoint consolidate: {exc}", file=sys.stderr)
-        return 1
+        return _failed("consolidate", exc)
     print(f"wrote {args.out} from {source}")
     return 0
+
+
+def _failed(action: str, error: LampdistError) -> int:
+    """Say why ``action`` failed; its exit status: 2 for bad settings, else 1."""
+    print(f"lampdist checkpoint {action}: {error}", file=sys.stderr)
+    return 2 if isinstance(error, ConfigError) else 1
