@@ -39,7 +39,8 @@ LAYER = {name: index for index, names in enumerate(LAYERS) for name in names}
 ROLES_LAYERS = [
     {"_agreement", "_failures"},
     {"_resume", "_stopping", "_recovery"},
-    {"_rank"},
+    {"_rank", "_commands"},
+    {"_run_state"},
     {"_generations"},
     {"_root", "_follower"},
     {"_local", "_train"},

@@ -12,7 +12,7 @@ from typing import Any, Protocol, TypeAlias
 import torch
 
 from ._source import PassContext
-from ._state import LoopState, PassEvent, TrainingState
+from ._state import LoopState, PassEvent, Recovered, TrainingState
 
 __all__ = [
     "Batch",
@@ -96,9 +96,10 @@ class PassAwareBatchSource(Protocol):
 
 class OnPassEvent(Protocol):
     """``async (event) -> None``: the root's progress effect, called on its event loop with
-    each pass's :class:`~lampdist.PassEvent`; a pass's steps never wait for it."""
+    each pass's :class:`~lampdist.PassEvent` and each in-job recovery's
+    :class:`~lampdist.Recovered`; a pass's steps never wait for it."""
 
-    def __call__(self, event: PassEvent, /) -> Awaitable[None]: ...
+    def __call__(self, event: PassEvent | Recovered, /) -> Awaitable[None]: ...
 
 
 class OptimizerFactory(Protocol):

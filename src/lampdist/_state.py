@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -15,6 +17,7 @@ __all__ = [
     "Recovered",
     "StepSplit",
     "TrainingState",
+    "as_pass_event",
 ]
 
 
@@ -96,7 +99,9 @@ class TrainingState:
 
 @attrs.frozen(kw_only=True)
 class Recovered:
-    """One in-job recovery, as the root's progress reports it (:attr:`PassEvent.recovered`).
+    """One in-job recovery (see :class:`lampdist.Recovery`): an event of its own, which
+    ``LoopOptions.on_event`` receives beside the passes' :class:`PassEvent`, before the pass in
+    flight is redone.
 
     ``ranks`` were lost in ``phase`` of ``epoch`` (pass ``pass_index``, which is redone from
     its start); ``seconds`` ran from the moment the root learned of the loss to the moment
@@ -113,6 +118,20 @@ class Recovered:
     rejoin_seconds: float
     recoveries: int
     reason: str
+
+    def __getattr__(self, name: str) -> Any:
+        # Before a recovery was an event of its own, it came as a PassEvent whose
+        # ``recovered`` held it and whose counts were placeholders: code written for that
+        # keeps working, warned.
+        if name.startswith("_") or (not hasattr(PassEvent, name) and name not in _PASS_FIELDS):
+            raise AttributeError(name)
+        warnings.warn(
+            f"a recovery is an event of its own: check isinstance(event, lampdist.Recovered) "
+            f"instead of reading Recovered.{name} as a PassEvent's",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(as_pass_event(self), name)
 
 
 @attrs.frozen(kw_only=True)
@@ -199,9 +218,9 @@ class PassEvent:
     done: bool
     metrics: Mapping[str, float | tuple[float, ...]] = attrs.field(factory=dict, hash=False)
     recovered: Recovered | None = None
-    """Set on the one event that reports an in-job recovery (see :class:`lampdist.Recovery`),
-    sent before the pass in flight is redone: that event's ``step``, ``batches`` and
-    ``examples`` are 0 and its ``seconds`` the recovery's."""
+    """Deprecated, always ``None``: an in-job recovery is an event of its own,
+    :class:`Recovered`, which ``on_event`` receives (it still answers a PassEvent's fields,
+    with a ``DeprecationWarning``: ``recovered`` is itself, the counts placeholders)."""
     tokens: int | None = None
     """The whole clique's tokens so far, where the batches say (see
     :attr:`lampdist.SupervisedModel.token_count`), else ``None``: on the last event the sum
@@ -269,3 +288,28 @@ class PassEvent:
                 "slowest": slowest.to_plain(),
             },
         }
+
+
+_PASS_FIELDS = frozenset(field.name for field in attrs.fields(PassEvent))
+"""What a PassEvent answers (its properties too, through ``hasattr``)."""
+
+
+def as_pass_event(event: PassEvent | Recovered) -> PassEvent:
+    """``event`` as a :class:`PassEvent`: a recovery as the PassEvent it used to come as
+    (``recovered`` set, placeholders for the counts: no step, no loss), for code that records
+    both alike (the trackers)."""
+    if isinstance(event, PassEvent):
+        return event
+    return PassEvent(
+        epoch=event.epoch,
+        kind="valid" if event.phase == "valid" else "train",
+        pass_index=event.pass_index,
+        step=0,
+        batches=0,
+        total_batches=None,
+        examples=0,
+        loss=math.nan,
+        seconds=event.seconds,
+        done=False,
+        recovered=event,
+    )

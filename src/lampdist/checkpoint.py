@@ -22,35 +22,23 @@ everything else is JSON.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import math
 import os
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-import anyio
-import anyio.from_thread
-import anyio.to_thread
 import attrs
 
 from ._checkpoint import (
     FORMAT_VERSION,
+    WRITE_TIMEOUT,
+    DirectoryStorage,
     RngStates,
-    ShardedState,
-    StageOn,
-    background_writes,
-    capture_rng_states,
-    check_store_writable,
-    check_writable,
+    UrlStorage,
+    check_storage_options,
     is_url,
-    new_shards_directory,
-    new_store_shards,
     read_latest,
     read_latest_from_store,
-    write_checkpoint,
-    write_to_store,
 )
 from ._effects import CheckpointState
 from ._errors import CheckpointError, ConfigError
@@ -65,10 +53,6 @@ __all__ = [
     "to_directory",
     "to_url",
 ]
-
-_WRITE_TIMEOUT = 600.0
-"""How long, by default, a checkpoint due (or the run's end) waits for an asynchronous
-write still in flight before that write is aborted and the run ends with a CheckpointError."""
 
 
 @attrs.frozen(kw_only=True, repr=False)
@@ -154,7 +138,7 @@ def to_directory(
     *,
     keep: int = 3,
     asynchronous: bool = False,
-    timeout: float = _WRITE_TIMEOUT,
+    timeout: float = WRITE_TIMEOUT,
 ) -> CheckpointState:
     """A ``checkpoint_state`` effect that writes one atomic checkpoint into ``path`` per call.
 
@@ -193,8 +177,8 @@ def to_directory(
     neither the tensor file nor ``torch.load(weights_only=True)`` could load back, a
     schedule state not made of numbers) or the disk write fails.
     """
-    _check_options(keep, asynchronous, timeout)
-    return _DirectoryCheckpoint(
+    check_storage_options(keep, asynchronous, timeout)
+    return DirectoryStorage(
         directory=Path(path), keep=keep, asynchronous=asynchronous, timeout=float(timeout)
     )
 
@@ -204,7 +188,7 @@ def to_url(
     *,
     keep: int = 3,
     asynchronous: bool = False,
-    timeout: float = _WRITE_TIMEOUT,
+    timeout: float = WRITE_TIMEOUT,
     options: Mapping[str, str] | None = None,
 ) -> CheckpointState:
     """A ``checkpoint_state`` effect that writes one checkpoint per call into an object
@@ -233,185 +217,14 @@ def to_url(
             "checkpoint.to_directory",
             phase="configure",
         )
-    _check_options(keep, asynchronous, timeout)
-    return _UrlCheckpoint(
+    check_storage_options(keep, asynchronous, timeout)
+    return UrlStorage(
         url=str(url).rstrip("/"),
         keep=keep,
         asynchronous=asynchronous,
         timeout=float(timeout),
         options=None if options is None else dict(options),
     )
-
-
-def _check_options(keep: int, asynchronous: bool, timeout: float) -> None:
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise ConfigError(f"keep must be an int >= 1, not {keep!r}", phase="checkpoint")
-    if not isinstance(asynchronous, bool):
-        raise ConfigError(
-            f"asynchronous must be True or False, not {asynchronous!r}", phase="checkpoint"
-        )
-    if (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, int | float)
-        or not math.isfinite(timeout)
-        or timeout <= 0
-    ):
-        raise ConfigError(
-            f"timeout must be a positive number of seconds, not {timeout!r}", phase="checkpoint"
-        )
-
-
-@attrs.frozen(kw_only=True)
-class _Checkpoint:
-    """What the effects of :func:`to_directory` and :func:`to_url` share: a blocking
-    ``write`` and ``check_writable``, run on a worker thread."""
-
-    keep: int
-    asynchronous: bool = False
-    timeout: float = _WRITE_TIMEOUT
-
-    def where(self) -> str:
-        raise NotImplementedError
-
-    def write(
-        self,
-        training_state: TrainingState,
-        lr_state: Any,
-        rng: RngStates,
-        check: Any,
-    ) -> object:
-        raise NotImplementedError
-
-    def check_writable(self, next_epoch: int, *, resumed: bool) -> None:
-        raise NotImplementedError
-
-    def new_shards(self, epoch: int, nranks: int, precision: Mapping[str, Any]) -> ShardedState:
-        """Where the ranks write their shards of the checkpoint of ``epoch`` under
-        ``step_on="fsdp"``, for :meth:`write` to commit."""
-        raise NotImplementedError
-
-    async def check_before_training(self, resume: Resumed | None) -> None:
-        """Raise CheckpointError now, not after an epoch, when this run's checkpoints cannot
-        go where this effect writes (see :func:`to_directory`)."""
-        next_epoch = resume.epoch if resume is not None else 0
-        check = functools.partial(self.check_writable, next_epoch, resumed=resume is not None)
-        await anyio.to_thread.run_sync(check)
-
-    async def __call__(self, training_state: TrainingState, lr_state: Any, /) -> None:
-        rng = capture_rng_states()  # on the caller's thread, at the moment of the call
-        write = functools.partial(
-            self.write, training_state, lr_state, rng, anyio.from_thread.check_cancelled
-        )
-        await anyio.to_thread.run_sync(write)
-
-
-@attrs.frozen(kw_only=True)
-class _DirectoryCheckpoint(_Checkpoint):
-    """The effect :func:`to_directory` returns."""
-
-    directory: Path
-
-    def where(self) -> str:
-        return str(self.directory)
-
-    def write(
-        self, training_state: TrainingState, lr_state: Any, rng: RngStates, check: Any
-    ) -> object:
-        return write_checkpoint(
-            self.directory, training_state, lr_state, rng, keep=self.keep, check=check
-        )
-
-    def check_writable(self, next_epoch: int, *, resumed: bool) -> None:
-        check_writable(self.directory, next_epoch, resumed=resumed)
-
-    def new_shards(self, epoch: int, nranks: int, precision: Mapping[str, Any]) -> ShardedState:
-        return new_shards_directory(self.directory, nranks, precision)
-
-
-@attrs.frozen(kw_only=True)
-class _UrlCheckpoint(_Checkpoint):
-    """The effect :func:`to_url` returns."""
-
-    url: str
-    options: Mapping[str, str] | None = attrs.field(default=None, repr=False)
-
-    def where(self) -> str:
-        return self.url
-
-    def write(
-        self, training_state: TrainingState, lr_state: Any, rng: RngStates, check: Any
-    ) -> object:
-        return write_to_store(
-            self.url,
-            training_state,
-            lr_state,
-            rng,
-            keep=self.keep,
-            check=check,
-            options=self.options,
-        )
-
-    def check_writable(self, next_epoch: int, *, resumed: bool) -> None:
-        check_store_writable(self.url, next_epoch, resumed=resumed, options=self.options)
-
-    def new_shards(self, epoch: int, nranks: int, precision: Mapping[str, Any]) -> ShardedState:
-        return new_store_shards(self.url, epoch, nranks, precision, self.options)
-
-
-def shards_writer(effect: CheckpointState | None) -> Callable[..., ShardedState] | None:
-    """``new_shards(epoch, nranks, precision)`` of an effect of :func:`to_directory` or
-    :func:`to_url` (``None`` for any other effect): where ``step_on="fsdp"`` has every rank
-    write its shards."""
-    return effect.new_shards if isinstance(effect, _Checkpoint) else None
-
-
-async def check_before_training(effect: CheckpointState | None, resume: Resumed | None) -> None:
-    """What the root awaits before training: an effect of :func:`to_directory` or
-    :func:`to_url` checks where it writes (any other effect is the caller's own)."""
-    if isinstance(effect, _Checkpoint):
-        await effect.check_before_training(resume)
-
-
-class Saver(Protocol):
-    """How the root saves a checkpoint with the run's effect (see :func:`open_saver`)."""
-
-    async def save(
-        self, training_state: TrainingState, lr_state: Any, *, stage_on: StageOn
-    ) -> None: ...
-
-    def check(self) -> None: ...
-
-    async def finish(self) -> None: ...
-
-
-@attrs.frozen
-class _Awaiting:
-    """A synchronous effect: awaited, it writes before returning."""
-
-    effect: CheckpointState
-
-    async def save(
-        self, training_state: TrainingState, lr_state: Any, *, stage_on: StageOn
-    ) -> None:
-        await self.effect(training_state, lr_state)
-
-    def check(self) -> None:
-        pass
-
-    async def finish(self) -> None:
-        pass
-
-
-@contextlib.asynccontextmanager
-async def open_saver(effect: CheckpointState) -> AsyncIterator[Saver]:
-    """The run's :class:`Saver`: the writes of an asynchronous effect of
-    :func:`to_directory` or :func:`to_url` in the background (the rules of
-    :mod:`lampdist._checkpoint._background`), any other effect awaited."""
-    if isinstance(effect, _Checkpoint) and effect.asynchronous:
-        async with background_writes(effect) as writer:
-            yield writer
-    else:
-        yield _Awaiting(effect)
 
 
 def load_latest(

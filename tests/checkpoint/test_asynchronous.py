@@ -19,8 +19,8 @@ import lampdist
 from lampdist import checkpoint
 from lampdist._checkpoint._background import background_writes
 from lampdist._checkpoint._staging import Staging
+from lampdist._checkpoint._storage import DirectoryStorage
 from lampdist._checkpoint._tensor_file import SAVED_DEVICE, encode, parse_header
-from lampdist.checkpoint import _DirectoryCheckpoint
 
 from ..roles.reference import make_model, make_shards, mse
 from .test_checkpoint import assert_identical, committed, scratch
@@ -90,7 +90,7 @@ def test_a_staged_copy_records_the_device_of_the_tensor_it_copies() -> None:
 
 
 @attrs.frozen(kw_only=True)
-class _Gated(_DirectoryCheckpoint):
+class _Gated(DirectoryStorage):
     """A real directory checkpoint whose writes wait for ``gate`` first (a slow disk)."""
 
     gate: threading.Event = attrs.field(factory=threading.Event, eq=False)
@@ -116,7 +116,7 @@ async def _stage_here(function: Any) -> Any:
 
 
 async def _saves(
-    target: _DirectoryCheckpoint, *states: lampdist.TrainingState, then: Exception | None = None
+    target: DirectoryStorage, *states: lampdist.TrainingState, then: Exception | None = None
 ) -> None:
     """Save ``states`` in one run of ``target``'s background writer, then fail with ``then``."""
     async with background_writes(target) as writer:
@@ -168,7 +168,7 @@ async def test_a_write_past_its_timeout_is_aborted_and_named(tmp_path: Path) -> 
 async def test_a_failed_write_is_raised_by_the_next_check(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    target = _DirectoryCheckpoint(directory=blocker, keep=3, asynchronous=True)
+    target = DirectoryStorage(directory=blocker, keep=3, asynchronous=True)
     async with background_writes(target) as writer:
         await writer.save(_state(1, 1.0), None, stage_on=_stage_here)
         await writer._wait("test")
@@ -182,7 +182,7 @@ async def test_a_failed_write_is_raised_by_the_next_check(tmp_path: Path) -> Non
 async def test_the_end_raises_a_write_that_failed(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    target = _DirectoryCheckpoint(directory=blocker, keep=3, asynchronous=True)
+    target = DirectoryStorage(directory=blocker, keep=3, asynchronous=True)
     with pytest.raises(lampdist.CheckpointError, match="asynchronous checkpoint of epoch 0"):
         async with background_writes(target) as writer:
             await writer.save(_state(1, 1.0), None, stage_on=_stage_here)
@@ -265,7 +265,7 @@ async def test_asynchronous_checkpoints_equal_synchronous_ones_bitwise(tmp_path:
 
 
 @attrs.frozen(kw_only=True)
-class _FailsAt(_DirectoryCheckpoint):
+class _FailsAt(DirectoryStorage):
     """A real directory checkpoint whose disk fails at one epoch's write."""
 
     epoch: int

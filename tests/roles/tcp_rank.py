@@ -357,7 +357,11 @@ async def main(argv: list[str]) -> None:
     if args.heartbeat is not None:
         liveness = {"heartbeat_interval": args.heartbeat / 4, "heartbeat_timeout": args.heartbeat}
 
-    async def on_event(event: lampdist.PassEvent) -> None:
+    async def on_event(event: lampdist.PassEvent | lampdist.Recovered) -> None:
+        if isinstance(event, lampdist.Recovered):
+            with (args.out / "recovered.jsonl").open("a") as file:
+                file.write(json.dumps(attrs.asdict(event)) + "\n")
+            return
         if event.kind == "train" and event.done and not (args.out / "trained").exists():
             (args.out / "trained").touch()  # a training pass done: the tests' "well into"
         # a graceful stop asked for in the middle of a training pass of epoch --stop-in-epoch
@@ -368,9 +372,6 @@ async def main(argv: list[str]) -> None:
         if event.kind == "train" and event.done and args.grad_norm:
             with (args.out / "grad_norms.jsonl").open("a") as file:
                 file.write(json.dumps([event.grad_norm, event.grad_norm_max]) + "\n")
-        if event.recovered is not None:
-            with (args.out / "recovered.jsonl").open("a") as file:
-                file.write(json.dumps(attrs.asdict(event.recovered)) + "\n")
 
     if args.rank == 0:
         async with control.tcp_root(

@@ -1,5 +1,5 @@
-"""The machinery behind :mod:`lampdist.checkpoint`: format, files, RNG, writers, readers
-(a local directory, an object store), the inventory."""
+"""The machinery behind :mod:`lampdist.checkpoint`: format, files, RNG, the storages,
+writers, readers (a local directory, an object store), the inventory."""
 
 from ._background import StageOn as StageOn
 from ._background import background_writes as background_writes
@@ -26,6 +26,16 @@ from ._shards import by_name as by_name
 from ._shards import load_rank_shards as load_rank_shards
 from ._shards import read_whole as read_whole
 from ._shards import write_rank_shards as write_rank_shards
+from ._storage import WRITE_TIMEOUT as WRITE_TIMEOUT
+from ._storage import DirectoryStorage as DirectoryStorage
+from ._storage import EffectStorage as EffectStorage
+from ._storage import FileStorage as FileStorage
+from ._storage import Saver as Saver
+from ._storage import Storage as Storage
+from ._storage import UrlStorage as UrlStorage
+from ._storage import check_storage_options as check_storage_options
+from ._storage import storage_for as storage_for
+from ._storage import write_own_shards as write_own_shards
 from ._write import check_writable as check_writable
 from ._write import new_shards_directory as new_shards_directory
 from ._write import write_checkpoint as write_checkpoint
@@ -33,16 +43,24 @@ from ._write import write_checkpoint as write_checkpoint
 __all__ = [
     "FORMAT_VERSION",
     "SHARDS",
+    "WRITE_TIMEOUT",
+    "DirectoryStorage",
+    "EffectStorage",
     "FileRecord",
+    "FileStorage",
     "Listed",
     "Loaded",
     "RngStates",
+    "Saver",
     "ShardedState",
     "StageOn",
+    "Storage",
+    "UrlStorage",
     "background_writes",
     "by_index",
     "by_name",
     "capture_rng_states",
+    "check_storage_options",
     "check_store_writable",
     "check_writable",
     "is_url",
@@ -55,8 +73,10 @@ __all__ = [
     "read_latest_from_store",
     "read_whole",
     "restore_rng_states",
+    "storage_for",
     "upload_rank_shards",
     "write_checkpoint",
+    "write_own_shards",
     "write_rank_shards",
     "write_to_store",
 ]

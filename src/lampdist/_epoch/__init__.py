@@ -21,6 +21,7 @@ from ._flat import flat_order as flat_order
 from ._kernel import StepKernel as StepKernel
 from ._pass import PassRunner as PassRunner
 from ._progress import Progress as Progress
+from ._rank_state import RankState as RankState
 from ._result import CheckpointParts as CheckpointParts
 from ._result import PassResult as PassResult
 from ._stepper import Stepper as Stepper
@@ -37,6 +38,7 @@ __all__ = [
     "PassRunner",
     "PassStopped",
     "Progress",
+    "RankState",
     "StepKernel",
     "Stepper",
     "create_design",

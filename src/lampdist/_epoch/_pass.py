@@ -20,7 +20,7 @@ import anyio
 import attrs
 import torch
 
-from .._checkpoint import RngStates, ShardedState, restore_rng_states
+from .._checkpoint import ShardedState
 from .._effects import BatchSource, OnPassEvent, PassAwareBatchSource
 from .._openmp import release_team
 from .._source import PassContext, PassKind, pass_seed
@@ -32,6 +32,7 @@ from ._feed import BatchFeed, open_feed
 from ._kernel import StepKernel
 from ._objects import broadcast_object
 from ._progress import Progress
+from ._rank_state import RankState
 from ._result import CheckpointParts, PassResult
 from ._stream import StreamPosition, TrainStream, stream_context
 
@@ -118,12 +119,12 @@ class PassRunner:
                         extra={"rank": 0},
                     )
                 return
-            mine = ranks[self.rank]
-            if mine["position"] is not None:
-                self._start = StreamPosition.from_plain(mine["position"])
+            mine = RankState.from_plain(ranks[self.rank])
+            if mine.position is not None:
+                self._start = mine.position
                 self.kernel.position = self._start
             if shared["restore_rng"] and self.rank != 0:
-                restore_rng_states(RngStates.from_stored(mine["rng_tensors"], mine["rng_json"]))
+                mine.restore_rng()
 
         await self.compute.run(take, on_cancel=self._abort_clique)
 

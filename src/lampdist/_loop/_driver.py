@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Container, Iterable, Mapping
-from typing import Any, TypeGuard
+from collections.abc import Callable, Container, Iterable, Mapping
+from typing import Any, Protocol, TypeGuard
 
 import attrs
 
@@ -20,7 +20,7 @@ from .._errors import ConfigError
 from .._monitor import LOSSES, EarlyStopping, Monitor
 from .._state import CurvePoint, EarlyStoppingState, LoopState
 
-__all__ = ["epochs"]
+__all__ = ["EpochEffects", "EpochRules", "epochs", "run_epochs"]
 
 logger = logging.getLogger(__name__)
 
@@ -211,119 +211,233 @@ async def epochs(
     or that is not a scalar. Whatever an effect raises propagates unchanged; nothing after
     it runs.
     """
-    state = init_state if init_state is not None else LoopState()
-    _check_arguments(
-        max_epochs, validation_frequency, validation_loss_exponential_smoothing_factor, state
+    rules = _Rules(
+        max_epochs=max_epochs,
+        validation_frequency=validation_frequency,
+        validation_loss_exponential_smoothing_factor=validation_loss_exponential_smoothing_factor,
+        learning_rate_schedule=learning_rate_schedule,
+        return_min_validation_loss_model=return_min_validation_loss_model,
+        best_model_monitor=best_model_monitor,
+        early_stopping=early_stopping,
     )
-    smoothing = float(validation_loss_exponential_smoothing_factor)
-    save_epochs: Container[int] = (
-        return_min_validation_loss_model
-        if isinstance(return_min_validation_loss_model, Container)
-        else frozenset(return_min_validation_loss_model)
+    effects = EpochEffects(
+        train_epoch=train_epoch,
+        validation_epoch=validation_epoch,
+        save_min_validation_loss_model=save_min_validation_loss_model,
+        checkpoint_state=checkpoint_state,
     )
-    validates = validation_epoch is not None
-    if early_stopping is not None and early_stopping.monitor.validation and not validates:
-        raise _fail(
-            f"early stopping watches {early_stopping.monitor.metric!r}, but the loop does not "
-            "validate: pass validation_epoch (validation_batches) or watch a training value"
-        )
-    schedule = learning_rate_schedule
-    schedule_monitor = _schedule_monitor(schedule)
-    lr_state = (
-        learning_rate_schedule_init_state
-        if learning_rate_schedule_init_state is not None
-        else schedule.init
+    return await run_epochs(
+        rules, effects, init_state=init_state, lr_state=learning_rate_schedule_init_state
     )
 
+
+class EpochRules(Protocol):
+    """The epoch loop's rules, as :func:`epochs` takes them (``LoopOptions`` is one)."""
+
+    @property
+    def max_epochs(self) -> int: ...
+    @property
+    def validation_frequency(self) -> int: ...
+    @property
+    def validation_loss_exponential_smoothing_factor(self) -> float: ...
+    @property
+    def learning_rate_schedule(self) -> schedules.LearningRateSchedule[Any]: ...
+    @property
+    def return_min_validation_loss_model(self) -> Container[int] | Iterable[int]: ...
+    @property
+    def best_model_monitor(self) -> Monitor: ...
+    @property
+    def early_stopping(self) -> EarlyStopping | None: ...
+
+
+@attrs.frozen(kw_only=True)
+class _Rules:
+    """:class:`EpochRules` from :func:`epochs`'s arguments."""
+
+    max_epochs: int
+    validation_frequency: int
+    validation_loss_exponential_smoothing_factor: float
+    learning_rate_schedule: schedules.LearningRateSchedule[Any]
+    return_min_validation_loss_model: Container[int] | Iterable[int]
+    best_model_monitor: Monitor
+    early_stopping: EarlyStopping | None
+
+
+@attrs.frozen(kw_only=True)
+class EpochEffects:
+    """What the epoch loop awaits: the passes, the best model's save, the checkpoint."""
+
+    train_epoch: TrainEpoch
+    validation_epoch: ValidationEpoch | None = None
+    save_min_validation_loss_model: SaveBestModel | None = None
+    checkpoint_state: CheckpointLoopState | None = None
+
+
+@attrs.frozen
+class _Loop:
+    """One run of the loop: its rules, effects and what it derives from them once."""
+
+    rules: EpochRules
+    effects: EpochEffects
+    smoothing: float
+    save_epochs: Container[int]
+    schedule_monitor: Monitor | None
+
+    @classmethod
+    def create(cls, rules: EpochRules, effects: EpochEffects, state: LoopState) -> _Loop:
+        smoothing = rules.validation_loss_exponential_smoothing_factor
+        _check_arguments(rules.max_epochs, rules.validation_frequency, smoothing, state)
+        best = rules.return_min_validation_loss_model
+        save_epochs = best if isinstance(best, Container) else frozenset(best)
+        early_stopping = rules.early_stopping
+        validates = effects.validation_epoch is not None
+        if early_stopping is not None and early_stopping.monitor.validation and not validates:
+            raise _fail(
+                f"early stopping watches {early_stopping.monitor.metric!r}, but the loop does "
+                "not validate: pass validation_epoch (validation_batches) or watch a training "
+                "value"
+            )
+        monitor = _schedule_monitor(rules.learning_rate_schedule)
+        return cls(rules, effects, float(smoothing), save_epochs, monitor)
+
+
+async def run_epochs(
+    rules: EpochRules,
+    effects: EpochEffects,
+    *,
+    init_state: LoopState | None = None,
+    lr_state: Any = None,
+    stop: Callable[[], bool] | None = None,
+) -> LoopState:
+    """The loop of :func:`epochs`, its rules and effects whole; ``stop`` (when given) is
+    asked before each epoch whether a stop was requested: the loop then ends before it, as
+    it does at ``max_epochs`` (the schedule is not asked)."""
+    state = init_state if init_state is not None else LoopState()
+    loop = _Loop.create(rules, effects, state)
+    schedule = rules.learning_rate_schedule
+    lr_state = lr_state if lr_state is not None else schedule.init
     while True:
         epoch = state.epoch
-        watched = (
-            state.last_validation_loss
-            if schedule_monitor is None
-            else _latest(state.learning_curve, schedule_monitor)
-        )
-        next_lr_state, factor = schedule.learning_rate_factor(lr_state, epoch, watched)
-        if epoch >= max_epochs:
-            logger.debug("reached max_epochs=%d", max_epochs, extra={"epoch": epoch})
-            return state
-        if _stops_early(early_stopping, state):
-            assert early_stopping is not None and state.early_stopping is not None
-            logger.info(
-                "early stopping before epoch %d: %s has not improved on %s for %d epochs",
-                epoch,
-                early_stopping.monitor.metric,
-                state.early_stopping.best,
-                state.early_stopping.wait,
-                extra={"epoch": epoch},
+        stopped = stop is not None and stop()
+        if stopped:
+            next_lr_state, factor = lr_state, 0.0
+        else:
+            watched = (
+                state.last_validation_loss
+                if loop.schedule_monitor is None
+                else _latest(state.learning_curve, loop.schedule_monitor)
             )
+            next_lr_state, factor = schedule.learning_rate_factor(lr_state, epoch, watched)
+        if _ends_before(loop, state, factor, stopped=stopped):
             return state
-        if not math.isfinite(factor):
-            raise ConfigError(
-                f"the learning-rate schedule returned factor {factor!r} for epoch {epoch}; "
-                "return a finite factor (0 or less stops training)",
-                phase="schedule",
-            )
-        if factor <= 0.0:
-            logger.info(
-                "learning-rate schedule stopped training before epoch %d (factor %g)",
-                epoch,
-                factor,
-                extra={"epoch": epoch},
-            )
-            return state
+        state = await _one_epoch(loop, state, factor)
+        if effects.checkpoint_state is not None:
+            await effects.checkpoint_state(state, next_lr_state)
+        lr_state = next_lr_state
 
-        training_loss, training_metrics = _outcome(await train_epoch(factor), "train_epoch")
-        metrics = {f"training_{name}": value for name, value in training_metrics.items()}
 
-        raw: float | None = None
-        smoothed: float | None = None
-        last_validation_loss = state.last_validation_loss
-        min_validation_loss = state.min_validation_loss
-        min_validation_epoch = state.min_validation_epoch
-        if validation_epoch is not None and epoch % validation_frequency == 0:
-            raw, validation_metrics = _outcome(await validation_epoch(), "validation_epoch")
-            metrics |= {f"validation_{name}": value for name, value in validation_metrics.items()}
-            smoothed = _smooth(raw, last_validation_loss, smoothing)
-            last_validation_loss = smoothed
-        point = CurvePoint(
-            epoch=epoch,
-            training_loss=training_loss,
-            validation_loss=raw,
-            smoothed_validation_loss=smoothed,
-            metrics=metrics,
-        )
-        if schedule_monitor is not None:  # before the next epoch's schedule call needs it
-            _watched(point, schedule_monitor, "the learning-rate schedule", check=True)
-        if epoch in save_epochs:
-            best = _watched(point, best_model_monitor, "the best model", check=True)
-            if best is not None and best_model_monitor.improves(best, min_validation_loss):
-                if save_min_validation_loss_model is not None:
-                    await save_min_validation_loss_model()
-                min_validation_loss = best
-                min_validation_epoch = epoch
-        early = state.early_stopping
-        if early_stopping is not None:
-            value = _watched(point, early_stopping.monitor, "early stopping", check=True)
-            early = _early_stopping_state(early_stopping, early, value)
-
-        state = attrs.evolve(
-            state,
-            epoch=epoch + 1,
-            last_validation_loss=last_validation_loss,
-            min_validation_loss=min_validation_loss,
-            min_validation_epoch=min_validation_epoch,
-            learning_curve=(*state.learning_curve, point),
-            early_stopping=early,
-        )
+def _ends_before(loop: _Loop, state: LoopState, factor: float, *, stopped: bool) -> bool:
+    """Whether the loop ends before epoch ``state.epoch``: ``max_epochs``, early stopping,
+    a stop requested, the schedule's factor of 0 or less; raises :class:`ConfigError` for a
+    factor that is not finite."""
+    epoch, rules = state.epoch, loop.rules
+    if epoch >= rules.max_epochs:
+        logger.debug("reached max_epochs=%d", rules.max_epochs, extra={"epoch": epoch})
+        return True
+    early_stopping = rules.early_stopping
+    if _stops_early(early_stopping, state):
+        assert early_stopping is not None and state.early_stopping is not None
         logger.info(
-            "epoch %d: training loss %.6g, validation loss %s, smoothed %s, lr factor %.6g",
+            "early stopping before epoch %d: %s has not improved on %s for %d epochs",
             epoch,
-            training_loss,
-            "-" if raw is None else f"{raw:.6g}",
-            "-" if smoothed is None else f"{smoothed:.6g}",
+            early_stopping.monitor.metric,
+            state.early_stopping.best,
+            state.early_stopping.wait,
+            extra={"epoch": epoch},
+        )
+        return True
+    if stopped:
+        logger.info("stopping on request before epoch %d", epoch, extra={"epoch": epoch})
+        return True
+    if not math.isfinite(factor):
+        raise ConfigError(
+            f"the learning-rate schedule returned factor {factor!r} for epoch {epoch}; "
+            "return a finite factor (0 or less stops training)",
+            phase="schedule",
+        )
+    if factor <= 0.0:
+        logger.info(
+            "learning-rate schedule stopped training before epoch %d (factor %g)",
+            epoch,
             factor,
             extra={"epoch": epoch},
         )
-        if checkpoint_state is not None:
-            await checkpoint_state(state, next_lr_state)
-        lr_state = next_lr_state
+        return True
+    return False
+
+
+async def _one_epoch(loop: _Loop, state: LoopState, factor: float) -> LoopState:
+    """Train epoch ``state.epoch`` (and validate it when due), record its point of the
+    curve, the best model and early stopping; the loop state after it."""
+    epoch, rules, effects = state.epoch, loop.rules, loop.effects
+    training_loss, training_metrics = _outcome(await effects.train_epoch(factor), "train_epoch")
+    metrics = {f"training_{name}": value for name, value in training_metrics.items()}
+    raw: float | None = None
+    smoothed: float | None = None
+    last_validation_loss = state.last_validation_loss
+    if effects.validation_epoch is not None and epoch % rules.validation_frequency == 0:
+        outcome = await effects.validation_epoch()
+        raw, validation_metrics = _outcome(outcome, "validation_epoch")
+        metrics |= {f"validation_{name}": value for name, value in validation_metrics.items()}
+        smoothed = _smooth(raw, last_validation_loss, loop.smoothing)
+        last_validation_loss = smoothed
+    point = CurvePoint(
+        epoch=epoch,
+        training_loss=training_loss,
+        validation_loss=raw,
+        smoothed_validation_loss=smoothed,
+        metrics=metrics,
+    )
+    if loop.schedule_monitor is not None:  # before the next epoch's schedule call needs it
+        _watched(point, loop.schedule_monitor, "the learning-rate schedule", check=True)
+    min_validation_loss, min_validation_epoch = await _best(loop, state, point)
+    early = state.early_stopping
+    if rules.early_stopping is not None:
+        value = _watched(point, rules.early_stopping.monitor, "early stopping", check=True)
+        early = _early_stopping_state(rules.early_stopping, early, value)
+    logger.info(
+        "epoch %d: training loss %.6g, validation loss %s, smoothed %s, lr factor %.6g",
+        epoch,
+        training_loss,
+        "-" if raw is None else f"{raw:.6g}",
+        "-" if smoothed is None else f"{smoothed:.6g}",
+        factor,
+        extra={"epoch": epoch},
+    )
+    return attrs.evolve(
+        state,
+        epoch=epoch + 1,
+        last_validation_loss=last_validation_loss,
+        min_validation_loss=min_validation_loss,
+        min_validation_epoch=min_validation_epoch,
+        learning_curve=(*state.learning_curve, point),
+        early_stopping=early,
+    )
+
+
+async def _best(
+    loop: _Loop, state: LoopState, point: CurvePoint
+) -> tuple[float | None, int | None]:
+    """The best model's watched value and epoch after ``point``'s epoch, saving the model
+    when the epoch is one to save at and improves on the best."""
+    best_so_far = state.min_validation_loss, state.min_validation_epoch
+    if point.epoch not in loop.save_epochs:
+        return best_so_far
+    monitor = loop.rules.best_model_monitor
+    best = _watched(point, monitor, "the best model", check=True)
+    if best is None or not monitor.improves(best, state.min_validation_loss):
+        return best_so_far
+    save = loop.effects.save_min_validation_loss_model
+    if save is not None:
+        await save()
+    return best, point.epoch

@@ -32,6 +32,7 @@ from .._options import ModelWithData, StepOptions, Timeouts
 from .._preload import preload
 from ..clique import CliqueFactory, CliqueId
 from ..control import Command, CommandKind, FollowerChannel
+from ._commands import carry_out
 from ._failures import (
     CULPRIT_TIMEOUT,
     DERIVED,
@@ -434,39 +435,17 @@ class _Follower:
             if command.kind is CommandKind.STOP:
                 if command.error is not None:
                     raise RankFailed(command.error, rank=0, phase="stop")
-                tracker.current = "stop"
                 self.context.stopping.reached.set()
-                await runner.sync_parameters()
+                await carry_out(runner, self.context.data, command, tracker)
                 return
             if command.kind is CommandKind.HOLD:
                 raise _Held(command)
             if command.kind is CommandKind.REJOIN:
                 continue  # this generation's (a replacement joins with the new id)
             tracker.epoch = command.epoch
-            await self._interruptible(commands, partial(self._carry_out, runner, command))
+            work = partial(carry_out, runner, self.context.data, command, tracker)
+            await self._interruptible(commands, work)
             tracker.current = "wait for command"
-
-    async def _carry_out(self, runner: PassRunner, command: Command) -> None:
-        """One TRAIN, VALID or CHECKPOINT."""
-        tracker, data = self.tracker, self.context.data
-        if command.kind is CommandKind.TRAIN:
-            tracker.current = "train"
-            await runner.train_pass(
-                data.train_batches,
-                epoch=command.epoch,
-                pass_index=command.pass_index,
-                lr_factor=command.lr_factor if command.lr_factor is not None else 1.0,
-            )
-        elif command.kind is CommandKind.CHECKPOINT:
-            tracker.current = "checkpoint"
-            await runner.checkpoint_parts()
-        elif command.kind is CommandKind.VALID:
-            tracker.current = "valid"
-            assert data.validation_batches is not None  # the agreement check ensures it
-            await runner.validation_pass(
-                data.validation_batches, epoch=command.epoch, pass_index=command.pass_index
-            )
-
 
 def _root_must_hear(error: BaseException) -> bool:
     """Whether the root learns of ``error`` only from this rank: not for the consequence of a

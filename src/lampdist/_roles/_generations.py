@@ -12,7 +12,6 @@ back at the snapshot and runs the effect again.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
@@ -22,7 +21,7 @@ from typing import TypeVar
 import anyio
 import attrs
 
-from .._epoch import PassRunner
+from .._epoch import DESIGNS, PassRunner
 from .._errors import (
     CliqueError,
     CliqueTimeout,
@@ -31,10 +30,8 @@ from .._errors import (
     LampdistError,
     MismatchError,
 )
-from .._model import original_module
 from .._options import LoopOptions
-from .._state import PassEvent, Recovered
-from ..checkpoint import Resumed
+from .._state import Recovered
 from ..clique import Clique, ProcessGroups
 from ..control import Command, CommandKind, RecoverableRootChannel, RootChannel
 from ._failures import (
@@ -47,8 +44,8 @@ from ._failures import (
     watch_peers,
 )
 from ._rank import RankContext, RunOptions
-from ._recovery import HOLD_MARGIN, fresh, is_consequence, is_lost, snapshot
-from ._resume import restore_rng
+from ._recovery import HOLD_MARGIN, is_consequence, is_lost
+from ._run_state import RunState
 
 __all__ = ["Generations", "check_recovery"]
 
@@ -66,11 +63,11 @@ def check_recovery(nranks: int, run: RunOptions, loop: LoopOptions, control: Roo
     (followers in the root's process, over in-process cliques or channels)."""
     if loop.recovery is None or nranks == 1:
         return
-    if run.step.step_on == "fsdp":
+    if not DESIGNS[run.step.step_on].recovers:
         raise ConfigError(
-            "LoopOptions.recovery does not support step_on='fsdp' (each rank holds shards of "
-            "the model that no other rank has): pass recovery=None, and resume from the "
-            "checkpoint after a loss",
+            f"LoopOptions.recovery does not support step_on={run.step.step_on!r} (each rank "
+            "holds shards of the model that no other rank has): pass recovery=None, and "
+            "resume from the checkpoint after a loss",
             rank=0,
             phase="configure",
         )
@@ -93,16 +90,14 @@ class Generations:
     context: RankContext
     control: RootChannel
     loop: LoopOptions
-    restore: Callable[[Resumed], object]
-    """Loads a state into the root's model and optimizer (on the compute thread)."""
+    state: RunState
+    """The run's state: what a snapshot takes and a recovery goes back to."""
     where: Callable[[], tuple[int, int]]
     """The root's epoch and pass index now (what HOLD, REJOIN and the snapshot carry)."""
     runner: PassRunner | None = None
     """The pass runner over the current generation's clique."""
     stack: AsyncExitStack | None = None
     """The current generation's rendezvous and clique, open."""
-    snapshot: Resumed | None = None
-    """Under recovery: the state at the end of the last completed effect."""
     recoveries: int = 0
     rejoined: float = 0.0
     """When every follower had last joined (``time.monotonic()``)."""
@@ -136,9 +131,7 @@ class Generations:
         s (with ``rejoin``, the survivors of a loss told the new id by REJOIN), and this rank's
         clique over it: :attr:`runner`, until :meth:`close`."""
         context, control = self.context, self.control
-        stack = AsyncExitStack()
-        await stack.__aenter__()
-        try:
+        async with AsyncExitStack() as stack:
             clique_id = await stack.enter_async_context(context.cliques.rendezvous(context.nranks))
             await control.publish_clique_id(clique_id)
             await control.wait_for_peers(context.nranks - 1, join_within)
@@ -154,10 +147,7 @@ class Generations:
                 )
             opened = context.open_clique(clique_id, on_event=self.loop.on_event)
             self.runner = await stack.enter_async_context(opened)
-        except BaseException as exc:
-            await stack.__aexit__(type(exc), exc, exc.__traceback__)
-            raise
-        self.stack = stack
+            self.stack = stack.pop_all()  # open until close()
 
     async def close(self, error: BaseException | None) -> None:
         """Close the current generation's clique and rendezvous (``error``: what ends it)."""
@@ -218,17 +208,9 @@ class Generations:
                 return result
 
     async def take_snapshot(self) -> None:
-        """Every rank hands the root its part of a checkpoint, which the root keeps in
-        memory with a copy of its model and optimizer state: what a recovery goes back to."""
-        runner = self.current()
-        self.tracker.current = "checkpoint"
-        await self.control.broadcast(
-            Command(kind=CommandKind.CHECKPOINT, epoch=self.epoch, pass_index=self.pass_index)
-        )
-        parts = await runner.checkpoint_parts()
-        assert parts is not None  # on the root
-        module = original_module(self.context.data.model.module)
-        self.snapshot = await self.context.compute.run(lambda: snapshot(module.state_dict(), parts))
+        """Every rank hands the root its part of the state, which the root keeps in memory
+        with a copy of its model and optimizer state: what a recovery goes back to."""
+        await self.state.keep_snapshot(self.current(), epoch=self.epoch, pass_index=self.pass_index)
 
     async def lost(self, error: BaseException) -> dict[int, LampdistError]:
         """The followers lost (by rank, with their errors) when ``error`` is the consequence
@@ -252,19 +234,10 @@ class Generations:
         snapshot, within ``recovery.rejoin_timeout`` of the loss. Raises when recoveries
         are used up, a rank is not back in time, or the recovery itself fails."""
         recovery = self.loop.recovery
-        assert recovery is not None and self.snapshot is not None
-        tracker = self.tracker
-        phase, epoch, pass_index = tracker.current, self.epoch, self.pass_index
+        assert recovery is not None
+        phase, epoch, pass_index = self.tracker.current, self.epoch, self.pass_index
         started = time.monotonic()
-        first = lost[min(lost)]
-        self.recoveries += 1
-        if self.recoveries > recovery.max_recoveries:
-            raise type(first)(
-                f"{first.message} (the run has had {recovery.max_recoveries} recoveries, as "
-                "many as Recovery.max_recoveries allows)",
-                rank=first.rank,
-                phase=first.phase,
-            ) from error
+        self._count_recovery(lost, error)
         ranks = set(lost)
         reason = "; ".join(f"rank {rank}: {describe(e)}" for rank, e in sorted(lost.items()))
         logger.warning(
@@ -279,13 +252,62 @@ class Generations:
             recovery.rejoin_timeout,
             extra={"rank": 0, "epoch": epoch},
         )
-        deadline = started + recovery.rejoin_timeout
+        ranks = await self._rejoin(ranks, reason, started + recovery.rejoin_timeout, error)
+        seconds = time.monotonic() - started
+        waited = self.rejoined - started
+        logger.warning(
+            "recovered rank(s) %s in %.2f s (%.2f s of it until they rejoined): pass %d "
+            "(epoch %d) is redone from its start",
+            sorted(ranks),
+            seconds,
+            waited,
+            pass_index,
+            epoch,
+            extra={"rank": 0, "epoch": epoch},
+        )
+        if self.loop.on_event is not None:
+            await self.loop.on_event(
+                Recovered(
+                    ranks=tuple(sorted(ranks)),
+                    phase=phase,
+                    epoch=epoch,
+                    pass_index=pass_index,
+                    seconds=seconds,
+                    rejoin_seconds=waited,
+                    recoveries=self.recoveries,
+                    reason=reason,
+                )
+            )
+
+    def _count_recovery(self, lost: dict[int, LampdistError], error: BaseException) -> None:
+        """Count this recovery; raise the first lost rank's error (chained to ``error``) when
+        the run has had as many as ``Recovery.max_recoveries`` allows."""
+        recovery = self.loop.recovery
+        assert recovery is not None
+        self.recoveries += 1
+        if self.recoveries > recovery.max_recoveries:
+            first = lost[min(lost)]
+            raise type(first)(
+                f"{first.message} (the run has had {recovery.max_recoveries} recoveries, as "
+                "many as Recovery.max_recoveries allows)",
+                rank=first.rank,
+                phase=first.phase,
+            ) from error
+
+    async def _rejoin(
+        self, ranks: set[int], reason: str, deadline: float, error: BaseException
+    ) -> set[int]:
+        """Hold, then regroup with the replacements of ``ranks`` by ``deadline``
+        (``time.monotonic()``), refusing a replacement that does not match and taking in
+        the followers lost meanwhile; every rank lost, once regrouped."""
+        recovery = self.loop.recovery
+        assert recovery is not None
+        phase, epoch = self.tracker.current, self.epoch
         while True:
-            tracker.current = "recover"
+            self.tracker.current = "recover"
             ranks |= await self.hold(ranks, reason)
             try:
                 await self.regroup(deadline - time.monotonic())
-                break
             except MismatchError as refused:
                 logger.warning(
                     "refused the process that joined as rank(s) %s: %s; waiting for another",
@@ -309,43 +331,8 @@ class Generations:
                 if not more:
                     raise
                 ranks |= set(more)
-        seconds = time.monotonic() - started
-        waited = self.rejoined - started
-        logger.warning(
-            "recovered rank(s) %s in %.2f s (%.2f s of it until they rejoined): pass %d "
-            "(epoch %d) is redone from its start",
-            sorted(ranks),
-            seconds,
-            waited,
-            pass_index,
-            epoch,
-            extra={"rank": 0, "epoch": epoch},
-        )
-        if self.loop.on_event is not None:
-            await self.loop.on_event(
-                PassEvent(
-                    epoch=epoch,
-                    kind="valid" if phase == "valid" else "train",
-                    pass_index=pass_index,
-                    step=0,
-                    batches=0,
-                    total_batches=None,
-                    examples=0,
-                    loss=math.nan,
-                    seconds=seconds,
-                    done=False,
-                    recovered=Recovered(
-                        ranks=tuple(sorted(ranks)),
-                        phase=phase,
-                        epoch=epoch,
-                        pass_index=pass_index,
-                        seconds=seconds,
-                        rejoin_seconds=waited,
-                        recoveries=self.recoveries,
-                        reason=reason,
-                    ),
-                )
-            )
+            else:
+                return ranks
 
     async def hold(self, ranks: set[int], reason: str) -> set[int]:
         """End the clique's generation without ``ranks``: abort the clique (which frees the
@@ -393,11 +380,6 @@ class Generations:
     async def regroup(self, join_within: float) -> None:
         """The clique's next generation with the lost ranks' replacements (joined within
         ``join_within`` s), every rank put back at the last snapshot."""
-        assert self.snapshot is not None
         await self.open(max(join_within, 0.0), rejoin=True)
-        state = await self.context.compute.run(fresh, self.snapshot)  # copies: not on the loop
-        context = self.context
-        await context.compute.run(self.restore, state)
-        await self.watched(partial(context.agree_and_sync, self.current(), resume=state))
-        assert state.rng_states is not None  # a snapshot has the root's
-        await context.compute.run(restore_rng, state.rng_states)
+        resume = await self.state.load_snapshot()
+        await self.watched(partial(self.state.settle, self.current(), resume))

@@ -183,13 +183,14 @@ def _cliques(rank: int, nranks: int, device: torch.device, options: RunOptions) 
     clique for a rank alone and process groups otherwise. fsdp needs process groups that open
     torch's default group (see :class:`ProcessGroups`), on any number of ranks."""
     cliques = options.cliques
-    if options.step.step_on == "fsdp":
+    step_on = options.step.step_on
+    if DESIGNS[step_on].own_process:
         if cliques is None:
             return ProcessGroups(default_group=True)
         if isinstance(cliques, ProcessGroups):
             return attrs.evolve(cliques, default_group=True)
         raise ConfigError(
-            f"step_on='fsdp' needs one process per rank over process groups, not "
+            f"step_on={step_on!r} needs one process per rank over process groups, not "
             f"{type(cliques).__name__} cliques: pass cliques=None or ProcessGroups(...)",
             rank=rank,
             phase="configure",

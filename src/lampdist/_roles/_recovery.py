@@ -3,7 +3,8 @@ follower is, the state the run goes back to, and how long the survivors hold.
 
 After every pass the root keeps a *snapshot* in memory: what a checkpoint holds (the model,
 the whole optimizer state, every rank's place in its training data and RNG states), taken by
-the same collective as a checkpoint's parts. When a follower is lost the root aborts the
+the run's state component as it takes a checkpoint (``_run_state``: the same capture, kept in
+memory). When a follower is lost the root aborts the
 clique, tells the survivors to HOLD, waits for a new process to join as that rank, opens the
 clique's next generation and resumes every rank from the snapshot as a resumed run resumes
 from a checkpoint; the pass in flight is then redone from its start. The run thus ends where
@@ -13,15 +14,6 @@ from the same weights, and its tallies, metrics and progress start afresh.
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Mapping
-from typing import Any
-
-import attrs
-import torch
-
-from .._checkpoint import RngStates
-from .._epoch import CheckpointParts
 from .._errors import (
     CliqueError,
     CliqueTimeout,
@@ -30,10 +22,8 @@ from .._errors import (
     PeerDisconnected,
     RankFailed,
 )
-from .._state import LoopState, TrainingState
-from ..checkpoint import Resumed
 
-__all__ = ["HOLD_MARGIN", "fresh", "is_consequence", "is_lost", "snapshot"]
+__all__ = ["HOLD_MARGIN", "is_consequence", "is_lost"]
 
 HOLD_MARGIN = 30.0
 """Seconds a survivor holds beyond the root's own deadlines (the rejoin timeout, the clique
@@ -61,37 +51,3 @@ def is_consequence(error: BaseException) -> bool:
     if isinstance(error, CliqueError | CliqueTimeout):
         return True
     return isinstance(error, LampdistError) and is_lost(error)
-
-
-def snapshot(model_state: Mapping[str, torch.Tensor], parts: CheckpointParts) -> Resumed:
-    """The state to go back to, from the root's live ``model_state`` and the checkpoint
-    ``parts`` every rank just handed it: copies, since training goes on in place. The
-    optimizer state is deep-copied (its tensors are the optimizer's own)."""
-    own = parts.rank_states[0]
-    training_state = TrainingState(
-        loop_state=LoopState(),
-        model_state={name: tensor.detach().clone() for name, tensor in model_state.items()},
-        optimizer_state=_copy(parts.optimizer_state),
-        rank_states=parts.rank_states,
-    )
-    rng = RngStates.from_stored(own["rng_tensors"], own["rng_json"])
-    return Resumed(training_state=training_state, rng_states=rng)
-
-
-def fresh(resume: Resumed) -> Resumed:
-    """A copy of ``resume``'s model and optimizer state to load: loading may alias a state's
-    tensors into the optimizer, which then steps them, and a second loss within the same
-    pass goes back to the same snapshot."""
-    state = resume.training_state
-    return attrs.evolve(
-        resume,
-        training_state=attrs.evolve(
-            state,
-            model_state={name: tensor.clone() for name, tensor in state.model_state.items()},
-            optimizer_state=_copy(state.optimizer_state),
-        ),
-    )
-
-
-def _copy(state: Mapping[str, Any]) -> dict[str, Any]:
-    return copy.deepcopy(dict(state))

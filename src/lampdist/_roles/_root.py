@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -12,27 +11,19 @@ import anyio
 import attrs
 import torch
 
-from .._checkpoint import by_index, local_shards, read_whole
+from .._checkpoint import Storage, storage_for
 from .._device import resolve_device
 from .._effects import EpochOutcome, OptimizerFactory
-from .._epoch import CheckpointParts, PassResult, PassRunner, flat_order
-from .._errors import (
-    CheckpointError,
-    CliqueError,
-    CliqueTimeout,
-    ConfigError,
-    LampdistError,
-    RankFailed,
-)
-from .._loop import epochs
-from .._model import original_module
+from .._epoch import DESIGNS, PassRunner
+from .._errors import CliqueError, CliqueTimeout, ConfigError, LampdistError, RankFailed
+from .._loop import EpochEffects, run_epochs
 from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts, check_monitors
 from .._preload import preload
-from .._state import LoopState, TrainingState
-from ..checkpoint import Resumed, Saver, check_before_training, open_saver, shards_writer
+from .._state import LoopState
+from ..checkpoint import Resumed
 from ..clique import Clique, CliqueFactory
 from ..control import Command, CommandKind, RootChannel
-from ..schedules import LearningRateSchedule
+from ._commands import order
 from ._failures import (
     PhaseTracker,
     describe,
@@ -45,14 +36,8 @@ from ._failures import (
 )
 from ._generations import Generations, check_recovery
 from ._rank import RankContext, RunOptions, check_optimizer_factory, check_rank, open_rank
-from ._resume import (
-    check_schedule_state,
-    fitting_model_state,
-    load_model_state,
-    load_optimizer_state,
-    restore_rng,
-    resumed_schedule_state,
-)
+from ._resume import resumed_schedule_state
+from ._run_state import RunState
 from ._stopping import Stopping
 
 __all__ = ["drive", "drive_distributed_training"]
@@ -146,7 +131,9 @@ async def drive(
     """The root's run as :func:`drive_distributed_training` describes it, for this package's
     entry points: the device resolved, the options built once."""
     check_optimizer_factory(0, run)
-    _check_fsdp_loop(run.step, loop)
+    effect = loop.checkpoint_state
+    storage = storage_for(effect) if effect is not None else None
+    _check_design_loop(run.step, loop, storage)
     check_recovery(nranks, run, loop, control)
     lr_state = resumed_schedule_state(loop.learning_rate_schedule, resume)
     check_monitors(loop, data)
@@ -159,10 +146,17 @@ async def drive(
             extra={"rank": 0},
         )
     with naming_rank(0):  # what the checkpoint's storage raises names no rank
-        await check_before_training(loop.checkpoint_state, resume)
+        if storage is not None:
+            next_epoch = resume.epoch if resume is not None else 0
+            await storage.check_before_training(next_epoch, resumed=resume is not None)
         async with open_rank(0, nranks, torch_device, data, run) as context:
             root = _Root(
-                context=context, control=control, loop=loop, resume=resume, lr_state=lr_state
+                context=context,
+                control=control,
+                loop=loop,
+                resume=resume,
+                lr_state=lr_state,
+                storage=storage,
             )
             stopping = context.stopping
             try:
@@ -178,30 +172,28 @@ async def drive(
     return state
 
 
-def _check_fsdp_loop(step: StepOptions, loop: LoopOptions) -> None:
-    """Raise :class:`ConfigError` for what ``step_on="fsdp"`` does not do: checkpoints by
-    another effect than :func:`lampdist.checkpoint.to_directory` or ``to_url`` (every rank
-    writes its shards where they go) and the best model (it would need every rank's
-    shards)."""
-    if step.step_on != "fsdp":
-        return
-    effect = loop.checkpoint_state
+def _check_design_loop(step: StepOptions, loop: LoopOptions, storage: Storage | None) -> None:
+    """Raise :class:`ConfigError` for what the design of ``step.step_on`` does not do: a
+    design whose ranks write their own shards (fsdp) needs a storage that holds them
+    (:func:`lampdist.checkpoint.to_directory` or ``to_url``), and one whose root does not
+    hold the whole model keeps no best model."""
+    design = DESIGNS[step.step_on]
     for unsupported, name, instead in (
         (
-            effect is not None and shards_writer(effect) is None,
+            design.loads_checkpoints and storage is not None and not storage.holds_shards,
             "checkpoint_state other than checkpoint.to_directory(...) or to_url(...)",
             "checkpoint_state=checkpoint.to_directory(path)",
         ),
         (
-            bool(loop.return_min_validation_loss_model),
+            not design.keeps_best_model and bool(loop.return_min_validation_loss_model),
             "return_min_validation_loss_model",
             "return_min_validation_loss_model=()",
         ),
     ):
         if unsupported:
             raise ConfigError(
-                f"step_on='fsdp' does not support {name} (every rank holds shards of the "
-                f"model): pass {instead}",
+                f"step_on={step.step_on!r} does not support {name} (every rank holds shards "
+                f"of the model): pass {instead}",
                 rank=0,
                 phase="configure",
             )
@@ -246,32 +238,6 @@ def _why(error: BaseException, tracker: PhaseTracker, stopping: Stopping) -> Bas
     return error
 
 
-@attrs.frozen
-class _UntilStopped:
-    """``schedule``, but a factor of 0 (the epoch driver's "stop") once a stop is requested."""
-
-    schedule: LearningRateSchedule[Any]
-    stopping: Stopping
-
-    @property
-    def init(self) -> Any:
-        return self.schedule.init
-
-    @property
-    def monitor(self) -> Any:
-        return getattr(self.schedule, "monitor", None)
-
-    def learning_rate_factor(
-        self, state: Any, epoch: int, last_validation_loss: float | None
-    ) -> tuple[Any, float]:
-        if self.stopping.requested():
-            logger.info(
-                "stopping on request before epoch %d", epoch, extra={"rank": 0, "epoch": epoch}
-            )
-            return state, 0.0
-        return self.schedule.learning_rate_factor(state, epoch, last_validation_loss)
-
-
 async def _abort_followers(
     control: RootChannel, tracker: PhaseTracker, error: BaseException
 ) -> None:
@@ -300,22 +266,31 @@ class _Root:
     loop: LoopOptions
     resume: Resumed | None
     lr_state: Any
+    storage: Storage | None = None
+    """Where the checkpoints go (``storage_for`` the ``checkpoint_state``)."""
+    state: RunState = attrs.field(init=False)
     generations: Generations = attrs.field(init=False)
     setup_watch: anyio.CancelScope = attrs.field(factory=anyio.CancelScope)
-    last_checkpoint: float = 0.0
-    best_model_state: dict[str, torch.Tensor] | None = None
     pass_index: int = 0
     epoch: int = -1
-    unsaved: tuple[LoopState, Any] | None = None  # the last epoch, if the interval skipped it
-    saver: Saver | None = None  # while the epochs run with a checkpoint_state
 
     def __attrs_post_init__(self) -> None:
+        where = partial(_where, self)
+        self.state = RunState.create(
+            self.context,
+            self.control,
+            self.loop,
+            self.storage,
+            runner=self._runner,
+            guarded=lambda work: self.generations.guarded(work, keep=False),
+            where=where,
+        )
         self.generations = Generations(
             context=self.context,
             control=self.control,
             loop=self.loop,
-            restore=self._restore,
-            where=lambda: (self.epoch, self.pass_index),
+            state=self.state,
+            where=where,
         )
 
     @property
@@ -328,25 +303,22 @@ class _Root:
 
     async def run(self) -> LoopState:
         """Restore, rendezvous, open the clique, agree, run the epochs, stop."""
-        context, control = self.context, self.control
+        context, control, resume = self.context, self.control, self.resume
         loop_state = None
-        if self.resume is not None:
-            self.best_model_state = await context.compute.run(self._restore, self.resume)
-            loop_state = self.resume.training_state.loop_state
+        if resume is not None:
+            resume = await self.state.load(resume)
+            loop_state = resume.training_state.loop_state
         self.epoch = (loop_state.epoch if loop_state is not None else 0) - 1
         await self.generations.open(context.timeouts.join)
         try:
             try:
-                runner = self._runner()
-                await context.agree_and_sync(runner, resume=self.resume)
-                if self.resume is not None and self.resume.rng_states is not None:
-                    await context.compute.run(restore_rng, self.resume.rng_states)
-                self.last_checkpoint = time.monotonic()
+                await self.state.settle(self._runner(), resume)
+                self.state.rule.restart()
                 if self.loop.recovery is not None:
                     await self.generations.take_snapshot()
                     self.setup_watch.cancel()  # from now on each effect watches (guarded)
                 try:
-                    final = await self._epochs_saving(loop_state)
+                    final = await self._epochs(loop_state)
                 finally:
                     self._runner().close()
                 self.tracker.current = "stop"
@@ -377,17 +349,18 @@ class _Root:
 
     async def _stop(self, final: LoopState) -> None:
         """STOP: every rank takes the final (or best) model."""
-        if self.best_model_state is not None:
-            module = original_module(self.data.model.module)
-            await self.context.compute.run(module.load_state_dict, self.best_model_state)
-        await self.control.broadcast(
+        await self.state.take_best()
+        await self._order(
             Command(kind=CommandKind.STOP, epoch=final.epoch, pass_index=self.pass_index)
         )
-        await self._runner().sync_parameters()
 
     def _runner(self) -> PassRunner:
         """The pass runner of the clique's current generation."""
         return self.generations.current()
+
+    async def _order(self, command: Command) -> Any:
+        """Send ``command`` and carry it out with the followers (see ``_commands``)."""
+        return await order(self.control, self._runner(), self.data, command, self.tracker)
 
     async def tell_followers(self, error: BaseException) -> None:
         """Whatever ended the run (``error``): tell the followers that still listen why, unless
@@ -413,71 +386,30 @@ class _Root:
         if culprit is not None:
             raise culprit from leaf
 
-    async def _epochs_saving(self, loop_state: LoopState | None) -> LoopState:
-        """The epochs, with the checkpoint effect's saver open around them (an asynchronous
-        one writes in the background and is waited for, or aborted, on the way out)."""
-        effect = self.loop.checkpoint_state
-        if effect is None:
-            return await self._epochs(loop_state)
-        async with open_saver(effect) as self.saver:
-            return await self._epochs(loop_state)
-
     async def _epochs(self, loop_state: LoopState | None) -> LoopState:
-        loop = self.loop
+        """The epochs (see :func:`lampdist.epochs`), with the checkpoints' storage open around
+        them, until the last or a stop; the last epoch saved if the save rule skipped it."""
+        state = self.state
         validates = self.data.validation_batches is not None
-        final = await epochs(
-            max_epochs=loop.max_epochs,
+        effects = EpochEffects(
             train_epoch=self._train_epoch,
             validation_epoch=self._validation_epoch if validates else None,
-            save_min_validation_loss_model=self._save_best,
-            checkpoint_state=self._checkpoint if loop.checkpoint_state is not None else None,
-            validation_frequency=loop.validation_frequency,
-            return_min_validation_loss_model=loop.return_min_validation_loss_model,
-            learning_rate_schedule=_UntilStopped(
-                loop.learning_rate_schedule, self.context.stopping
-            ),
-            init_state=loop_state,
-            learning_rate_schedule_init_state=self.lr_state,
-            validation_loss_exponential_smoothing_factor=(
-                loop.validation_loss_exponential_smoothing_factor
-            ),
-            best_model_monitor=loop.best_model_monitor,
-            early_stopping=loop.early_stopping,
+            save_min_validation_loss_model=state.save_best,
+            checkpoint_state=state.epoch_ended if state.checkpoints is not None else None,
         )
-        if self.unsaved is not None:  # a stop, early stopping or the schedule ended the loop
-            await self._save(*self.unsaved)  # after an epoch the interval did not save
+        async with state.opened():
+            final = await run_epochs(
+                self.loop,
+                effects,
+                init_state=loop_state,
+                lr_state=self.lr_state,
+                stop=self.context.stopping.requested,
+            )
+            await state.finish()
         return final
 
-    def _restore(self, resume: Resumed) -> dict[str, torch.Tensor] | None:
-        """Load the checkpointed model and optimizer (the compute thread); the best model.
-        A design that loads checkpoints itself (fsdp) gets ``self.resume`` checked and
-        loads it once sharded (see :meth:`Design.prepare`)."""
-        state, module = resume.training_state, self.data.model.module
-        design = self.context.design
-        if design.loads_checkpoints:  # fsdp: every rank loads its shards once sharded
-            if state.shards is None:
-                fitted = fitting_model_state(module, state.model_state, path=resume.path)
-                state = attrs.evolve(state, model_state=fitted)
-                self.resume = attrs.evolve(resume, training_state=state)
-            return None
-        model_state, optimizer_state = state.model_state, state.optimizer_state
-        if state.shards is not None:  # written by fsdp: read whole here
-            with local_shards(state.shards.path, state.shards.options) as path:
-                model_state, named = read_whole(path)
-            optimizer_state = by_index(named, flat_order(original_module(module)))
-        load_model_state(module, model_state, path=resume.path)
-        stepper = design.stepper
-        assert stepper is not None  # the root steps in every design but fsdp
-        load_optimizer_state(stepper, optimizer_state, path=resume.path)
-        if state.best_model_state is None:
-            return None
-        best = state.best_model_state
-        best = fitting_model_state(module, best, path=resume.path, what="best-model")
-        return _snapshot(best, self.context.device)
-
     async def _train_epoch(self, lr_factor: float) -> EpochOutcome:
-        if self.saver is not None:
-            self.saver.check()  # an asynchronous checkpoint that failed ends the run here
+        self.state.check_saves()  # an asynchronous checkpoint that failed ends the run here
         self.epoch += 1
         epoch, pass_index = self.epoch, self.pass_index
         self.tracker.current, self.tracker.epoch, self.tracker.pass_index = (
@@ -485,117 +417,22 @@ class _Root:
             epoch,
             pass_index,
         )
-
-        async def attempt() -> PassResult:
-            self.tracker.current = "train"
-            await self.control.broadcast(
-                Command(
-                    kind=CommandKind.TRAIN, epoch=epoch, pass_index=pass_index, lr_factor=lr_factor
-                )
-            )
-            return await self._runner().train_pass(
-                self.data.train_batches, epoch=epoch, pass_index=pass_index, lr_factor=lr_factor
-            )
-
-        result = await self.generations.guarded(attempt, keep=True)
+        command = Command(
+            kind=CommandKind.TRAIN, epoch=epoch, pass_index=pass_index, lr_factor=lr_factor
+        )
+        result = await self.generations.guarded(partial(self._order, command), keep=True)
         self.pass_index += 1
         return (result.loss, result.metrics) if result.metrics else result.loss
 
     async def _validation_epoch(self) -> EpochOutcome:
-        batches = self.data.validation_batches
-        assert batches is not None
         epoch, pass_index = self.epoch, self.pass_index
         self.tracker.pass_index = pass_index
-
-        async def attempt() -> PassResult:
-            self.tracker.current = "valid"
-            await self.control.broadcast(
-                Command(kind=CommandKind.VALID, epoch=epoch, pass_index=pass_index)
-            )
-            return await self._runner().validation_pass(batches, epoch=epoch, pass_index=pass_index)
-
-        result = await self.generations.guarded(attempt, keep=True)
+        command = Command(kind=CommandKind.VALID, epoch=epoch, pass_index=pass_index)
+        result = await self.generations.guarded(partial(self._order, command), keep=True)
         self.pass_index += 1
         return (result.loss, result.metrics) if result.metrics else result.loss
 
-    async def _save_best(self) -> None:
-        module = original_module(self.data.model.module)
-        self.best_model_state = await self.context.compute.run(
-            lambda: _snapshot(module.state_dict(), self.context.device)
-        )
 
-    async def _checkpoint(self, state: LoopState, lr_state: Any) -> None:
-        if not self._checkpoint_due(state):
-            self.unsaved = (state, lr_state)
-            return
-        await self._save(state, lr_state)
-
-    async def _save(self, state: LoopState, lr_state: Any) -> None:
-        checkpoint_state, saver = self.loop.checkpoint_state, self.saver
-        assert checkpoint_state is not None and saver is not None
-        self.unsaved = None
-        check_schedule_state(self.loop.learning_rate_schedule, lr_state, epoch=state.epoch - 1)
-        shards = None
-        if self.context.design.loads_checkpoints:  # fsdp: every rank writes its shards
-            await saver.finish()  # the write in flight owns the directory's scratch until done
-            new_shards = shards_writer(checkpoint_state)
-            assert new_shards is not None  # _check_fsdp_loop
-            precision = self.context.options.step.fsdp.precision.to_plain()
-            shards = await anyio.to_thread.run_sync(
-                partial(new_shards, state.epoch, self.context.nranks, precision)
-            )
-
-        async def attempt() -> CheckpointParts | None:
-            self.tracker.current = "checkpoint"
-            await self.control.broadcast(
-                Command(
-                    kind=CommandKind.CHECKPOINT, epoch=state.epoch - 1, pass_index=self.pass_index
-                )
-            )
-            return await self._runner().checkpoint_parts(shards)
-
-        parts = await self.generations.guarded(attempt, keep=False)
-        assert parts is not None  # on the root
-        if shards is None:
-            module = original_module(self.data.model.module)
-            model_state = await self.context.compute.run(module.state_dict)
-        else:
-            model_state = {}
-            shards = attrs.evolve(shards, records=parts.shard_records)
-        training_state = TrainingState(
-            loop_state=state,
-            model_state=model_state,
-            optimizer_state=parts.optimizer_state,
-            best_model_state=self.best_model_state,
-            rank_states=parts.rank_states,
-            shards=shards,
-        )
-        self.last_checkpoint = time.monotonic()
-        try:
-            await saver.save(training_state, lr_state, stage_on=self.context.compute.run)
-        except LampdistError:
-            raise
-        except Exception as exc:
-            raise CheckpointError(
-                f"epoch {state.epoch - 1}: checkpoint_state raised {type(exc).__name__}: {exc}",
-                rank=0,
-                phase="checkpoint",
-            ) from exc
-
-    def _checkpoint_due(self, state: LoopState) -> bool:
-        """Whether this epoch's end is checkpointed: every epoch, or with
-        ``loop.checkpoint_interval`` once that many seconds have passed since the last
-        checkpoint, and always after the last epoch and when a stop was requested (an epoch
-        skipped here is still saved if the loop then ends: see :meth:`_epochs`)."""
-        interval = self.loop.checkpoint_interval
-        if (
-            interval is None
-            or state.epoch >= self.loop.max_epochs
-            or self.context.stopping.requested()
-        ):
-            return True
-        return time.monotonic() - self.last_checkpoint >= interval
-
-
-def _snapshot(state: Any, device: torch.device) -> dict[str, torch.Tensor]:
-    return {name: tensor.detach().to(device, copy=True) for name, tensor in state.items()}
+def _where(root: _Root) -> tuple[int, int]:
+    """The root's epoch and pass index now."""
+    return root.epoch, root.pass_index

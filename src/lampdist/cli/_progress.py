@@ -26,7 +26,7 @@ from rich.progress import (
 )
 
 from .._effects import OnPassEvent
-from .._state import PassEvent
+from .._state import PassEvent, Recovered, as_pass_event
 
 __all__ = ["MetricsFile", "PassCounter", "Reporter", "open_reporter", "read_metrics"]
 
@@ -233,12 +233,13 @@ def on_pass_event(
     counter: PassCounter,
     metrics: MetricsFile,
     tracker: OnPassEvent | None = None,
-) -> Callable[[PassEvent], Awaitable[None]]:
+) -> Callable[[PassEvent | Recovered], Awaitable[None]]:
     """The ``on_event`` effect of the demo's root: count, write the metrics line (the pass's
     metrics come with its last event), give the event to ``tracker`` (if any), show
     progress."""
 
-    async def on_event(event: PassEvent) -> None:
+    async def on_event(event: PassEvent | Recovered) -> None:
+        event = as_pass_event(event)  # recorded and shown as a recovery always was
         counter.advance(event)
         if event.done:
             await metrics.record(event)

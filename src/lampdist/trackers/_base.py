@@ -14,7 +14,7 @@ import anyio.to_thread
 import attrs
 
 from .._errors import ConfigError, Interrupted
-from .._state import LoopState, PassEvent
+from .._state import LoopState, PassEvent, Recovered, as_pass_event
 
 __all__ = [
     "FLUSH_INTERVAL",
@@ -74,9 +74,10 @@ class Tracker(Protocol):
     ) -> None:
         """Write what is buffered and close the sink, even when cancelled."""
 
-    async def __call__(self, event: PassEvent, /) -> None:
-        """Record one of the root's :class:`~lampdist.PassEvent`; the buffer is written at
-        the end of every pass and at least every few seconds, in a worker thread.
+    async def __call__(self, event: PassEvent | Recovered, /) -> None:
+        """Record one of the root's :class:`~lampdist.PassEvent` or
+        :class:`~lampdist.Recovered`; the buffer is written at the end of every pass and at
+        least every few seconds, in a worker thread.
 
         :raises ConfigError: the tracker is not open.
         """
@@ -157,7 +158,8 @@ def event_scalars(event: PassEvent) -> dict[str, float]:
     norm (``train/grad_norm``, ``train/grad_norm_max``) and its step split as seconds per step
     of each part, for the slowest rank (``step/slowest/PART``) and each rank
     (``step/rank_R/PART``). The event that reports an in-job recovery
-    (:attr:`PassEvent.recovered`) gives ``recovery/seconds`` and ``recovery/recoveries``
+    (:class:`~lampdist.Recovered`, recorded as a PassEvent whose ``recovered`` holds it)
+    gives ``recovery/seconds`` and ``recovery/recoveries``
     instead.
     """
     scalars: dict[str, float] = {}
@@ -325,8 +327,9 @@ class BufferedTracker(abc.ABC):
         """Write what is buffered and close the sink; closing twice does nothing."""
         await self._shut("finished")
 
-    async def __call__(self, event: PassEvent, /) -> None:
+    async def __call__(self, event: PassEvent | Recovered, /) -> None:
         self._check_open("record an event")
+        event = as_pass_event(event)  # a recovery is recorded as it always was
         self._record_event(event, self._clock.advance(event))
         if event.done or time.monotonic() - self._flushed_at >= FLUSH_INTERVAL:
             await self._flush()

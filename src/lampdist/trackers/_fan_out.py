@@ -9,7 +9,7 @@ from typing import Any, Self
 
 import attrs
 
-from .._state import LoopState, PassEvent
+from .._state import LoopState, PassEvent, Recovered
 from ._base import Tracker
 
 __all__ = ["fan_out"]
@@ -42,7 +42,7 @@ class _FanOut:
     async def aclose(self) -> None:
         await self.__aexit__(None, None, None)
 
-    async def __call__(self, event: PassEvent, /) -> None:
+    async def __call__(self, event: PassEvent | Recovered, /) -> None:
         for tracker in self.trackers:
             await tracker(event)
 

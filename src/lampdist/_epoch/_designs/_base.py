@@ -126,6 +126,18 @@ class Design(abc.ABC):
     """Whether every rank must run as many forward passes as the others (the design's
     collectives run inside forward and backward): a validation pass then agrees before each
     batch whether any rank has one, and a rank without runs a padding forward."""
+    loads_checkpoints: ClassVar[bool] = False
+    """Whether the design loads the model and optimizer state it resumes from itself, in
+    :meth:`prepare`, and has every rank write its own shards of a checkpoint (fsdp), rather
+    than the root loading and writing the whole state."""
+    recovers: ClassVar[bool] = True
+    """Whether a lost rank's state is elsewhere too, so that in-job recovery can replace it
+    (not where each rank holds shards no other rank has: fsdp)."""
+    keeps_best_model: ClassVar[bool] = True
+    """Whether the root can keep the best model (it holds the whole model; not fsdp)."""
+    own_buckets: ClassVar[bool] = False
+    """Whether the design exchanges gradients in buckets of its own, so that
+    ``StepOptions.bucket_cap_mb`` does not apply (fsdp)."""
 
     # -- setup, before the rank joins -----------------------------------------------------------
 
@@ -198,12 +210,6 @@ class Design(abc.ABC):
         followers and for a new run). Nothing by default (the root loaded the checkpoint
         before; fsdp shards the model, builds the optimizer and loads the checkpoint here)."""
         return
-
-    @property
-    def loads_checkpoints(self) -> bool:
-        """Whether the design loads the model and optimizer state it resumes from itself, in
-        :meth:`prepare` (fsdp), rather than the root before the clique opens."""
-        return False
 
     # -- the clique ---------------------------------------------------------------------------
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Self
 
 import attrs
@@ -39,11 +38,9 @@ import torch
 from ..._checkpoint import (
     ShardedState,
     by_name,
-    is_url,
     load_rank_shards,
     local_shards,
-    upload_rank_shards,
-    write_rank_shards,
+    write_own_shards,
 )
 from ..._effects import OptimizerFactory
 from ..._errors import CheckpointError, ConfigError, MismatchError, Phase
@@ -97,6 +94,10 @@ class FsdpSteps(EveryRankSteps):
 
     own_process = True
     lockstep = True
+    loads_checkpoints = True
+    recovers = False
+    keeps_best_model = False
+    own_buckets = True
 
     @property
     def policy(self) -> FsdpPolicy:
@@ -137,10 +138,6 @@ class FsdpSteps(EveryRankSteps):
         )
 
     # -- setup, once every rank agreed ----------------------------------------------------------
-
-    @property
-    def loads_checkpoints(self) -> bool:
-        return True
 
     def prepare(self, resume: TrainingState | None) -> None:
         """Shard the model over the default process group's mesh, materialize it when it was
@@ -392,13 +389,8 @@ class FsdpSteps(EveryRankSteps):
         if where is None:
             raise AssertionError("the root gave no directory for the shards")
         module, optimizer = original_module(self.module), self.stepper.optimizer
-        if is_url(where["path"]):  # each rank uploads its own files
-            target = ShardedState(path=where["path"], nranks=self.nranks, options=where["options"])
-            records = upload_rank_shards(target, module, optimizer, rank=self.rank)
-        else:
-            records = write_rank_shards(
-                Path(where["path"]).parent, module, optimizer, rank=self.rank
-            )
+        target = ShardedState(path=where["path"], nranks=self.nranks, options=where["options"])
+        records = write_own_shards(target, module, optimizer, rank=self.rank)
         return [(r.name, r.size, list(r.digests)) for r in records]
 
     def checkpoint_optimizer_state(self) -> dict[str, Any] | None:
