@@ -201,7 +201,9 @@ async def run(args: argparse.Namespace) -> int:
             else checkpoint.to_directory(args.checkpoint, keep=KEEP_EVERY_CHECKPOINT)
         )
 
-        async def on_event(event: lampdist.PassEvent) -> None:
+        async def on_event(event: lampdist.PassEvent | lampdist.Recovered) -> None:
+            if isinstance(event, lampdist.Recovered):
+                return  # the root's "recovered" line says it
             print(f"EVENT {event.kind} {event.epoch} {event.step} {int(event.done)}", flush=True)
 
         loop = lampdist.LoopOptions(

@@ -169,8 +169,8 @@ def rank_data(rank: int, pause: float = 0.0) -> lampdist.ModelWithData:
 async def train(job: Job) -> None:
     """The job's training: two CPU ranks in this process, reporting every finished pass."""
 
-    async def on_event(event: lampdist.PassEvent) -> None:
-        if event.done:
+    async def on_event(event: lampdist.PassEvent | lampdist.Recovered) -> None:
+        if isinstance(event, lampdist.PassEvent) and event.done:
             job.report({"epoch": event.epoch, "kind": event.kind, "loss": event.loss})
 
     pause = batch_seconds()
@@ -198,9 +198,9 @@ async def train_with_followers(job: Job) -> None:
     root_scope = anyio.CancelScope()  # cancelled when a follower keeps failing
     gave_up: list[str] = []
 
-    async def on_event(event: lampdist.PassEvent) -> None:
-        if event.recovered is not None:  # a lost follower is back; the pass is redone
-            job.report({"recovered": attrs.asdict(event.recovered)})
+    async def on_event(event: lampdist.PassEvent | lampdist.Recovered) -> None:
+        if isinstance(event, lampdist.Recovered):  # a lost follower is back; the pass is redone
+            job.report({"recovered": attrs.asdict(event)})
         elif event.done:
             job.report({"epoch": event.epoch, "kind": event.kind, "loss": event.loss})
 

@@ -6,7 +6,7 @@ awaited, and it can be called again for the next epoch (a coroutine object could
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, Awaitable, Iterable, Mapping
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterable, Mapping
 from typing import Any, Protocol, TypeAlias
 
 import torch
@@ -20,6 +20,7 @@ __all__ = [
     "CheckpointLoopState",
     "CheckpointState",
     "EpochOutcome",
+    "OnEvent",
     "OnPassEvent",
     "OptimizerFactory",
     "PassAwareBatchSource",
@@ -96,10 +97,17 @@ class PassAwareBatchSource(Protocol):
 
 class OnPassEvent(Protocol):
     """``async (event) -> None``: the root's progress effect, called on its event loop with
-    each pass's :class:`~lampdist.PassEvent` and each in-job recovery's
-    :class:`~lampdist.Recovered`; a pass's steps never wait for it."""
+    each pass's :class:`~lampdist.PassEvent`, and with each in-job recovery's
+    :class:`~lampdist.Recovered` (an effect of ``event: PassEvent | Recovered`` tells them
+    apart with ``isinstance``; one typed for a ``PassEvent`` alone still gets a recovery,
+    which answers a PassEvent's fields with a ``DeprecationWarning``); a pass's steps never
+    wait for it."""
 
-    def __call__(self, event: PassEvent | Recovered, /) -> Awaitable[None]: ...
+    def __call__(self, event: PassEvent, /) -> Awaitable[None]: ...
+
+
+OnEvent = Callable[[PassEvent | Recovered], Awaitable[None]]
+"""How lampdist calls an :class:`OnPassEvent` with either event."""
 
 
 class OptimizerFactory(Protocol):

@@ -56,8 +56,8 @@ async def _effect(training_state: lampdist.TrainingState, lr_state: Any, /) -> N
 def test_the_storage_of_an_effect_is_chosen_in_one_place(tmp_path: Path) -> None:
     directory = checkpoint.to_directory(tmp_path)
     url = checkpoint.to_url("s3://bucket/run")
-    assert storage_for(directory) is directory and isinstance(directory, DirectoryStorage)
-    assert storage_for(url) is url and isinstance(url, UrlStorage)
+    assert isinstance(directory, DirectoryStorage) and storage_for(directory) == directory
+    assert isinstance(url, UrlStorage) and storage_for(url) == url
     own = storage_for(_effect)
     assert isinstance(own, EffectStorage) and own.effect is _effect
     assert directory.holds_shards and url.holds_shards and not own.holds_shards
@@ -196,7 +196,10 @@ def test_a_recovery_read_as_the_pass_event_it_used_to_be_is_warned() -> None:
 async def test_a_tracker_records_a_recovery_as_it_always_did(tmp_path: Path) -> None:
     """Given the event of its own, a tracker writes what it wrote for the PassEvent that
     carried it, and reads none of the deprecated fields."""
-    events = [_recovered(), as_pass_event(_recovered())]
+    events: list[lampdist.PassEvent | lampdist.Recovered] = [
+        _recovered(),
+        as_pass_event(_recovered()),
+    ]
     for index, event in enumerate(events):
         with warnings.catch_warnings():
             warnings.simplefilter("error")

@@ -27,7 +27,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -41,6 +41,8 @@ from ._staging import Staged, Staging
 __all__ = ["ABORT_GRACE", "BackgroundWriter", "StageOn", "Writes", "background_writes"]
 
 _log = logging.getLogger("lampdist.checkpoint")
+
+T = TypeVar("T")
 
 ABORT_GRACE = 30.0
 """How long an aborted write gets to notice and remove its partial output."""
@@ -64,8 +66,10 @@ class Writes(Protocol):
     ) -> object: ...
 
 
-StageOn = Callable[[Callable[[], Staged]], Awaitable[Staged]]
-"""Runs the staging copies where the steps run (the compute thread)."""
+class StageOn(Protocol):
+    """Runs the staging copies where the steps run (the compute thread)."""
+
+    def __call__(self, function: Callable[[], T], /) -> Awaitable[T]: ...
 
 
 class _Aborted(Exception):

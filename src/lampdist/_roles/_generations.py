@@ -16,11 +16,12 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from functools import partial
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import anyio
 import attrs
 
+from .._effects import OnEvent
 from .._epoch import DESIGNS, PassRunner
 from .._errors import (
     CliqueError,
@@ -266,7 +267,8 @@ class Generations:
             extra={"rank": 0, "epoch": epoch},
         )
         if self.loop.on_event is not None:
-            await self.loop.on_event(
+            on_event = cast(OnEvent, self.loop.on_event)  # it takes a Recovered too
+            await on_event(
                 Recovered(
                     ranks=tuple(sorted(ranks)),
                     phase=phase,
