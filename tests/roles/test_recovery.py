@@ -451,7 +451,6 @@ def _reforming(device: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Te
             lambda p: torch.optim.AdamW(p, lr=0.05),
             lampdist.StepOptions(),
             lampdist.Timeouts(),
-            None,
             ProcessGroups(),
         )
         loop = lampdist.LoopOptions(max_epochs=2, recovery=lampdist.Recovery(rejoin_timeout=10))

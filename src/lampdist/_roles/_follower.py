@@ -101,8 +101,8 @@ async def follow_distributed_training(
     if rank == 0:
         raise ConfigError("rank 0 is the root: call drive_distributed_training for it")
     await preload()
-    run = RunOptions(optimizer_factory, step, timeouts, stop, cliques)
-    await follow(rank, nranks, resolve_device(device), control, data, run)
+    run = RunOptions(optimizer_factory, step, timeouts, cliques)
+    await follow(rank, nranks, resolve_device(device), control, data, run, stop)
 
 
 async def follow(
@@ -112,6 +112,7 @@ async def follow(
     control: FollowerChannel,
     data: ModelWithData,
     run: RunOptions,
+    stop: anyio.Event | None = None,
 ) -> None:
     """Rank ``rank``'s run as :func:`follow_distributed_training` describes it, for this
     package's entry points: the device resolved, the options built once."""
@@ -120,11 +121,11 @@ async def follow(
             try:
                 check_optimizer_factory(rank, run)
                 context = await stack.enter_async_context(
-                    open_rank(rank, nranks, torch_device, data, run)
+                    open_rank(rank, nranks, torch_device, data, run, stop)
                 )
             except ConfigError as exc:  # before joining: the root would wait for this rank
                 name_rank(exc, rank)
-                await _report_unjoined(control, run, exc)
+                await _report_unjoined(control, run, exc, stop)
                 raise
             follower = _Follower(context=context, control=control)
             send, receive = anyio.create_memory_object_stream[Command](math.inf)
@@ -134,7 +135,9 @@ async def follow(
                     await follower.run(receive, send)
 
 
-async def _report_unjoined(control: FollowerChannel, run: RunOptions, error: ConfigError) -> None:
+async def _report_unjoined(
+    control: FollowerChannel, run: RunOptions, error: ConfigError, stop: anyio.Event | None
+) -> None:
     """Best effort: join the root only to report ``error``, bad settings found before this
     rank joined (its optimizer factory, its options), in its phase (``'configure'``), so that
     the root raises it at once (as a :class:`ConfigError` naming this rank) and tells the
@@ -144,8 +147,8 @@ async def _report_unjoined(control: FollowerChannel, run: RunOptions, error: Con
     send, receive = anyio.create_memory_object_stream[Command](math.inf)
     with send, receive, anyio.CancelScope() as scope:
         async with anyio.create_task_group() as group:
-            if run.stop is not None:
-                group.start_soon(_cancel_on, run.stop, scope)
+            if stop is not None:
+                group.start_soon(_cancel_on, stop, scope)
             try:
                 await control.join(send, timeout=run.timeouts.join)
             except LampdistError as exc:
@@ -446,6 +449,7 @@ class _Follower:
             work = partial(carry_out, runner, self.context.data, command, tracker)
             await self._interruptible(commands, work)
             tracker.current = "wait for command"
+
 
 def _root_must_hear(error: BaseException) -> bool:
     """Whether the root learns of ``error`` only from this rank: not for the consequence of a

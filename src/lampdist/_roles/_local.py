@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from contextlib import AsyncExitStack
 
 import anyio
-import attrs
 import torch
 
 from .._effects import OptimizerFactory
@@ -78,9 +77,7 @@ async def local_data_parallel_training_loop(
     await preload()
     devices = [_device_of(entry.model) for entry in models_with_data_streams]
     cliques = in_process(devices, collective_timeout=timeouts.collective)
-    run = RunOptions(optimizer_factory, step, timeouts, stop, cliques)
-    # The root's stop stops every rank (its STOP): the followers need none of their own.
-    following = attrs.evolve(run, stop=None)
+    run = RunOptions(optimizer_factory, step, timeouts, cliques)
     warn_several_gpus_in_one_process(devices)
     root, followers = local_channels(nranks)
     with single_error():
@@ -92,9 +89,10 @@ async def local_data_parallel_training_loop(
                 for rank, (follower, data) in enumerate(
                     zip(followers, models_with_data_streams[1:], strict=True), start=1
                 ):
-                    group.start_soon(follow, rank, nranks, devices[rank], follower, data, following)
+                    # The root's stop stops every rank (its STOP): a follower needs none.
+                    group.start_soon(follow, rank, nranks, devices[rank], follower, data, run)
                 first = models_with_data_streams[0]
-                state = await drive(nranks, devices[0], root, first, run, loop, resume)
+                state = await drive(nranks, devices[0], root, first, run, loop, resume, stop)
     return state
 
 

@@ -57,7 +57,6 @@ class RunOptions:
     optimizer_factory: OptimizerFactory | None
     step: StepOptions
     timeouts: Timeouts
-    stop: anyio.Event | None
     cliques: CliqueFactory | None
 
 
@@ -97,12 +96,15 @@ class RankContext:
     compute: ComputeThread
     design: Design
     cliques: CliqueFactory
+    stop: anyio.Event | None = None
+    """The graceful stop's request (see :class:`Stopping`): an input of the run, not one
+    of its options."""
     tracker: PhaseTracker = attrs.field(factory=lambda: PhaseTracker("join"))
     stopping: Stopping = attrs.field()
 
     @stopping.default
     def _default_stopping(self) -> Stopping:
-        return Stopping(self.options.stop, self.options.timeouts.stop, rank=self.rank)
+        return Stopping(self.stop, self.options.timeouts.stop, rank=self.rank)
 
     @property
     def timeouts(self) -> Timeouts:
@@ -205,7 +207,12 @@ def _cliques(rank: int, nranks: int, device: torch.device, options: RunOptions) 
 
 @asynccontextmanager
 async def open_rank(
-    rank: int, nranks: int, device: torch.device, data: ModelWithData, options: RunOptions
+    rank: int,
+    nranks: int,
+    device: torch.device,
+    data: ModelWithData,
+    options: RunOptions,
+    stop: anyio.Event | None = None,
 ) -> AsyncIterator[RankContext]:
     """Rank ``rank``'s context (see :class:`RankContext`): its compute thread, and on it the
     design for ``options.step`` (the model moved to ``device`` and laid out flat, the
@@ -236,4 +243,5 @@ async def open_rank(
             compute=compute,
             design=design,
             cliques=cliques,
+            stop=stop,
         )

@@ -115,8 +115,8 @@ async def drive_distributed_training(
     """
     check_rank(0, nranks)
     await preload()
-    run = RunOptions(optimizer_factory, step, timeouts, stop, cliques)
-    return await drive(nranks, resolve_device(device), control, data, run, loop, resume)
+    run = RunOptions(optimizer_factory, step, timeouts, cliques)
+    return await drive(nranks, resolve_device(device), control, data, run, loop, resume, stop)
 
 
 async def drive(
@@ -127,6 +127,7 @@ async def drive(
     run: RunOptions,
     loop: LoopOptions,
     resume: Resumed | None,
+    stop: anyio.Event | None = None,
 ) -> LoopState:
     """The root's run as :func:`drive_distributed_training` describes it, for this package's
     entry points: the device resolved, the options built once."""
@@ -149,7 +150,7 @@ async def drive(
         if storage is not None:
             next_epoch = resume.epoch if resume is not None else 0
             await storage.check_before_training(next_epoch, resumed=resume is not None)
-        async with open_rank(0, nranks, torch_device, data, run) as context:
+        async with open_rank(0, nranks, torch_device, data, run, stop) as context:
             root = _Root(
                 context=context,
                 control=control,

@@ -274,16 +274,14 @@ async def _train(
     """:func:`train`'s work, with ``signals`` handled when given."""
     # A root alone gets the in-process clique of one rank that drive() picks for cliques=None.
     run_options = RunOptions(
-        optimizer_factory, step, timeouts, None, ProcessGroups(env.host) if env.nranks > 1 else None
+        optimizer_factory, step, timeouts, ProcessGroups(env.host) if env.nranks > 1 else None
     )
 
     async def run_root(control: RootChannel, stop: anyio.Event | None) -> LoopState:
-        run = attrs.evolve(run_options, stop=stop)
-        return await drive(env.nranks, env.device, control, data, run, loop, resume)
+        return await drive(env.nranks, env.device, control, data, run_options, loop, resume, stop)
 
     async def run_follower(control: FollowerChannel, stop: anyio.Event | None) -> None:
-        run = attrs.evolve(run_options, stop=stop)
-        await follow(env.rank, env.nranks, env.device, control, data, run)
+        await follow(env.rank, env.nranks, env.device, control, data, run_options, stop)
 
     async def run(stop: anyio.Event | None, guard: Guard | None) -> LoopState | None:
         await preload()
