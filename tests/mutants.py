@@ -685,7 +685,7 @@ MUTANTS = [
     Mutant(
         name="fsdp-timeout-blamed-on-the-model",
         guarantee="a collective of fsdp that times out inside the model is the clique's timeout",
-        path="clique/_group.py",
+        path="clique/_group_explain.py",
         old="        if _from_a_backend(exc):  # a collective of another group",
         new="        if False:",
         tests=(FSDP + "::test_a_stalled_follower_times_out_as_a_collective_not_as_the_model",),
@@ -717,7 +717,7 @@ MUTANTS = [
     Mutant(
         name="abort-leaves-gloo-connections-open",
         guarantee="an abort ends a Gloo group's collectives at once, a stalled peer's too",
-        path="clique/_group.py",
+        path="clique/_group_abort.py",
         old="            ended = self._sockets.shut_down()",
         new="            ended = 0",
         tests=(FAULTS + "::test_fault[follower stopped (SIGSTOP) and left alone, then continued]",),
@@ -736,7 +736,7 @@ MUTANTS = [
     Mutant(
         name="rank-0-leaves-before-its-followers",
         guarantee="rank 0's store closes only after its followers released their cliques",
-        path="clique/_group.py",
+        path="clique/_group_teardown.py",
         old="        if self._goodbye and self.rank == 0:",
         new="        if False:",
         tests=(

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import pytest
 
-from lampdist.clique._group import drop_within
+from lampdist.clique._group_teardown import drop_within
 
 
 class _Stuck:
@@ -65,7 +65,7 @@ def test_a_destructor_that_never_returns_is_left_behind_with_an_error(
     release = threading.Event()
     last: list[object] = [_Stuck(release)]
     started = time.monotonic()
-    with caplog.at_level(logging.ERROR, logger="lampdist.clique._group"):
+    with caplog.at_level(logging.ERROR, logger="lampdist.clique._group_teardown"):
         assert not drop_within(last, 0.2, lock=None, rank=3)
     assert time.monotonic() - started < 5.0
     assert "rank 3: clique teardown: the process group was not destroyed" in caplog.text
@@ -84,7 +84,7 @@ def test_the_teardown_lock_is_waited_for_within_the_same_deadline(
     last: list[object] = [group]
     del group
     with lock:  # another rank's teardown holds it
-        with caplog.at_level(logging.ERROR, logger="lampdist.clique._group"):
+        with caplog.at_level(logging.ERROR, logger="lampdist.clique._group_teardown"):
             assert not drop_within(last, 0.2, lock=lock, rank=1)
         assert gone() is not None
     assert "rank 1: clique teardown" in caplog.text
