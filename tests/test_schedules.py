@@ -54,6 +54,20 @@ def test_all_is_sorted_and_documented() -> None:
         assert getattr(schedules, name).__doc__, name
 
 
+def test_the_state_classes_are_named_by_the_public_module() -> None:
+    """A checkpoint records the type of the schedule state by its module and name
+    (``lampdist.schedules.WarmupState``), and the reprs of schedules name their classes: both
+    stay what they were wherever the implementation lives."""
+    for cls in (schedules.WarmupState, schedules.ReduceOnPlateauState):
+        assert f"{cls.__module__}.{cls.__qualname__}" == f"lampdist.schedules.{cls.__name__}"
+    schedule = schedules.warmup(2, schedules.reduce_on_plateau(patience=3))
+    assert repr(schedule).startswith("_Warmup(steps=2, schedule=_ReduceOnPlateau(start_factor=1.0")
+    assert repr(schedules.cosine(4)) == "_Cosine(max_steps=4, min_factor=0.0)"
+    assert repr(schedules.warmup_linear_steps(1, 3)) == (
+        "_WarmupDecaySteps(warmup_steps=1, total_steps=3, final_factor=0.0, shape='linear')"
+    )
+
+
 # --- reduce_on_plateau ----------------------------------------------------------------------
 
 

@@ -20,18 +20,26 @@ Nothing here does I/O or touches torch.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import sys
 import typing
 from collections.abc import Callable
-from types import NoneType, UnionType
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import attrs
 
-from ._errors import ConfigError
 from ._monitor import Monitor
+from ._schedule_checks import check_float, check_int, fail
+from ._schedule_json import structure, to_json
+from ._stateless_schedules import (
+    _Cosine,
+    _Cyclic,
+    _Decrement,
+    _FromEpochCount,
+    _Linear,
+    _Noop,
+    _StepAfter,
+    _WarmupDecaySteps,
+)
 
 __all__ = [
     "LearningRateSchedule",
@@ -82,127 +90,6 @@ class LearningRateSchedule(Protocol[S]):
     ) -> tuple[S, float]:
         """Return the next state and the learning-rate factor for ``epoch``."""
         ...
-
-
-def _fail(message: str) -> ConfigError:
-    return ConfigError(message, phase="configure")
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise _fail(f"{name} must be an int >= {minimum}, got {value!r}; pass a whole number")
-
-
-def _check_float(
-    name: str, value: object, *, low: float, high: float = math.inf, open_low: bool = False
-) -> None:
-    ok = (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and (value > low if open_low else value >= low)
-        and value <= high
-    )
-    if not ok:
-        bounds = f"{'(' if open_low else '['}{low}, {high}{']' if math.isfinite(high) else ')'}"
-        raise _fail(f"{name} must be a finite number in {bounds}, got {value!r}")
-
-
-def _clamp(value: float, a: float, b: float) -> float:
-    return min(max(value, min(a, b)), max(a, b))
-
-
-class _Stateless:
-    """A schedule whose factor depends on the epoch alone; its state is ``None``."""
-
-    @property
-    def init(self) -> None:
-        return None
-
-
-@attrs.frozen
-class _FromEpochCount(_Stateless):
-    f: Callable[[int], float]
-
-    def learning_rate_factor(
-        self, state: None, epoch: int, last_validation_loss: float | None
-    ) -> tuple[None, float]:
-        return None, float(self.f(epoch))
-
-
-@attrs.frozen
-class _Noop(_Stateless):
-    def learning_rate_factor(
-        self, state: None, epoch: int, last_validation_loss: float | None
-    ) -> tuple[None, float]:
-        return None, 1.0
-
-
-@attrs.frozen(kw_only=True)
-class _Decrement(_Stateless):
-    every: int
-    factor: float
-
-    def learning_rate_factor(
-        self, state: None, epoch: int, last_validation_loss: float | None
-    ) -> tuple[None, float]:
-        return None, float(self.factor ** (epoch // self.every))
-
-
-@attrs.frozen(kw_only=True)
-class _StepAfter(_Stateless):
-    steps: int
-    factor: float
-
-    def learning_rate_factor(
-        self, state: None, epoch: int, last_validation_loss: float | None
-    ) -> tuple[None, float]:
-        return None, float(self.factor) if epoch > self.steps else 1.0
-
-
-@attrs.frozen(kw_only=True)
-class _Linear(_Stateless):
-    start: float
-    end: float
-    max_steps: int
-
-    def learning_rate_factor(
-        self, state: None, epoch: int, last_validation_loss: float | None
-    ) -> tuple[None, float]:
-        if epoch >= self.max_steps:
-            return None, float(self.end)
-        value = self.start + (self.end - self.start) * (epoch / self.max_steps)
-        return None, _clamp(value, self.start, self.end)
-
-
-@attrs.frozen(kw_only=True)
-class _Cyclic(_Stateless):
-    max_factor: float
-    period: int
-
-    def learning_rate_factor(
-        self, state: None, epoch: int, last_validation_loss: float | None
-    ) -> tuple[None, float]:
-        phase = epoch % self.period
-        # Integer distance from the peak keeps phase and period - phase exactly symmetric.
-        rise = 1.0 - abs(2 * phase - self.period) / self.period
-        value = self.max_factor if rise == 1.0 else 1.0 + (self.max_factor - 1.0) * rise
-        return None, _clamp(value, 1.0, self.max_factor)
-
-
-@attrs.frozen(kw_only=True)
-class _Cosine(_Stateless):
-    max_steps: int
-    min_factor: float
-
-    def learning_rate_factor(
-        self, state: None, epoch: int, last_validation_loss: float | None
-    ) -> tuple[None, float]:
-        if epoch >= self.max_steps:
-            return None, float(self.min_factor)
-        half = (1.0 + math.cos(math.pi * epoch / self.max_steps)) / 2.0
-        value = self.min_factor + (1.0 - self.min_factor) * half
-        return None, _clamp(value, self.min_factor, 1.0)
 
 
 @attrs.frozen(kw_only=True)
@@ -317,31 +204,12 @@ class StepSchedule(Protocol):
         ...
 
 
-@attrs.frozen(kw_only=True)
-class _WarmupDecaySteps:
-    warmup_steps: int
-    total_steps: int
-    final_factor: float
-    shape: str
-
-    def factor(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        if step >= self.total_steps:
-            return self.final_factor
-        progress = (step - self.warmup_steps) / (self.total_steps - self.warmup_steps)
-        if self.shape == "cosine":
-            half = (1.0 + math.cos(math.pi * progress)) / 2.0
-            return self.final_factor + (1.0 - self.final_factor) * half
-        return 1.0 + (self.final_factor - 1.0) * progress
-
-
 def _warmup_decay(
     warmup_steps: int, total_steps: int, final_factor: float, shape: str
 ) -> StepSchedule:
-    _check_int("warmup_steps", warmup_steps, 0)
-    _check_int("total_steps", total_steps, warmup_steps + 1)
-    _check_float("final_factor", final_factor, low=0.0, high=1.0)
+    check_int("warmup_steps", warmup_steps, 0)
+    check_int("total_steps", total_steps, warmup_steps + 1)
+    check_float("final_factor", final_factor, low=0.0, high=1.0)
     return _WarmupDecaySteps(
         warmup_steps=warmup_steps,
         total_steps=total_steps,
@@ -383,7 +251,7 @@ def from_epoch_count(f: Callable[[int], float]) -> LearningRateSchedule[None]:
     exact. Raises :class:`~lampdist.ConfigError` if ``f`` is not callable.
     """
     if not callable(f):
-        raise _fail(f"from_epoch_count needs a callable epoch -> factor, got {f!r}")
+        raise fail(f"from_epoch_count needs a callable epoch -> factor, got {f!r}")
     return _FromEpochCount(f)
 
 
@@ -392,8 +260,8 @@ def decrement(every: int, factor: float) -> LearningRateSchedule[None]:
 
     Raises :class:`~lampdist.ConfigError` unless ``every >= 1`` and ``0 < factor <= 1``.
     """
-    _check_int("every", every, 1)
-    _check_float("factor", factor, low=0.0, high=1.0, open_low=True)
+    check_int("every", every, 1)
+    check_float("factor", factor, low=0.0, high=1.0, open_low=True)
     return _Decrement(every=every, factor=float(factor))
 
 
@@ -403,8 +271,8 @@ def step_after(steps: int, factor: float) -> LearningRateSchedule[None]:
     A ``factor`` of 0 stops training after epoch ``steps``. Raises
     :class:`~lampdist.ConfigError` unless ``steps >= 0`` and ``factor >= 0`` is finite.
     """
-    _check_int("steps", steps, 0)
-    _check_float("factor", factor, low=0.0)
+    check_int("steps", steps, 0)
+    check_float("factor", factor, low=0.0)
     return _StepAfter(steps=steps, factor=float(factor))
 
 
@@ -416,9 +284,9 @@ def linear(start: float, end: float, max_steps: int) -> LearningRateSchedule[Non
     :class:`~lampdist.ConfigError` unless ``start`` and ``end`` are finite and >= 0 and
     ``max_steps >= 1``.
     """
-    _check_float("start", start, low=0.0)
-    _check_float("end", end, low=0.0)
-    _check_int("max_steps", max_steps, 1)
+    check_float("start", start, low=0.0)
+    check_float("end", end, low=0.0)
+    check_int("max_steps", max_steps, 1)
     return _Linear(start=float(start), end=float(end), max_steps=max_steps)
 
 
@@ -429,8 +297,8 @@ def cyclic(max_factor: float, period: int) -> LearningRateSchedule[None]:
     ``max_factor`` below 1 makes the triangle dip instead. Raises
     :class:`~lampdist.ConfigError` unless ``max_factor > 0`` is finite and ``period >= 2``.
     """
-    _check_float("max_factor", max_factor, low=0.0, open_low=True)
-    _check_int("period", period, 2)
+    check_float("max_factor", max_factor, low=0.0, open_low=True)
+    check_int("period", period, 2)
     return _Cyclic(max_factor=float(max_factor), period=period)
 
 
@@ -441,8 +309,8 @@ def cosine(max_steps: int, min_factor: float = 0.0) -> LearningRateSchedule[None
     With the default ``min_factor=0`` training stops at epoch ``max_steps``. Raises
     :class:`~lampdist.ConfigError` unless ``max_steps >= 1`` and ``0 <= min_factor <= 1``.
     """
-    _check_int("max_steps", max_steps, 1)
-    _check_float("min_factor", min_factor, low=0.0, high=1.0)
+    check_int("max_steps", max_steps, 1)
+    check_float("min_factor", min_factor, low=0.0, high=1.0)
     return _Cosine(max_steps=max_steps, min_factor=float(min_factor))
 
 
@@ -458,10 +326,10 @@ def warmup(
     waits in :class:`WarmupState` until the warm-up ends. Raises
     :class:`~lampdist.ConfigError` unless ``steps >= 0`` and ``0 <= start <= 1``.
     """
-    _check_int("steps", steps, 0)
-    _check_float("start", start, low=0.0, high=1.0)
+    check_int("steps", steps, 0)
+    check_float("start", start, low=0.0, high=1.0)
     if not callable(getattr(schedule, "learning_rate_factor", None)):
-        raise _fail(f"warmup wraps a learning-rate schedule, got {schedule!r}")
+        raise fail(f"warmup wraps a learning-rate schedule, got {schedule!r}")
     return _Warmup(steps=steps, schedule=schedule, start=float(start))
 
 
@@ -496,15 +364,15 @@ def reduce_on_plateau(
     1``, ``patience >= 1``, ``threshold >= 0`` and ``stop_factor >= 0``, all finite, and
     ``monitor`` is a :class:`lampdist.Monitor`.
     """
-    _check_float("start_factor", start_factor, low=0.0, open_low=True)
-    _check_float("reduce_factor", reduce_factor, low=0.0, high=1.0, open_low=True)
+    check_float("start_factor", start_factor, low=0.0, open_low=True)
+    check_float("reduce_factor", reduce_factor, low=0.0, high=1.0, open_low=True)
     if reduce_factor == 1.0:
-        raise _fail("reduce_factor must be below 1, got 1; pass e.g. 0.5 to halve the factor")
-    _check_int("patience", patience, 1)
-    _check_float("threshold", threshold, low=0.0)
-    _check_float("stop_factor", stop_factor, low=0.0)
+        raise fail("reduce_factor must be below 1, got 1; pass e.g. 0.5 to halve the factor")
+    check_int("patience", patience, 1)
+    check_float("threshold", threshold, low=0.0)
+    check_float("stop_factor", stop_factor, low=0.0)
     if not isinstance(monitor, Monitor):
-        raise _fail(f"monitor must be a lampdist.Monitor, got {monitor!r}")
+        raise fail(f"monitor must be a lampdist.Monitor, got {monitor!r}")
     return _ReduceOnPlateau(
         start_factor=float(start_factor),
         reduce_factor=float(reduce_factor),
@@ -514,9 +382,6 @@ def reduce_on_plateau(
         stop_factor=float(stop_factor),
         monitor=monitor,
     )
-
-
-_NON_FINITE = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
 
 
 def state_to_json(state: object) -> object:
@@ -529,25 +394,7 @@ def state_to_json(state: object) -> object:
     Checkpoints call it; :func:`state_from_json` reverses it. Raises
     :class:`~lampdist.ConfigError` for anything else in a state (a tensor, an object).
     """
-    if state is None or isinstance(state, bool | int | str):
-        return state
-    if isinstance(state, float):
-        if math.isfinite(state):
-            return state
-        return "NaN" if math.isnan(state) else ("Infinity" if state > 0 else "-Infinity")
-    cls: Any = type(state)
-    if attrs.has(cls):
-        return {f.name: state_to_json(getattr(state, f.name)) for f in attrs.fields(cls)}
-    if dataclasses.is_dataclass(state):
-        return {f.name: state_to_json(getattr(state, f.name)) for f in dataclasses.fields(state)}
-    if isinstance(state, dict) and all(isinstance(key, str) for key in state):
-        return {key: state_to_json(value) for key, value in state.items()}
-    if isinstance(state, list | tuple):
-        return [state_to_json(value) for value in state]
-    raise _fail(
-        f"a schedule state must be made of None, booleans, numbers, strings, lists, dicts and "
-        f"attrs or dataclass values of those, got {state!r}"
-    )
+    return to_json(state)
 
 
 def state_from_json(schedule: LearningRateSchedule[S], data: object) -> S:
@@ -561,98 +408,4 @@ def state_from_json(schedule: LearningRateSchedule[S], data: object) -> S:
     a checkpoint written with another schedule).
     """
     init = schedule.init
-    return typing.cast(S, _structure(type(init), init, data, schedule))
-
-
-def _mismatch(schedule: object, data: object) -> ConfigError:
-    return _fail(
-        f"{data!r} is not a state of {schedule!r}; "
-        "pass the learning-rate schedule the checkpoint was written with"
-    )
-
-
-def _fields(cls: type) -> list[tuple[str, str]]:
-    """(stored name, constructor keyword) of each field an instance is built from."""
-    if attrs.has(cls):
-        return [(f.name, f.alias or f.name) for f in attrs.fields(cls) if f.init]
-    return [(f.name, f.name) for f in dataclasses.fields(cls) if f.init]
-
-
-def _structure(cls: Any, template: object, data: object, schedule: object) -> object:
-    """``data`` as a value of type ``cls``; ``template`` (the initial state's value at this
-    place, or None) stands in for a type variable or ``Any``."""
-    if isinstance(cls, TypeVar):  # a wrapped schedule's state: the template says its type
-        cls = type(template)
-    elif cls is Any or cls is object:
-        if template is None:
-            return data
-        cls = type(template)
-    if cls is NoneType or cls is None:
-        if data is not None:
-            raise _mismatch(schedule, data)
-        return None
-    if isinstance(cls, UnionType) or typing.get_origin(cls) is typing.Union:
-        options = typing.get_args(cls)
-        if data is None and NoneType in options:
-            return None
-        for option in options:
-            if option is NoneType:
-                continue
-            try:
-                return _structure(option, template, data, schedule)
-            except ConfigError:
-                continue
-        raise _mismatch(schedule, data)
-    origin = typing.get_origin(cls)
-    if origin is tuple or origin is list or cls in (tuple, list):
-        if not isinstance(data, list):
-            raise _mismatch(schedule, data)
-        args = typing.get_args(cls)
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(args) != len(data):
-                raise _mismatch(schedule, data)
-            pairs = zip(args, data, strict=True)
-            items = [_structure(arg, None, item, schedule) for arg, item in pairs]
-        else:
-            item_type = args[0] if args else Any
-            items = [_structure(item_type, None, item, schedule) for item in data]
-        return tuple(items) if (origin or cls) is tuple else items
-    if origin is dict or cls is dict:
-        if not isinstance(data, dict):
-            raise _mismatch(schedule, data)
-        args = typing.get_args(cls)
-        value_type = args[1] if len(args) == 2 else Any
-        return {key: _structure(value_type, None, item, schedule) for key, item in data.items()}
-    if cls is bool or cls is str:
-        if not isinstance(data, cls):
-            raise _mismatch(schedule, data)
-        return data
-    if cls is int:
-        if not isinstance(data, int) or isinstance(data, bool):
-            raise _mismatch(schedule, data)
-        return data
-    if cls is float:
-        if isinstance(data, str) and data in _NON_FINITE:
-            return _NON_FINITE[data]
-        if not isinstance(data, int | float) or isinstance(data, bool):
-            raise _mismatch(schedule, data)
-        return float(data)
-    if isinstance(cls, type) and (attrs.has(cls) or dataclasses.is_dataclass(cls)):
-        hints = typing.get_type_hints(cls)
-        fields = _fields(cls)
-        if not isinstance(data, dict) or set(data) != {name for name, _ in fields}:
-            raise _mismatch(schedule, data)
-        values = {
-            keyword: _structure(
-                hints.get(name, Any),
-                getattr(template, name) if isinstance(template, cls) else None,
-                data[name],
-                schedule,
-            )
-            for name, keyword in fields
-        }
-        return cls(**values)
-    raise _fail(
-        f"cannot rebuild a schedule state of type {cls!r}; give a state the types None, bool, "
-        "int, float, str, tuple, list, dict or attrs or dataclass classes of those"
-    )
+    return typing.cast(S, structure(type(init), init, data, schedule))

@@ -1,0 +1,227 @@
+"""The root's epoch loop: :class:`LoopOptions`, its :class:`Recovery` of a lost follower, and
+the check of what its rules watch against what the model reports (:func:`check_monitors`)."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+
+from ._effects import CheckpointState, OnPassEvent
+from ._errors import ConfigError
+from ._loop import check_max_epochs, check_smoothing, check_validation_frequency
+from ._model_with_data import ModelWithData
+from ._monitor import LOSSES, EarlyStopping, Monitor
+from ._option_checks import is_int, optional, positive, validator, validator_by
+from .schedules import LearningRateSchedule, noop
+
+__all__ = ["LoopOptions", "Recovery", "check_monitors"]
+
+
+def _is_epoch_schedule(value: object) -> bool:
+    return callable(getattr(value, "learning_rate_factor", None))
+
+
+def _epoch_set(value: Any) -> Any:
+    """Epochs as a frozenset (what is not iterable is left for the validator to refuse)."""
+    return frozenset(value) if isinstance(value, Iterable) else value
+
+
+def _is_epoch_set(value: object) -> bool:
+    return isinstance(value, frozenset) and all(
+        isinstance(epoch, numbers.Integral) and not isinstance(epoch, bool) for epoch in value
+    )
+
+
+@attrs.frozen(kw_only=True)
+class Recovery:
+    """In-job recovery of a lost follower, for :attr:`LoopOptions.recovery`.
+
+    When a follower is lost while the root trains (its process killed, its machine gone, its
+    heartbeats missed, its connection dropped), the root aborts the clique, tells the
+    survivors to hold, and waits up to ``rejoin_timeout`` seconds for a process that joins
+    the control channel as that rank: the same command that started the rank, started
+    again. The agreement check then runs on every rank of the clique's next generation; the
+    root gives every rank the state at the end of the last completed pass (the model, the
+    optimizer state, each rank's place in its training data and its RNG states, kept in the
+    root's memory after every pass) and redoes the pass in flight from its start, so that the
+    run ends where an uninterrupted run ends, bitwise.
+
+    The run still ends for the root's own loss, a follower not back within
+    ``rejoin_timeout`` (:class:`~lampdist.JoinTimeout` naming it), more than
+    ``max_recoveries`` recoveries, and a follower's own error (which a new process would
+    repeat). A replacement that fails the agreement check is refused (it raises
+    :class:`~lampdist.MismatchError`) and the root goes on waiting.
+
+    Raises :class:`~lampdist.ConfigError` for a ``rejoin_timeout`` that is not > 0 and a
+    ``max_recoveries`` that is not an int >= 1.
+    """
+
+    rejoin_timeout: float = attrs.field(
+        default=300.0,
+        validator=validator(positive, "> 0 seconds", "pass how long a replacement may take"),
+    )
+    """Seconds the root waits for the lost ranks to be back, from the loss."""
+    max_recoveries: int = attrs.field(
+        default=3,
+        validator=validator(
+            lambda value: is_int(value) and value >= 1,
+            "an int >= 1",
+            "pass LoopOptions(recovery=None) for no recovery",
+        ),
+    )
+    """Recoveries allowed over the run; one more loss ends it."""
+
+
+@attrs.frozen(kw_only=True)
+class LoopOptions:
+    """The root's epoch loop; followers ignore it. The rules are :func:`lampdist.epochs`'.
+
+    Raises :class:`~lampdist.ConfigError` (phase ``'configure'``, naming the field) for a
+    value out of range, and for ``checkpoint_interval`` without ``checkpoint_state``.
+    """
+
+    max_epochs: int = attrs.field(validator=validator_by(check_max_epochs))
+    """Epochs run up to this one (an int >= 0), not included."""
+    validation_frequency: int = attrs.field(
+        default=1, validator=validator_by(check_validation_frequency)
+    )
+    """Epoch ``e`` is validated when ``e % validation_frequency == 0`` (an int >= 1)."""
+    validation_loss_exponential_smoothing_factor: float = attrs.field(
+        default=1.0, validator=validator_by(check_smoothing)
+    )
+    """The validation loss is smoothed exponentially with this factor, in (0, 1] (1.0: no
+    smoothing)."""
+    learning_rate_schedule: LearningRateSchedule[Any] = attrs.field(
+        factory=noop,
+        validator=validator(
+            _is_epoch_schedule,
+            "a learning-rate schedule (with a learning_rate_factor method)",
+            "pass one of lampdist.schedules (e.g. schedules.cosine(...)) or your own",
+        ),
+    )
+    """Sets each epoch's learning-rate factor (see :mod:`lampdist.schedules`)."""
+    return_min_validation_loss_model: frozenset[int] = attrs.field(
+        default=frozenset(),
+        converter=_epoch_set,
+        validator=validator(
+            _is_epoch_set,
+            "an iterable of epochs (ints)",
+            "pass e.g. range(max_epochs) to keep the best model of any epoch",
+        ),
+    )
+    """Keep the model of the epoch with the lowest smoothed validation loss among these
+    epochs (any iterable of ints), or the best by ``best_model_monitor``; every rank ends
+    holding it."""
+    checkpoint_state: CheckpointState | None = attrs.field(
+        default=None,
+        validator=validator(
+            optional(callable),
+            "an async callable or None",
+            "pass checkpoint.to_directory(...)",
+        ),
+    )
+    """Awaited after every epoch (:func:`lampdist.checkpoint.to_directory` builds one), or as
+    ``checkpoint_interval`` says, and always after the last epoch trained, whatever ends the
+    loop."""
+    checkpoint_interval: float | None = attrs.field(
+        default=None,
+        validator=validator(
+            optional(positive), "> 0 seconds or None", "pass None to checkpoint every epoch"
+        ),
+    )
+    """Seconds of wall time (for preemptible jobs with short epochs): checkpoint after the
+    first epoch that ends that long after the last checkpoint (``None``: after every
+    epoch)."""
+    on_event: OnPassEvent | None = attrs.field(
+        default=None,
+        validator=validator(
+            optional(callable),
+            "an async callable or None",
+            "pass an async function of a lampdist.PassEvent",
+        ),
+    )
+    """Receives the root's progress (:class:`~lampdist.PassEvent`)."""
+    best_model_monitor: Monitor = attrs.field(
+        factory=Monitor,
+        validator=validator(
+            lambda value: isinstance(value, Monitor),
+            "a lampdist.Monitor",
+            'pass e.g. lampdist.Monitor("validation_accuracy", mode="max")',
+        ),
+    )
+    """What chooses the best model (by default the smoothed validation loss, lower is
+    better)."""
+    early_stopping: EarlyStopping | None = attrs.field(
+        default=None,
+        validator=validator(
+            optional(lambda value: isinstance(value, EarlyStopping)),
+            "a lampdist.EarlyStopping or None",
+            "pass None not to stop early",
+        ),
+    )
+    """Ends the loop once a watched value stops improving (:class:`~lampdist.EarlyStopping`)."""
+    recovery: Recovery | None = attrs.field(
+        default=None,
+        validator=validator(
+            optional(lambda value: isinstance(value, Recovery)),
+            "a lampdist.Recovery or None",
+            "pass lampdist.Recovery(rejoin_timeout=...) to survive a lost follower",
+        ),
+    )
+    """Survive a lost follower within the job (:class:`~lampdist.Recovery`); ``None``: the
+    loss of any rank ends the run."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.checkpoint_interval is not None and self.checkpoint_state is None:
+            raise ConfigError(
+                "LoopOptions.checkpoint_interval says how often to checkpoint, but there is no "
+                "checkpoint_state to checkpoint with: give both (checkpoint.to_directory(...))",
+                phase="configure",
+            )
+
+    def _monitors(self) -> list[tuple[str, Monitor]]:
+        """What the loop's rules watch, as (the rule, its monitor): the best model when
+        ``return_min_validation_loss_model`` names epochs, early stopping, and the schedule
+        when it has a ``monitor``."""
+        found = []
+        if self.return_min_validation_loss_model:
+            found.append(("best_model_monitor", self.best_model_monitor))
+        if self.early_stopping is not None:
+            found.append(("early_stopping", self.early_stopping.monitor))
+        schedule_monitor = getattr(self.learning_rate_schedule, "monitor", None)
+        if isinstance(schedule_monitor, Monitor):
+            found.append(("learning_rate_schedule", schedule_monitor))
+        return found
+
+
+def check_monitors(loop: LoopOptions, data: ModelWithData, *, rank: int = 0) -> None:
+    """Raise :class:`ConfigError` before training when a rule of ``loop`` watches a metric
+    that ``data.model`` does not report, or a validation value of a run that does not
+    validate (except lamp's defaults: without validation the best model and a plateau
+    watching the smoothed validation loss never act, as in lamp)."""
+    names = set(data.model.metrics)
+    for rule, monitor in loop._monitors():
+        metric = monitor.metric
+        kind, _, name = metric.partition("_")
+        if rule != "early_stopping" and monitor == Monitor():
+            continue  # lamp's value: nothing to check, and without validation it never comes
+        if monitor.validation and data.validation_batches is None:
+            raise ConfigError(
+                f"LoopOptions.{rule} watches {metric!r}, but there are no validation_batches: "
+                "give validation batches or watch a training value",
+                rank=rank,
+                phase="configure",
+            )
+        if metric in LOSSES:
+            continue
+        if name not in names:
+            known = ", ".join(f"{kind}_{n}" for n in sorted(names)) or "none"
+            raise ConfigError(
+                f"LoopOptions.{rule} watches {metric!r}, which is no metric of the model "
+                f"(its metrics as {kind} values: {known}); add it to SupervisedModel.metrics",
+                rank=rank,
+                phase="configure",
+            )
