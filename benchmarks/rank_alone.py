@@ -3,8 +3,8 @@
     python benchmarks/rank_alone.py                          # CPU, the small model
     python benchmarks/rank_alone.py --device cuda --steps 1000 --repeats 5 --json out.json
     python benchmarks/rank_alone.py --tree before=/path/to/other/src   # another lampdist too
-    python benchmarks/rank_alone.py --variant off=step_split:false \
-        --variant all=grad_norm:true,flops:count        # lampdist with other options
+    python benchmarks/rank_alone.py --variant off=measure_step_split:false \
+        --variant all=measure_grad_norm:true,flops:count        # lampdist with other options
 
 Where ``throughput.py --nranks 1`` starts a process per run and goes through ``lampdist.train``
 over TCP, this measures what a rank alone costs the host per step with nothing else around:

@@ -123,7 +123,7 @@ def run(nranks: int, slow_rank: int, delay: float, steps: int) -> lampdist.PassE
             ],
             optimizer_factory=lambda p: torch.optim.AdamW(p, lr=1e-3),
             loop=lampdist.LoopOptions(max_epochs=2, on_event=on_event),
-            step=lampdist.StepOptions(step_on="every_rank", grad_norm=True),
+            step=lampdist.StepOptions(step_on="every_rank", measure_grad_norm=True),
         )
 
     anyio.run(main)

@@ -22,9 +22,9 @@ STEP_BAD = [
     ("step_on", "everywhere"),
     ("bucket_cap_mb", 0),
     ("max_grad_norm", "1.0"),
-    ("grad_norm", 1),
+    ("measure_grad_norm", 1),
     ("grad_norm_every", 0),
-    ("step_split", "yes"),
+    ("measure_step_split", "yes"),
     ("non_finite_loss", "ignore"),
     ("shuffle_seed", 1.5),
     ("steps_per_epoch", True),
@@ -48,7 +48,8 @@ LOOP_BAD = [
 
 
 def _fields(cls: type[Any]) -> list[str]:
-    return [field.name for field in attrs.fields(cls)]
+    """The fields, less those kept only for a deprecated name (tested below)."""
+    return [field.name for field in attrs.fields(cls) if not field.metadata.get("deprecated")]
 
 
 def test_every_field_has_a_bad_value_below() -> None:
@@ -108,3 +109,31 @@ def test_fields_that_need_each_other_are_checked_together() -> None:
         StepOptions(learning_rate_per_step=schedules.warmup_linear_steps(1, 5))
     with pytest.raises(lampdist.ConfigError, match=r"checkpoint_interval .* no checkpoint_state"):
         LoopOptions(max_epochs=1, checkpoint_interval=60.0)
+
+
+# -- the switches renamed from their measurements' names -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "value"),
+    [("grad_norm", "measure_grad_norm", True), ("step_split", "measure_step_split", False)],
+)
+def test_a_switch_by_its_old_name_still_works_warned(old: str, new: str, value: bool) -> None:
+    with pytest.warns(DeprecationWarning, match=f"StepOptions.{old} is now StepOptions.{new}"):
+        options = lampdist.StepOptions(**{old: value})
+    assert getattr(options, new) is value
+    assert options == lampdist.StepOptions(**{new: value})
+    assert repr(options) == repr(lampdist.StepOptions(**{new: value}))
+    assert options.agreed_fields() == lampdist.StepOptions(**{new: value}).agreed_fields()
+    with pytest.warns(DeprecationWarning, match=f"StepOptions.{old} is now"):
+        assert getattr(options, old) is value
+    evolved = attrs.evolve(options, **{new: not value})  # no old name to take again
+    assert getattr(evolved, new) is (not value)
+
+
+def test_a_switch_by_its_old_name_takes_bools_only() -> None:
+    with (
+        pytest.warns(DeprecationWarning, match="grad_norm"),
+        pytest.raises(lampdist.ConfigError, match="measure_grad_norm must be a bool"),
+    ):
+        lampdist.StepOptions(grad_norm=1)  # type: ignore[arg-type]  # the point of the test

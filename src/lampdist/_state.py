@@ -233,12 +233,12 @@ class PassEvent:
     times the ranks (``None`` on a CPU or an unknown GPU; ``LAMPDIST_PEAK_FLOPS`` sets a
     device's)."""
     grad_norm: float | None = None
-    """On a training pass's last event, with :attr:`lampdist.StepOptions.grad_norm` or
+    """On a training pass's last event, with :attr:`lampdist.StepOptions.measure_grad_norm` or
     ``max_grad_norm``: the mean over the pass's steps of the global norm of the averaged
     gradients before clipping (``grad_norm_max`` their largest)."""
     grad_norm_max: float | None = None
     step_split: tuple[StepSplit, ...] = ()
-    """On a training pass's last event, with :attr:`lampdist.StepOptions.step_split`: where
+    """On a training pass's last event, with :attr:`lampdist.StepOptions.measure_step_split`: where
     each rank's steps spent their time, by rank."""
 
     @property

@@ -4,6 +4,8 @@ they join), and ``StepOn``, the designs it chooses between."""
 from __future__ import annotations
 
 import numbers
+import warnings
+from collections.abc import Mapping
 from typing import Literal
 
 import attrs
@@ -17,6 +19,19 @@ from .schedules import StepSchedule
 __all__ = ["StepOn", "StepOptions"]
 
 StepOn = Literal["root", "every_rank", "sharded", "fsdp"]
+
+OWN_BUCKETS: Mapping[StepOn, bool] = {
+    "root": False,
+    "every_rank": False,
+    "sharded": False,
+    "fsdp": True,
+}
+"""Whether the design of each ``step_on`` exchanges the gradients in buckets of its own (of
+each sharded module, fsdp), so that ``bucket_cap_mb`` does not apply: the one design fact the
+options need before any design exists."""
+
+_DEPRECATED = "deprecated"
+"""The metadata key of a field kept only for an old name: not agreed, not shown."""
 
 
 def _is_step_schedule(value: object) -> bool:
@@ -104,14 +119,14 @@ class StepOptions:
     )
     """Clip the averaged gradients by their global norm to at most this (``None``: no
     clipping)."""
-    grad_norm: bool = attrs.field(
+    measure_grad_norm: bool = attrs.field(
         default=False,
         validator=validator(lambda value: isinstance(value, bool), "a bool", "pass True or False"),
     )
     """Report the global norm of the averaged gradients before clipping, per training pass
     (:attr:`~lampdist.PassEvent.grad_norm`). Always on with ``max_grad_norm``, which computes
     it anyway; otherwise it costs one norm a step, and under ``"sharded"`` and ``"fsdp"`` one
-    all-reduce of a scalar a step."""
+    all-reduce of a scalar a step. (Its old name, ``grad_norm``, still works, warned.)"""
     grad_norm_every: int = attrs.field(
         default=1,
         validator=validator(
@@ -120,18 +135,18 @@ class StepOptions:
             "pass 1 to measure every step",
         ),
     )
-    """With ``grad_norm`` (and no ``max_grad_norm``, which measures every step): measure the
+    """With ``measure_grad_norm`` (and no ``max_grad_norm``, which measures every step): measure the
     norm on the first step of each pass and every this many steps after it, and report the
     mean and the largest of those (the norm reads every gradient once: on a model whose step
     is mostly the optimizer's memory traffic, such as the benchmark's ``mlp``, about 10% of a
     step; every 10 steps, 1%)."""
-    step_split: bool = attrs.field(
+    measure_step_split: bool = attrs.field(
         default=True,
         validator=validator(lambda value: isinstance(value, bool), "a bool", "pass True or False"),
     )
     """Measure where each rank's steps spend their time (:attr:`~lampdist.PassEvent.step_split`):
     clocks on the CPU, CUDA timing events on a GPU (no host synchronization); ``False``
-    measures nothing."""
+    measures nothing. (Its old name, ``step_split``, still works, warned.)"""
     non_finite_loss: Literal["raise", "skip"] = attrs.field(
         default="raise",
         validator=validator(
@@ -180,9 +195,20 @@ class StepOptions:
     )
     """How ``step_on="fsdp"`` shards the model and its precision (ignored by the other
     designs)."""
+    _grad_norm: bool | None = attrs.field(
+        default=None, alias="grad_norm", repr=False, eq=False, metadata={_DEPRECATED: True}
+    )
+    """``grad_norm=``, the deprecated name of ``measure_grad_norm`` (read as ``None`` once
+    built)."""
+    _step_split: bool | None = attrs.field(
+        default=None, alias="step_split", repr=False, eq=False, metadata={_DEPRECATED: True}
+    )
+    """``step_split=``, the deprecated name of ``measure_step_split``."""
 
     def __attrs_post_init__(self) -> None:
-        if self.step_on == "fsdp" and self.bucket_cap_mb is not None:
+        for old, new in _RENAMED:
+            _take_old_name(self, old, new)
+        if OWN_BUCKETS[self.step_on] and self.bucket_cap_mb is not None:
             raise ConfigError(
                 "StepOptions.bucket_cap_mb does not apply to step_on='fsdp', which exchanges "
                 "the gradients of each sharded module as its backward ends (choose the "
@@ -205,4 +231,48 @@ class StepOptions:
 
     def agreed_fields(self) -> list[tuple[str, str]]:
         """Every field as (name, repr of its value): what ranks compare when they join."""
-        return [(f.name, repr(getattr(self, f.name))) for f in attrs.fields(StepOptions)]
+        return [
+            (f.name, repr(getattr(self, f.name)))
+            for f in attrs.fields(StepOptions)
+            if not f.metadata.get(_DEPRECATED)
+        ]
+
+    @property
+    def grad_norm(self) -> bool:
+        """Deprecated: :attr:`measure_grad_norm`."""
+        _warn_renamed("grad_norm", "measure_grad_norm", stacklevel=3)
+        return self.measure_grad_norm
+
+    @property
+    def step_split(self) -> bool:
+        """Deprecated: :attr:`measure_step_split`."""
+        _warn_renamed("step_split", "measure_step_split", stacklevel=3)
+        return self.measure_step_split
+
+
+_RENAMED = (("_grad_norm", "measure_grad_norm"), ("_step_split", "measure_step_split"))
+"""The switches that took the names of the measurements they turn on: the old field (its
+init name without the underscore), the new one."""
+
+
+def _warn_renamed(old: str, new: str, *, stacklevel: int) -> None:
+    warnings.warn(
+        f"StepOptions.{old} is now StepOptions.{new} (PassEvent.{old} is the measurement)",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+
+
+def _take_old_name(options: StepOptions, old: str, new: str) -> None:
+    """Move a value given by its deprecated name ``old`` to field ``new``, warned."""
+    value = getattr(options, old)
+    if value is None:
+        return
+    _warn_renamed(old.lstrip("_"), new, stacklevel=5)
+    if not isinstance(value, bool):
+        raise ConfigError(
+            f"StepOptions.{new} must be a bool, not {value!r}; pass True or False",
+            phase="configure",
+        )
+    object.__setattr__(options, new, value)  # frozen: the one write, while it is built
+    object.__setattr__(options, old, None)

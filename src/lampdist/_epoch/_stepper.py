@@ -210,11 +210,12 @@ class Stepper:
         """Clip the averaged gradients by their global norm, if asked to: with whole
         gradients as ``clip_grad_norm_`` does; sharded or fsdp, over every rank's slices (the
         sum of squares through ``combine``, one scalar), with the same formula. The norm
-        before clipping is kept for the pass (with ``max_grad_norm`` or ``grad_norm``; without
-        clipping the norm is the same formula's, and sliced it costs the one scalar's sum)."""
+        before clipping is kept for the pass (with ``max_grad_norm`` or
+        ``measure_grad_norm``; without clipping the norm is the same formula's, and sliced it
+        costs the one scalar's sum)."""
         max_norm = self.options.max_grad_norm
         if max_norm is None:
-            if not self.options.grad_norm:
+            if not self.options.measure_grad_norm:
                 return
             turn, self._norm_turn = self._norm_turn, self._norm_turn + 1
             if turn % self.options.grad_norm_every:

@@ -197,7 +197,7 @@ def _model(module: torch.nn.Module) -> SupervisedModel:
 def _step(options: DemoOptions) -> StepOptions:
     """Every rank's step options: the shuffles follow ``--seed``; the gradient norm is
     reported."""
-    return StepOptions(shuffle_seed=options.seed, grad_norm=True)
+    return StepOptions(shuffle_seed=options.seed, measure_grad_norm=True)
 
 
 def _train_batches(shard: Digits, options: DemoOptions) -> Any:

@@ -135,9 +135,6 @@ class Design(abc.ABC):
     (not where each rank holds shards no other rank has: fsdp)."""
     keeps_best_model: ClassVar[bool] = True
     """Whether the root can keep the best model (it holds the whole model; not fsdp)."""
-    own_buckets: ClassVar[bool] = False
-    """Whether the design exchanges gradients in buckets of its own, so that
-    ``StepOptions.bucket_cap_mb`` does not apply (fsdp)."""
 
     # -- setup, before the rank joins -----------------------------------------------------------
 

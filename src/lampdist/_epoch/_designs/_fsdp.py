@@ -97,7 +97,6 @@ class FsdpSteps(EveryRankSteps):
     loads_checkpoints = True
     recovers = False
     keeps_best_model = False
-    own_buckets = True
 
     @property
     def policy(self) -> FsdpPolicy:
