@@ -21,7 +21,7 @@ that all-reduces the whole buffer (Gloo, where a reduce-scatter costs an all-red
 
 A rank alone in its clique exchanges nothing: it gets no gradient buffers (``gradients=False``)
 and autograd keeps the gradients as a plain loop's, set to ``None`` after each step, which saves
-a fill and a read of every gradient a step (see ``_kernel``).
+a fill and a read of every gradient a step (see ``_designs``: ``Solo``).
 """
 
 from __future__ import annotations
@@ -93,17 +93,8 @@ class FlatParameters:
         With ``shards`` > 1 the buffers are laid out for that many ranks to own a slice each
         (see the module docstring), one buffer per bucket of about ``bucket_cap_bytes``."""
         module.to(device)
-        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-        for _, parameter in named:
-            by_dtype.setdefault(parameter.dtype, []).append(parameter)
         sharded = shards > 1
-        groups: list[tuple[torch.dtype, list[torch.nn.Parameter]]] = []
-        for dtype, members in by_dtype.items():
-            if sharded and bucket_cap_bytes is not None:
-                groups += [(dtype, bucket) for bucket in _cut(members, bucket_cap_bytes)]
-            else:
-                groups.append((dtype, members))
+        groups = _groups(module, bucket_cap_bytes if sharded else None)
         parameters: list[torch.nn.Parameter] = []
         parameter_buffers: list[torch.Tensor] = []
         gradient_buffers: list[torch.Tensor] = []
@@ -117,19 +108,12 @@ class FlatParameters:
         for buffer_index, (dtype, group) in enumerate(groups):
             total = sum(p.numel() for p in group)
             size = torch.empty(0, dtype=dtype).element_size()
-            if sharded:
-                tail = -total % shards  # zeros, so that every rank owns as many elements
-            else:
-                # The root values' tail starts on an 8-byte boundary, so it can be read as
-                # float64.
-                start = -(-total * size // 8) * 8 // size
-                tail = 0 if buffer_index else start - total + -(-ROOT_VALUES_BYTES // size)
+            tail, start = _tail(total, size, shards=shards, first=buffer_index == 0)
             storage = torch.zeros(total + tail, dtype=dtype, device=device)
             flat = storage[:total]
             if tail and not sharded:
-                root_values_tail = storage.view(torch.uint8)[
-                    start * size : start * size + ROOT_VALUES_BYTES
-                ]
+                at = start * size
+                root_values_tail = storage.view(torch.uint8)[at : at + ROOT_VALUES_BYTES]
             carries_meta = gradients and meta_tail is None and dtype in _META_DTYPES
             padded = total + tail if sharded else total
             grad_storage = torch.zeros(
@@ -160,13 +144,12 @@ class FlatParameters:
                 gradient_storage.append(grad_storage)
                 padded_gradients.append(grad_storage[:padded])
         frozen = [p for p in module.parameters() if not p.requires_grad]
-        module_buffers = [b for b in module.buffers()] + frozen
         return cls(
             parameters=parameters,
             parameter_buffers=parameter_buffers,
             gradient_buffers=gradient_buffers,
             gradient_views=gradient_views,
-            module_buffers=module_buffers,
+            module_buffers=[*module.buffers(), *frozen],
             layout=_layout(module),
             slots=slots,
             gradient_storage=gradient_storage,
@@ -244,6 +227,35 @@ def flat_order(module: torch.nn.Module) -> list[str]:
         if parameter.requires_grad:
             by_dtype.setdefault(parameter.dtype, []).append(name)
     return [name for names in by_dtype.values() for name in names]
+
+
+def _groups(
+    module: torch.nn.Module, cap_bytes: int | None
+) -> list[tuple[torch.dtype, list[torch.nn.Parameter]]]:
+    """``module``'s trainable parameters by dtype, the dtypes in the order they first appear;
+    with ``cap_bytes``, each dtype's cut into buffers of about that size (:func:`_cut`)."""
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for _, parameter in module.named_parameters():
+        if parameter.requires_grad:
+            by_dtype.setdefault(parameter.dtype, []).append(parameter)
+    groups: list[tuple[torch.dtype, list[torch.nn.Parameter]]] = []
+    for dtype, members in by_dtype.items():
+        if cap_bytes is not None:
+            groups += [(dtype, bucket) for bucket in _cut(members, cap_bytes)]
+        else:
+            groups.append((dtype, members))
+    return groups
+
+
+def _tail(total: int, size: int, *, shards: int, first: bool) -> tuple[int, int]:
+    """The elements behind a flat buffer of ``total`` elements of ``size`` bytes, and where
+    the root values' tail starts (in elements; it is behind the ``first`` buffer of a layout
+    that is not sharded, on an 8-byte boundary, so that it can be read as float64). Sharded,
+    the tail is zeros, so that every rank owns as many elements."""
+    if shards > 1:
+        return -total % shards, 0
+    start = -(-total * size // 8) * 8 // size
+    return (start - total + -(-ROOT_VALUES_BYTES // size) if first else 0), start
 
 
 def _cut(parameters: list[torch.nn.Parameter], cap_bytes: int) -> list[list[torch.nn.Parameter]]:

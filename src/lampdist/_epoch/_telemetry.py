@@ -1,10 +1,10 @@
 """A training pass's telemetry: what each rank measures, and what the root makes of it.
 
-Each rank measures its own steps (:class:`PassTelemetry`: the step split of ``_clock`` and the
-tokens of its batches) and sends one row of numbers to the root at the pass's end, in the
-pass's one reduce (every rank writes its row of a ranks-by-:data:`ROW` matrix, the others
-zero). The root turns the rows into :class:`~lampdist.StepSplit` values and the clique's
-tokens, and names a straggler (:class:`Stragglers`): a rank whose own work took more than
+Each rank measures its own steps (the step split of ``_clock`` and the tokens of its batches,
+see ``_watch``) and sends one row of numbers to the root at the pass's end, in the pass's one
+reduce (every rank writes its row of a ranks-by-:data:`ROW` matrix, the others zero). The root
+turns the rows into :class:`~lampdist.StepSplit` values and the clique's tokens, and names a
+straggler (:class:`Stragglers`): a rank whose own work took more than
 :data:`STRAGGLER_MARGIN` longer than the other ranks' in :data:`STRAGGLER_PASSES` training
 passes in a row.
 """
@@ -16,14 +16,12 @@ import statistics
 import attrs
 
 from .._state import StepSplit
-from ._clock import PARTS, StepClock
-from ._feed import LoadedBatch
+from ._clock import PARTS
 
 __all__ = [
     "ROW",
     "STRAGGLER_MARGIN",
     "STRAGGLER_PASSES",
-    "PassTelemetry",
     "Stragglers",
     "splits",
     "straggler",
@@ -51,36 +49,6 @@ on steps of microseconds is no straggler)."""
 
 _OWN_PARTS = ("data", "forward_backward")
 _STEPPING_PARTS = (*_OWN_PARTS, "optimizer")
-
-
-@attrs.define(eq=False)
-class PassTelemetry:
-    """One rank's measurements of one training pass (the compute thread)."""
-
-    clock: StepClock
-    tokens: int = 0
-    untokened: int = 0
-    """Batches that did not say how many tokens they hold."""
-    examples: int = 0
-    """The rank's own examples (the root's estimate of the clique's tokens mid-pass)."""
-
-    def count(self, batch: LoadedBatch) -> None:
-        """Count a batch the rank trains on."""
-        if batch.tokens is None:
-            self.untokened += 1
-        else:
-            self.tokens += batch.tokens
-        self.examples += batch.examples
-
-    def estimate_tokens(self, clique_examples: int) -> int | None:
-        """The clique's tokens so far, from this rank's tokens per example (mid-pass)."""
-        if self.untokened or self.examples == 0:
-            return None
-        return round(self.tokens / self.examples * clique_examples)
-
-    def row(self) -> list[float]:
-        """The rank's row (:data:`ROW`): waits for the clock's last events."""
-        return [float(self.clock.steps), *self.clock.finish(), self.tokens, self.untokened]
 
 
 def splits(rows: list[list[float]], *, measured: bool) -> tuple[StepSplit, ...]:
