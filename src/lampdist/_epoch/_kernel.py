@@ -29,7 +29,7 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from .._checkpoint import FileRecord, ShardedState, capture_rng_states
+from .._checkpoint import FileRecord, ShardedState
 from .._errors import TrainingError
 from .._model import SupervisedModel
 from .._options import StepOptions
@@ -45,6 +45,7 @@ from ._model_code import ModelCode
 from ._objects import gather_objects
 from ._peers import Peers, peers_of
 from ._progress import Progress
+from ._rank_state import RankState
 from ._result import CheckpointParts, PassResult
 from ._stream import StreamPosition
 from ._tally import ReadBack, Tally
@@ -158,17 +159,12 @@ class StepKernel:
         """What each rank holds of a checkpoint, gathered on the root (``None`` elsewhere):
         the whole optimizer state (see :meth:`Design.checkpoint_optimizer_state`), or where
         the design writes shards (fsdp) into the root's ``shards``, every rank's files; and
-        every rank's place in its training stream and RNG states. Every rank calls it,
-        between passes."""
+        every rank's own state (:class:`RankState`: its place in its training stream and its
+        RNG states). Every rank calls it, between passes."""
         self._check_thread()
         optimizer_state = self.design.checkpoint_optimizer_state()
         records = self.design.checkpoint_shards(shards)
-        rng = capture_rng_states()
-        mine = {
-            "position": None if self.position is None else self.position.to_plain(),
-            "rng_tensors": rng.tensors(),
-            "rng_json": rng.to_json(),
-        }
+        mine = RankState.capture(self.position).to_plain()
         ranks = gather_objects(self.clique, [mine, records], rank=self.rank)
         if ranks is None:
             return None

@@ -85,7 +85,9 @@ class TrainTelemetry:
         the design marks during the pass."""
         begun = time.perf_counter()
         options = self.design.options
-        clock = start_clock(self.device, self.timing_events) if options.step_split else NO_CLOCK
+        clock = (
+            start_clock(self.device, self.timing_events) if options.measure_step_split else NO_CLOCK
+        )
         self.design.clock = clock
         fields = ProgressFields(
             epoch, "train", pass_index, total, self.flops_per_example, self.peak_flops
@@ -218,7 +220,7 @@ class PassWatch:
         norms = None if stepper is None else stepper.take_norms()
         if telemetry.rank != 0:
             return
-        split = splits(rows, measured=design.options.step_split)
+        split = splits(rows, measured=design.options.measure_step_split)
         message = telemetry.stragglers.judge(split)
         if message is not None:
             logger.warning(
