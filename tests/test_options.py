@@ -119,15 +119,18 @@ def test_fields_that_need_each_other_are_checked_together() -> None:
     [("grad_norm", "measure_grad_norm", True), ("step_split", "measure_step_split", False)],
 )
 def test_a_switch_by_its_old_name_still_works_warned(old: str, new: str, value: bool) -> None:
+    by_old: dict[str, Any] = {old: value}
+    by_new: dict[str, Any] = {new: value}
     with pytest.warns(DeprecationWarning, match=f"StepOptions.{old} is now StepOptions.{new}"):
-        options = lampdist.StepOptions(**{old: value})
+        options = lampdist.StepOptions(**by_old)
     assert getattr(options, new) is value
-    assert options == lampdist.StepOptions(**{new: value})
-    assert repr(options) == repr(lampdist.StepOptions(**{new: value}))
-    assert options.agreed_fields() == lampdist.StepOptions(**{new: value}).agreed_fields()
+    assert options == lampdist.StepOptions(**by_new)
+    assert repr(options) == repr(lampdist.StepOptions(**by_new))
+    assert options.agreed_fields() == lampdist.StepOptions(**by_new).agreed_fields()
     with pytest.warns(DeprecationWarning, match=f"StepOptions.{old} is now"):
         assert getattr(options, old) is value
-    evolved = attrs.evolve(options, **{new: not value})  # no old name to take again
+    flipped: dict[str, Any] = {new: not value}
+    evolved = attrs.evolve(options, **flipped)  # no old name to take again
     assert getattr(evolved, new) is (not value)
 
 
