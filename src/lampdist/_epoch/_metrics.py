@@ -5,7 +5,7 @@ when a metric function returns plain numbers, into floats on the host), with no 
 torchmetrics metric updates its own states. At the end of the pass :meth:`MetricTally.local`
 lays them out in one float64 vector, which the kernel sums over the clique to the root: behind
 the validation loss in the pass's one reduce, or in one reduce of its own at the end of a
-training pass (see ``_kernel``). The root turns the sums into values
+training pass (see ``_peers``). The root turns the sums into values
 (:meth:`MetricTally.values`). Everything here runs on the rank's compute thread.
 """
 
