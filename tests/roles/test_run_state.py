@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
@@ -207,3 +208,44 @@ async def test_a_tracker_records_a_recovery_as_it_always_did(tmp_path: Path) -> 
                 await tracker(event)
     assert (tmp_path / "0.jsonl").read_text() == (tmp_path / "1.jsonl").read_text()
     assert '"kind": "valid", "pass_index": 7, "step": 0' in (tmp_path / "0.jsonl").read_text()
+
+
+# -- a design answers for what it can keep ---------------------------------------------------
+
+
+async def _own_effect(training_state: lampdist.TrainingState, lr_state: Any, /) -> None:
+    return
+
+
+@pytest.mark.parametrize(
+    ("loop", "refused"),
+    [
+        (
+            lampdist.LoopOptions(max_epochs=1, return_min_validation_loss_model=(0,)),
+            "return_min_validation_loss_model",
+        ),
+        (
+            lampdist.LoopOptions(max_epochs=1, checkpoint_state=_own_effect),
+            r"checkpoint_state other than checkpoint.to_directory",
+        ),
+    ],
+    ids=["best-model", "own-checkpoint-effect"],
+)
+async def test_a_sharding_design_refuses_what_its_root_cannot_keep(
+    loop: lampdist.LoopOptions, refused: str
+) -> None:
+    """fsdp's root holds no whole model (no best model) and its ranks write their own shards
+    (a storage that holds them): refused before anything runs, naming rank 0 and the phase."""
+    root, _ = lampdist.control.local_channels(2)
+    model = lampdist.SupervisedModel(torch.nn.Linear(2, 1), torch.nn.functional.mse_loss)
+    with anyio.fail_after(10), pytest.raises(lampdist.ConfigError, match=refused) as caught:
+        await lampdist.drive_distributed_training(
+            nranks=2,
+            device="cpu",
+            control=root,
+            data=lampdist.ModelWithData(model=model, train_batches=list),
+            optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1),
+            loop=loop,
+            step=lampdist.StepOptions(step_on="fsdp"),
+        )
+    assert caught.value.rank == 0 and caught.value.phase == "configure"
