@@ -197,16 +197,17 @@ def _wide_model(width: int = 64) -> torch.nn.Module:
 
 @pytest.mark.parametrize("nranks", [1, 2])
 async def test_the_step_split_sums_to_the_pass_time(nranks: int) -> None:
-    """Every rank's parts add up to the pass's seconds within 5% (the pass also holds its
-    set-up and its end's reduce, which are no step's)."""
-    sources = [Paced(_wide(rank, [32] * 30), 0.002) for rank in range(nranks)]
+    """Every rank's parts add up to the pass's seconds within 5% and 5 ms (the pass also holds
+    its set-up and its end's reduce, which are no step's: a few milliseconds on a loaded
+    machine, against a pass of about 0.2 s)."""
+    sources = [Paced(_wide(rank, [32] * 30), 0.006) for rank in range(nranks)]
     step = lampdist.StepOptions(step_on="every_rank")
     events = await _run([_wide_model() for _ in sources], sources, step, epochs=2)
     for event in events:
         assert len(event.step_split) == nranks
         for split in event.step_split:
             assert split.steps == 30
-            assert split.seconds == pytest.approx(event.seconds, rel=0.05)
+            assert split.seconds == pytest.approx(event.seconds, rel=0.05, abs=0.005)
             assert split.data > 0 and split.forward_backward > 0 and split.optimizer > 0
             if nranks > 1:
                 assert split.exchange > 0

@@ -254,9 +254,13 @@ def test_a_stalled_follower_is_the_root_cause_within_seconds(tmp_path: Path, nra
 
 
 def test_a_non_finite_loss_names_the_rank_it_came_from(tmp_path: Path) -> None:
-    job = run_job(tmp_path, "--fault", "nan")
+    """The root finds the NaN and stops the run with its error: the follower lets the root's
+    process end first, so that torchrun names the root as the root cause and does not end it
+    by a signal, even where the root's interpreter is slow to exit."""
+    job = run_job(tmp_path, "--fault", "nan", "--slow-exit", "0")
     report("NaN loss on rank 1", job)
     assert job.exitcodes[0] == 1, job.explain()
+    assert job.root_cause == 0, job.explain()
     last = job.last_line(0)
     assert "NonFiniteLoss: rank 0, phase 'train'" in last, job.explain()
     assert "rank 1" in last.split("phase 'train'", 1)[1], job.explain()

@@ -15,7 +15,8 @@ and checkpoints. The end of the script is the README's pattern, word for word. F
 - ``config``: the optimizer factory returns no optimizer (bad settings);
 - ``slow-step``: every step sleeps 0.2 s (a run to signal while it trains).
 
-``--fault-rank -1`` puts the fault on every rank.
+``--fault-rank -1`` puts the fault on every rank. ``--slow-exit R`` makes rank R's
+interpreter take 0.3 s more to exit (a loaded machine's).
 
 Every rank writes ``started-R`` into ``--out`` once its training pass has begun, ``exit-R``
 when its interpreter begins to exit, and ``fault.json`` (the wall-clock time) just before it
@@ -136,7 +137,11 @@ parser.add_argument("--fault-rank", type=int, default=1)
 parser.add_argument("--checkpoints", type=Path, default=None)
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--step-on", default="root")
+parser.add_argument("--slow-exit", type=int, default=None)
 ARGS = parser.parse_args()
+
+if ARGS.slow_exit is not None and os.environ.get("RANK") == str(ARGS.slow_exit):
+    atexit.register(time.sleep, 0.3)
 
 atexit.register(lambda: mark(ARGS.out, f"exit-{os.environ.get('RANK')}"))
 

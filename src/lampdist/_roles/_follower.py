@@ -56,6 +56,10 @@ ROOT_REASON_TIMEOUT = 2 * CULPRIT_TIMEOUT + 1.0
 """How long a follower whose collective failed waits for the root's reason; the root itself
 first waits up to CULPRIT_TIMEOUT for the control channel to name a culprit."""
 
+ROOT_EXIT_TIMEOUT = 5.0
+"""How long a follower that the root stopped with an error of its own waits for the root's
+process to end (see :meth:`FollowerChannel.wait_until_root_left`) before it exits."""
+
 
 async def follow_distributed_training(
     *,
@@ -116,6 +120,23 @@ async def follow(
 ) -> None:
     """Rank ``rank``'s run as :func:`follow_distributed_training` describes it, for this
     package's entry points: the device resolved, the options built once."""
+    try:
+        await _follow(rank, nranks, torch_device, control, data, run, stop)
+    except RankFailed as exc:
+        if exc.rank == 0 and exc.phase == "stop":  # the root's own error: it exits first
+            await control.wait_until_root_left(ROOT_EXIT_TIMEOUT)
+        raise
+
+
+async def _follow(
+    rank: int,
+    nranks: int,
+    torch_device: torch.device,
+    control: FollowerChannel,
+    data: ModelWithData,
+    run: RunOptions,
+    stop: anyio.Event | None,
+) -> None:
     with naming_rank(rank):  # what the checkpoint's storage raises names no rank
         async with AsyncExitStack() as stack:
             try:

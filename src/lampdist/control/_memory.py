@@ -219,6 +219,11 @@ class LocalFollowerChannel(ChannelLifecycle):
             error = RankFailed(message, rank=self.rank, phase=phase)
             self._hub.registry.fail(self.rank, error, reported=True)
 
+    async def wait_until_root_left(self, timeout: float) -> None:  # noqa: ASYNC109
+        """See :meth:`FollowerChannel.wait_until_root_left`: returns at once, as the root is
+        a task of this process."""
+        await anyio.lowlevel.checkpoint()
+
     async def watch(self) -> NoReturn:
         """See :meth:`FollowerChannel.watch`."""
         await self._follower.watch()

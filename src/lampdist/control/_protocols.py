@@ -221,6 +221,17 @@ class FollowerChannel(Protocol):
         raises for a broken channel."""
         ...
 
+    async def wait_until_root_left(self, timeout: float) -> None:  # noqa: ASYNC109
+        """Wait until the root has closed its channel and its process has had a moment to end,
+        for at most ``timeout`` seconds; never raises on the timeout.
+
+        A follower awaits it after the root stopped the run with an error of its own, so that
+        the root's process ends before the follower's: a launcher that names the first
+        process to fail (torchrun's "Root Cause") then names the root, and does not end it
+        with a signal. The in-process channel returns at once.
+        """
+        ...
+
     async def watch(self) -> NoReturn:
         """Wait until the root vanishes, then raise :class:`lampdist.PeerDisconnected`
         (``rank=0``): it closed its channel without STOP, or its heartbeats stopped. After

@@ -68,6 +68,9 @@ _M = TypeVar("_M", Hello, Challenge, Auth, Welcome)
 _FIRST_RETRY_DELAY = 0.05
 _MAX_RETRY_DELAY = 1.0
 _REPORT_TIMEOUT = 1.0
+ROOT_EXIT_HEAD_START = 1.0
+"""After the root closed its channel, how long :meth:`TcpFollowerChannel.wait_until_root_left`
+lets the root's process end (its interpreter's shutdown), so that it ends first."""
 
 
 @attrs.define(eq=False)
@@ -353,6 +356,14 @@ class TcpFollowerChannel(ChannelLifecycle):
                 await self._send(FailureReport(phase=phase, message=message))
             except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
                 logger.debug("rank %d: could not report the failure", self.rank)
+
+    async def wait_until_root_left(self, timeout: float) -> None:  # noqa: ASYNC109
+        """See :meth:`FollowerChannel.wait_until_root_left`: the channel closed, then
+        :data:`ROOT_EXIT_HEAD_START` for the root's process to end."""
+        with anyio.move_on_after(timeout):
+            while self._framed is not None and not self._session_done:
+                await self._progress.wait()
+            await anyio.sleep(ROOT_EXIT_HEAD_START)
 
     async def watch(self) -> NoReturn:
         """See :meth:`FollowerChannel.watch`."""
