@@ -125,6 +125,9 @@ class WatchedFollower:
     async def report_failure(self, phase: Phase, message: str) -> None:
         await self.inner.report_failure(phase, message)
 
+    async def wait_until_root_left(self, timeout: float) -> None:  # noqa: ASYNC109
+        await self.inner.wait_until_root_left(timeout)
+
     async def watch(self) -> NoReturn:
         await self.inner.watch()
 
