@@ -279,7 +279,7 @@ async def main(argv: list[str]) -> None:
         accumulate_gradient_over_n_batches=args.accumulate,
         step_on=args.step_on,
         max_grad_norm=args.clip,
-        grad_norm=args.grad_norm,
+        measure_grad_norm=args.grad_norm,
         non_finite_loss=args.non_finite,
         autocast_dtype=torch.float16 if args.fp16 else None,
         fsdp=lampdist.FsdpPolicy(
