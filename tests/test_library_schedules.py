@@ -97,14 +97,18 @@ WSD = [
     ],
     ids=["training", "stable", "no-warmup"],
 )
-def test_wsd_is_transformers_bit_for_bit(lengths: dict[str, int], kinds: dict[str, Any]) -> None:
+def test_wsd_is_transformers_bit_for_bit(lengths: dict[str, Any], kinds: dict[str, Any]) -> None:
     theirs = _lambda_lr(hf.get_wsd_schedule, **lengths, **kinds)
     _assert_matches(schedules.transformers_wsd(**lengths, **kinds), theirs)
 
 
 @pytest.mark.parametrize("cycles", [1.0, 1.5])
 def test_wsd_num_cycles_is_transformers_bit_for_bit(cycles: float) -> None:
-    lengths = {"num_warmup_steps": 10, "num_decay_steps": 900, "num_training_steps": 1000}
+    lengths: dict[str, Any] = {
+        "num_warmup_steps": 10,
+        "num_decay_steps": 900,
+        "num_training_steps": 1000,
+    }
     theirs = _lambda_lr(hf.get_wsd_schedule, **lengths, num_cycles=cycles)
     _assert_matches(schedules.transformers_wsd(**lengths, num_cycles=cycles), theirs)
 
@@ -272,6 +276,12 @@ def test_warmup_cosine_steps_is_torchtitans_cosine(warmup: int, total: int, fina
     theirs = _titan_current(total, warmup, None, "cosine", final)
     ours = schedules.warmup_cosine_steps(warmup, total, final)
     assert all(_same_bits(ours.factor(s), theirs(s)) for s in range(total + 1))
+
+
+def test_warmup_linear_steps_is_torchtitans_linear_down_to_zero() -> None:
+    theirs = _titan_current(1000, 100, None, "linear", 0.0)
+    ours = schedules.warmup_linear_steps(100, 1000)
+    assert all(_same_bits(ours.factor(s), theirs(s)) for s in range(1001))
 
 
 @pytest.mark.parametrize(

@@ -148,7 +148,7 @@ def agreed_values(schedule: Any, window: int) -> str:
     rate = getattr(schedule, "rate", None)
     kind, give = ("rates", rate) if callable(rate) else ("factors", schedule.factor)
     digest = hashlib.sha256()
-    shown = []
+    shown: list[str] = []
     steps = agreement_steps(window)
     for step in steps:
         try:

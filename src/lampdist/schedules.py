@@ -254,10 +254,11 @@ def warmup_cosine_steps(
         f + (1 - f) * (1 + cos(pi * (s - W) / (T - W))) / 2  if s < T
         f                                                  after
 
-    Its warm-up is torchtitan's since v0.1.0 (``(s + 1) / W``; the decay differs), not
-    transformers' (``s / W``: :func:`transformers_cosine_with_warmup`) nor older torchtitan's
-    (``(s + 1) / (W + 1)``: :func:`torchtitan_warmup_stable_decay` with ``legacy=True``); use
-    those to match a run of theirs bit for bit. Raises :class:`~lampdist.ConfigError` unless
+    It is torchtitan's cosine schedule since v0.1.0, bit for bit
+    (:func:`torchtitan_warmup_stable_decay` ``(W, T, decay_type="cosine", min_lr_factor=f)``).
+    Its warm-up is not transformers' (``s / W``: :func:`transformers_cosine_with_warmup`) nor
+    older torchtitan's (``(s + 1) / (W + 1)``: ``legacy=True``); use those to match a run of
+    theirs bit for bit. Raises :class:`~lampdist.ConfigError` unless
     ``0 <= warmup_steps < total_steps`` and ``0 <= final_factor <= 1``."""
     return _warmup_decay(warmup_steps, total_steps, final_factor, "cosine")
 
@@ -266,7 +267,10 @@ def warmup_linear_steps(
     warmup_steps: int, total_steps: int, final_factor: float = 0.0
 ) -> StepSchedule:
     """Per step: :func:`warmup_cosine_steps`'s warm-up, then a straight line from 1 down to
-    ``final_factor`` at step ``total_steps``, held there after."""
+    ``final_factor`` at step ``total_steps``, held there after: ``1 + (f - 1) * (s - W) /
+    (T - W)`` between. With ``final_factor=0`` it is torchtitan's linear schedule since
+    v0.1.0 bit for bit; with another, equal to it up to the last bit of rounding (use
+    :func:`torchtitan_warmup_stable_decay` to match it exactly)."""
     return _warmup_decay(warmup_steps, total_steps, final_factor, "linear")
 
 

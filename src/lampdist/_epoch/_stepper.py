@@ -14,7 +14,6 @@ parameters: it reads each gradient's local shard (``local_gradients``).
 from __future__ import annotations
 
 import logging
-import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -194,7 +193,9 @@ class Stepper:
         (one for all, or one per group: a rate schedule's). Raises :class:`ConfigError` for
         one rate where the groups' base rates differ, and for as many rates as groups."""
         groups = self.optimizer.param_groups
-        if isinstance(rates, numbers.Real):
+        if isinstance(rates, Sequence):
+            values = [float(rate) for rate in rates]
+        else:
             if len(set(self.base_lrs)) > 1:
                 raise ConfigError(
                     f"StepOptions.learning_rate_per_step: schedules.rate gave one learning "
@@ -203,16 +204,16 @@ class Stepper:
                     rank=self.rank,
                     phase="configure",
                 )
-            rates = [float(rates)] * len(groups)
-        if len(rates) != len(groups):
+            values = [float(rates)] * len(groups)
+        if len(values) != len(groups):
             raise ConfigError(
-                f"StepOptions.learning_rate_per_step: schedules.rate gave {len(rates)} learning "
+                f"StepOptions.learning_rate_per_step: schedules.rate gave {len(values)} learning "
                 f"rates for {len(groups)} param groups; return one float or one per group",
                 rank=self.rank,
                 phase="configure",
             )
-        for group, value in zip(groups, rates, strict=True):
-            group["lr"] = factor * float(value)
+        for group, value in zip(groups, values, strict=True):
+            group["lr"] = factor * value
 
     @property
     def needs_host_values(self) -> bool:
