@@ -48,6 +48,7 @@ MONITORS = "tests/loop/test_monitors.py"
 LOCAL_MONITORS = "tests/roles/test_local_monitors.py"
 SHARDED = "tests/roles/test_local_sharded.py"
 STEPS = "tests/roles/test_local_steps.py"
+CALLABLE_SCHEDULES = "tests/roles/test_callable_schedules.py"
 BLAME = "tests/roles/test_local_blame.py"
 FSDP = "tests/roles/test_fsdp.py"
 TELEMETRY = "tests/epoch/test_telemetry.py"
@@ -475,9 +476,25 @@ MUTANTS = [
         name="per-step-schedule-ignored",
         guarantee="learning_rate_per_step scales every step's learning rate",
         path="_epoch/_kernel.py",
-        old="stepper.set_lr_factor(lr_factor * per_step.factor(epoch * window + step))",
+        old="stepper.set_lr_factor(lr_factor * factor_of(epoch * window + step))",
         new="stepper.set_lr_factor(lr_factor)",
-        tests=(STEPS,),
+        tests=(STEPS, CALLABLE_SCHEDULES),
+    ),
+    Mutant(
+        name="rate-schedule-ignored",
+        guarantee="schedules.rate sets each step's learning rates themselves",
+        path="_epoch/_kernel.py",
+        old="stepper.set_lr_rates(lr_factor, rate_of(epoch * window + step))",
+        new="pass",
+        tests=(CALLABLE_SCHEDULES,),
+    ),
+    Mutant(
+        name="step-schedule-agreed-by-repr",
+        guarantee="the ranks agree on a step schedule by the values it gives",
+        path="_step_options.py",
+        old="            return agreed_values(value, self.steps_per_epoch)",
+        new="            return repr(value)",
+        tests=(CALLABLE_SCHEDULES,),
     ),
     Mutant(
         name="checkpoint-interval-ignored",

@@ -15,13 +15,21 @@ from ._loop import check_max_epochs, check_smoothing, check_validation_frequency
 from ._model_with_data import ModelWithData
 from ._monitor import LOSSES, EarlyStopping, Monitor
 from ._option_checks import is_int, optional, positive, validator, validator_by
-from .schedules import LearningRateSchedule, noop
+from .schedules import LearningRateSchedule, from_epoch_count, noop
 
 __all__ = ["LoopOptions", "Recovery", "check_monitors"]
 
 
 def _is_epoch_schedule(value: object) -> bool:
     return callable(getattr(value, "learning_rate_factor", None))
+
+
+def _as_epoch_schedule(value: Any) -> Any:
+    """A plain function ``epoch -> factor`` as :func:`schedules.from_epoch_count` of it (what
+    is neither is left for the validator to refuse)."""
+    if _is_epoch_schedule(value) or not callable(value):
+        return value
+    return from_epoch_count(value)
 
 
 def _epoch_set(value: Any) -> Any:
@@ -96,13 +104,19 @@ class LoopOptions:
     smoothing)."""
     learning_rate_schedule: LearningRateSchedule[Any] = attrs.field(
         factory=noop,
+        converter=_as_epoch_schedule,
         validator=validator(
             _is_epoch_schedule,
-            "a learning-rate schedule (with a learning_rate_factor method)",
-            "pass one of lampdist.schedules (e.g. schedules.cosine(...)) or your own",
+            "a learning-rate schedule (with a learning_rate_factor method) or a function "
+            "epoch -> factor",
+            "pass one of lampdist.schedules (e.g. schedules.cosine(...)), your own, or e.g. "
+            "lambda epoch: 0.9**epoch",
         ),
     )
-    """Sets each epoch's learning-rate factor (see :mod:`lampdist.schedules`)."""
+    """Sets each epoch's learning-rate factor (see :mod:`lampdist.schedules`): a schedule, or
+    any function ``epoch -> factor`` (a lambda too), kept as
+    :func:`schedules.from_epoch_count` of it; its state is ``None``, so checkpoints store
+    nothing of it."""
     return_min_validation_loss_model: frozenset[int] = attrs.field(
         default=frozenset(),
         converter=_epoch_set,

@@ -1,8 +1,9 @@
 """The schedules without state of :mod:`lampdist.schedules`: an epoch's factor from the epoch
 alone (their state is ``None``), and a step's factor from the global step alone.
 
-The classes keep their underscored names: their reprs name them, and ranks compare the repr
-of ``StepOptions.learning_rate_per_step`` when they join.
+The classes keep their underscored names: their reprs name them (the ranks compare what a
+``StepOptions.learning_rate_per_step`` gives, not its repr, since plain callables are step
+schedules too).
 """
 
 from __future__ import annotations

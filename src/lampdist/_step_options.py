@@ -14,7 +14,8 @@ import torch
 from ._errors import ConfigError
 from ._fsdp_options import FsdpPolicy
 from ._option_checks import is_int, optional, positive, validator
-from .schedules import StepSchedule
+from ._step_schedules import agreed_values, as_step_schedule, is_step_schedule
+from .schedules import RateSchedule, StepSchedule
 
 __all__ = ["StepOn", "StepOptions"]
 
@@ -32,10 +33,6 @@ options need before any design exists."""
 
 _DEPRECATED = "deprecated"
 """The metadata key of a field kept only for an old name: not agreed, not shown."""
-
-
-def _is_step_schedule(value: object) -> bool:
-    return callable(getattr(value, "factor", None))
 
 
 @attrs.frozen(kw_only=True)
@@ -174,16 +171,20 @@ class StepOptions:
     )
     """Make each epoch a window of this many optimizer steps over the training data (see
     above); ``None``: an epoch is one pass over it."""
-    learning_rate_per_step: StepSchedule | None = attrs.field(
+    learning_rate_per_step: StepSchedule | RateSchedule | None = attrs.field(
         default=None,
+        converter=as_step_schedule,
         validator=validator(
-            optional(_is_step_schedule),
-            "a schedules.StepSchedule or None",
-            "pass e.g. schedules.warmup_cosine_steps(...)",
+            optional(is_step_schedule),
+            "a function step -> factor, a schedules.StepSchedule, schedules.rate(...) or None",
+            "pass e.g. lambda step: min(1.0, (step + 1) / 100) or "
+            "schedules.transformers_cosine_with_warmup(...)",
         ),
     )
-    """Multiply the learning rate of each step by a :class:`~lampdist.schedules.StepSchedule`
-    of the global step (needs ``steps_per_epoch``)."""
+    """Multiply the learning rate of each step by a factor of the global step (needs
+    ``steps_per_epoch``): any function ``step -> factor`` (a lambda too, kept wrapped), a
+    :class:`~lampdist.schedules.StepSchedule`, or :func:`~lampdist.schedules.rate` for one
+    that gives the learning rate itself. The ranks agree on it by the values it gives."""
 
     fsdp: FsdpPolicy = attrs.field(
         factory=FsdpPolicy,
@@ -230,12 +231,20 @@ class StepOptions:
         return max(1, int(self.bucket_cap_mb * 2**20))
 
     def agreed_fields(self) -> list[tuple[str, str]]:
-        """Every field as (name, repr of its value): what ranks compare when they join."""
+        """Every field as (name, repr of its value): what ranks compare when they join. A
+        step schedule is described by the values it gives (a lambda's repr is its address)."""
         return [
-            (f.name, repr(getattr(self, f.name)))
+            (f.name, self._agreed(f.name))
             for f in attrs.fields(StepOptions)
             if not f.metadata.get(_DEPRECATED)
         ]
+
+    def _agreed(self, name: str) -> str:
+        value = getattr(self, name)
+        if name == "learning_rate_per_step" and value is not None:
+            assert self.steps_per_epoch is not None  # checked when built
+            return agreed_values(value, self.steps_per_epoch)
+        return repr(value)
 
     @property
     def grad_norm(self) -> bool:

@@ -10,10 +10,14 @@ the run's schedule (:func:`state_to_json`, :func:`state_from_json`)::
     state = schedule.init
     state, factor = schedule.learning_rate_factor(state, 0, None)
 
-A step schedule (:class:`StepSchedule`, ``StepOptions.learning_rate_per_step``) gives a factor
-per optimizer step instead, from the run's global step alone: warm-up then a cosine or linear
-decay over steps (:func:`warmup_cosine_steps`, :func:`warmup_linear_steps`). It multiplies the
-epoch schedule's factor.
+A step schedule (``StepOptions.learning_rate_per_step``) gives a factor per optimizer step
+instead, from the run's global step alone: any function ``step -> factor`` (a lambda too), a
+:class:`StepSchedule`, or the built-ins: warm-up then a cosine or linear decay
+(:func:`warmup_cosine_steps`, :func:`warmup_linear_steps`), and the schedules of transformers
+(:func:`transformers_linear_with_warmup`, :func:`transformers_cosine_with_warmup`,
+:func:`transformers_constant_with_warmup`, :func:`transformers_wsd`) and torchtitan
+(:func:`torchtitan_warmup_stable_decay`) bit for bit. It multiplies the epoch schedule's
+factor; :func:`rate` makes one that gives the learning rate itself.
 
 Nothing here does I/O or touches torch.
 """
@@ -22,11 +26,18 @@ from __future__ import annotations
 
 import sys
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Generic, Protocol, TypeVar
 
 import attrs
 
+from ._library_schedules import (
+    torchtitan_warmup_stable_decay,
+    transformers_constant_with_warmup,
+    transformers_cosine_with_warmup,
+    transformers_linear_with_warmup,
+    transformers_wsd,
+)
 from ._monitor import Monitor
 from ._schedule_checks import check_float, check_int, fail
 from ._schedule_json import structure, to_json
@@ -40,9 +51,11 @@ from ._stateless_schedules import (
     _StepAfter,
     _WarmupDecaySteps,
 )
+from ._step_schedules import RateSchedule, StepSchedule, _RateSteps
 
 __all__ = [
     "LearningRateSchedule",
+    "RateSchedule",
     "ReduceOnPlateauState",
     "StepSchedule",
     "WarmupState",
@@ -52,10 +65,16 @@ __all__ = [
     "from_epoch_count",
     "linear",
     "noop",
+    "rate",
     "reduce_on_plateau",
     "state_from_json",
     "state_to_json",
     "step_after",
+    "torchtitan_warmup_stable_decay",
+    "transformers_constant_with_warmup",
+    "transformers_cosine_with_warmup",
+    "transformers_linear_with_warmup",
+    "transformers_wsd",
     "warmup",
     "warmup_cosine_steps",
     "warmup_linear_steps",
@@ -191,17 +210,23 @@ class _ReduceOnPlateau:
         return state, state.factor
 
 
-class StepSchedule(Protocol):
-    """A learning-rate factor for each optimizer step, from the run's global step (counted
-    from 0 over the whole run: with ``StepOptions.steps_per_epoch=N``, step ``i`` of epoch
-    ``e`` is ``e * N + i``). Every stepping rank evaluates it on the host before each step,
-    so it must be a pure function of the step, and a value whose ``repr`` is the same on every
-    rank (the ranks compare their ``StepOptions``): a frozen attrs or dataclass value, such as
-    the ones below."""
+def rate(fn: Callable[[int], float | Sequence[float]]) -> RateSchedule:
+    """A step schedule whose ``fn(step)`` is the learning rate itself, not a factor of the
+    optimizer's: pass it as ``StepOptions(learning_rate_per_step=schedules.rate(fn))``.
 
-    def factor(self, step: int) -> float:
-        """The factor for global step ``step`` (>= 0)."""
-        ...
+    Each param group's learning rate of global step ``s`` becomes ``fn(s)`` (times the epoch
+    schedule's factor, 1 unless ``LoopOptions.learning_rate_schedule`` says otherwise), and
+    the learning rates the optimizer was built with are ignored. ``fn`` gives one float for
+    every param group, or a sequence of one float per param group (in the optimizer's
+    order). One float for an optimizer whose param groups were built with different learning
+    rates raises :class:`~lampdist.ConfigError` at the first step (a single rate would erase
+    their ratios): give one rate per group, or a factor schedule (a plain ``step -> factor``
+    function), which keeps every group's own base rate. Raises
+    :class:`~lampdist.ConfigError` if ``fn`` is not callable.
+    """
+    if not callable(fn):
+        raise fail(f"rate needs a callable step -> learning rate, got {fn!r}")
+    return _RateSteps(fn)
 
 
 def _warmup_decay(
@@ -223,7 +248,17 @@ def warmup_cosine_steps(
 ) -> StepSchedule:
     """Per step: a linear warm-up over ``warmup_steps`` steps (step ``s`` gets ``(s + 1) /
     warmup_steps``), then a half-cosine from 1 down to ``final_factor`` at step
-    ``total_steps``, held there after. Raises :class:`~lampdist.ConfigError` unless
+    ``total_steps``, held there after::
+
+        (s + 1) / W                                        if s < W
+        f + (1 - f) * (1 + cos(pi * (s - W) / (T - W))) / 2  if s < T
+        f                                                  after
+
+    It is torchtitan's cosine schedule since v0.1.0, bit for bit
+    (:func:`torchtitan_warmup_stable_decay` ``(W, T, decay_type="cosine", min_lr_factor=f)``).
+    Its warm-up is not transformers' (``s / W``: :func:`transformers_cosine_with_warmup`) nor
+    older torchtitan's (``(s + 1) / (W + 1)``: ``legacy=True``); use those to match a run of
+    theirs bit for bit. Raises :class:`~lampdist.ConfigError` unless
     ``0 <= warmup_steps < total_steps`` and ``0 <= final_factor <= 1``."""
     return _warmup_decay(warmup_steps, total_steps, final_factor, "cosine")
 
@@ -232,7 +267,10 @@ def warmup_linear_steps(
     warmup_steps: int, total_steps: int, final_factor: float = 0.0
 ) -> StepSchedule:
     """Per step: :func:`warmup_cosine_steps`'s warm-up, then a straight line from 1 down to
-    ``final_factor`` at step ``total_steps``, held there after."""
+    ``final_factor`` at step ``total_steps``, held there after: ``1 + (f - 1) * (s - W) /
+    (T - W)`` between. With ``final_factor=0`` it is torchtitan's linear schedule since
+    v0.1.0 bit for bit; with another, equal to it up to the last bit of rounding (use
+    :func:`torchtitan_warmup_stable_decay` to match it exactly)."""
     return _warmup_decay(warmup_steps, total_steps, final_factor, "linear")
 
 

@@ -296,6 +296,8 @@ class StepKernel:
         design, clique, feed = self.design, self.clique, batches.feed
         stepper = design.stepper
         per_step = self.options.learning_rate_per_step
+        rate_of = getattr(per_step, "rate", None)  # schedules.rate: the learning rates
+        factor_of = None if rate_of is not None else getattr(per_step, "factor", None)
         window = self.options.steps_per_epoch
         start_step = watch.clock.start_step
         last = None if planned is None else planned - 1
@@ -303,9 +305,11 @@ class StepKernel:
         def step_once(step: int) -> bool:
             if feed.stopped:
                 raise PassStopped
-            if per_step is not None and stepper is not None:
-                assert window is not None  # StepOptions checks it
-                stepper.set_lr_factor(lr_factor * per_step.factor(epoch * window + step))
+            if stepper is not None and window is not None:  # a step schedule needs windows
+                if rate_of is not None:
+                    stepper.set_lr_rates(lr_factor, rate_of(epoch * window + step))
+                elif factor_of is not None:
+                    stepper.set_lr_factor(lr_factor * factor_of(epoch * window + step))
             start_step()
             clique.at_step(epoch, "train", step)
             more = design.train_step(batches, epoch=epoch, step=step, tally=tally, planned=planned)

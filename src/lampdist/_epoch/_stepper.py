@@ -14,12 +14,13 @@ parameters: it reads each gradient's local shard (``local_gradients``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 import torch
 
+from .._errors import ConfigError
 from .._options import StepOptions
 from ._flat import FlatParameters
 from ._shard import ShardedOptimizer
@@ -186,6 +187,33 @@ class Stepper:
         """Set every param group's learning rate to its base rate times ``factor``."""
         for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
             group["lr"] = base * factor
+
+    def set_lr_rates(self, factor: float, rates: float | Sequence[float]) -> None:
+        """Set every param group's learning rate to ``factor`` times its rate of ``rates``
+        (one for all, or one per group: a rate schedule's). Raises :class:`ConfigError` for
+        one rate where the groups' base rates differ, and for as many rates as groups."""
+        groups = self.optimizer.param_groups
+        if isinstance(rates, Sequence):
+            values = [float(rate) for rate in rates]
+        else:
+            if len(set(self.base_lrs)) > 1:
+                raise ConfigError(
+                    f"StepOptions.learning_rate_per_step: schedules.rate gave one learning "
+                    f"rate for param groups built with different ones {self.base_lrs}; return "
+                    f"one rate per group ({len(groups)}), or give a factor schedule",
+                    rank=self.rank,
+                    phase="configure",
+                )
+            values = [float(rates)] * len(groups)
+        if len(values) != len(groups):
+            raise ConfigError(
+                f"StepOptions.learning_rate_per_step: schedules.rate gave {len(values)} learning "
+                f"rates for {len(groups)} param groups; return one float or one per group",
+                rank=self.rank,
+                phase="configure",
+            )
+        for group, value in zip(groups, values, strict=True):
+            group["lr"] = factor * value
 
     @property
     def needs_host_values(self) -> bool:
