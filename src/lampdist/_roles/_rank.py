@@ -219,8 +219,11 @@ async def open_rank(
     optimizer built where the rank steps: that can take seconds, and the control channel
     must keep answering meanwhile). Without ``options.cliques``, a rank alone gets an in-process
     clique of one rank (no process group, store or thread behind it), and a clique of
-    several ranks process groups. Raises :class:`ConfigError` as :func:`create_design`
-    does."""
+    several ranks process groups. ``options.step``'s ``global_accumulation`` is resolved
+    into the per-rank count here, once (:meth:`StepOptions.per_rank`). Raises
+    :class:`ConfigError` as :func:`create_design` does, and for a ``global_accumulation``
+    that ``nranks`` does not divide."""
+    options = attrs.evolve(options, step=options.step.per_rank(nranks, rank=rank))
     cliques = _cliques(rank, nranks, device, options)
     async with open_compute_thread(rank, device) as compute:
         design = await compute.run(
