@@ -240,6 +240,12 @@ class PassEvent:
     step_split: tuple[StepSplit, ...] = ()
     """On a training pass's last event, with :attr:`lampdist.StepOptions.measure_step_split`: where
     each rank's steps spent their time, by rank."""
+    window_steps: int | None = None
+    """Set on the events of :attr:`lampdist.LoopOptions.log_every_n_steps` (to its N), one per
+    N optimizer steps of a training pass, never coalesced: ``step`` ends the window, and
+    ``examples``, ``loss`` and ``seconds`` are the window's own, ``loss`` the exact mean over
+    every rank of its N steps, weighted as the pass's loss is. ``None`` on the other events,
+    the running ones (whose ``loss`` is the pass's mean so far) and each pass's last."""
 
     @property
     def examples_per_second(self) -> float:

@@ -162,7 +162,8 @@ def event_scalars(event: PassEvent) -> dict[str, float]:
     (``step/rank_R/PART``). The event that reports an in-job recovery
     (:class:`~lampdist.Recovered`, recorded as a PassEvent whose ``recovered`` holds it)
     gives ``recovery/seconds`` and ``recovery/recoveries``
-    instead.
+    instead, and the event of a window of ``LoopOptions.log_every_n_steps`` steps
+    (:attr:`PassEvent.window_steps` set) ``train/window_loss``, the mean loss of its steps.
     """
     scalars: dict[str, float] = {}
     if event.recovered is not None:
@@ -170,6 +171,8 @@ def event_scalars(event: PassEvent) -> dict[str, float]:
             "recovery/seconds": event.recovered.seconds,
             "recovery/recoveries": float(event.recovered.recoveries),
         }
+    if event.window_steps is not None:  # LoopOptions.log_every_n_steps: the window's mean
+        return {"train/window_loss": event.loss}
     if event.kind == "train":
         scalars = {
             "train/running_loss": event.loss,
