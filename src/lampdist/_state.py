@@ -230,8 +230,8 @@ class PassEvent:
     :attr:`lampdist.SupervisedModel.flops_per_example`)."""
     peak_flops: float | None = None
     """The clique's peak FLOP/s: the root device's dense peak for the training's precision
-    times the ranks (``None`` on a CPU or an unknown GPU; ``LAMPDIST_PEAK_FLOPS`` sets a
-    device's)."""
+    times the ranks (``None`` on a CPU or an unknown GPU; ``LoopOptions.peak_flops`` or
+    ``LAMPDIST_PEAK_FLOPS`` sets a device's)."""
     grad_norm: float | None = None
     """On a training pass's last event, with :attr:`lampdist.StepOptions.measure_grad_norm` or
     ``max_grad_norm``: the mean over the pass's steps of the global norm of the averaged
