@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
 import anyio
+import anyio.to_thread
 import attrs
 import pytest
 import torch
@@ -140,3 +142,31 @@ def test_bad_values_are_refused() -> None:
         lampdist.LoopOptions(max_epochs=1, log_every_n_steps=0)
     with pytest.raises(lampdist.ConfigError, match="peak_flops"):
         lampdist.LoopOptions(max_epochs=1, peak_flops=-1.0)
+
+
+async def test_window_events_are_never_coalesced() -> None:
+    """A slow ``on_event`` holds the loop while the pass runs on: every window's event still
+    comes, in order (the running events in between are coalesced)."""
+    events: list[lampdist.PassEvent] = []
+
+    async def slow(event: lampdist.PassEvent | lampdist.Recovered) -> None:
+        assert isinstance(event, lampdist.PassEvent)
+        if not events:
+            await anyio.to_thread.run_sync(time.sleep, 0.3)  # the loop waits, the pass does not
+        events.append(event)
+
+    shards = make_shards(SIZES, seed=1)
+    with anyio.fail_after(60):
+        await lampdist.local_data_parallel_training_loop(
+            models_with_data_streams=[
+                lampdist.ModelWithData(
+                    model=lampdist.SupervisedModel(make_model(), mse),
+                    train_batches=lambda shard=shard: shard,
+                )
+                for shard in shards
+            ],
+            optimizer_factory=sgd,
+            loop=lampdist.LoopOptions(max_epochs=1, log_every_n_steps=1, on_event=slow),
+        )
+    assert [e.step for e in events if e.window_steps] == [1, 2, 3, 4, 5, 6, 7]
+    assert events[-1].done
