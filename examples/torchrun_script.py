@@ -5,8 +5,9 @@
 
 ``lampdist.train`` reads the rank and the root's address from torchrun's variables, opens
 the control channel (on a free port published in torchrun's store), and runs the root on
-rank 0 and a follower on the others. Every rank prints its final weights' checksum: they
-are the same everywhere. Ctrl-C (or SIGTERM) stops the run after the epoch in progress: the
+rank 0 and a follower on the others: the script has no rank branch. The progress (the
+``on_event`` effect) reports on the root only. Every rank prints its final weights' checksum
+and the final loop state's validation losses: they are the same everywhere. Ctrl-C (or SIGTERM) stops the run after the epoch in progress: the
 root exits with 128 + the signal's number, the followers with 0 (before training began, every
 rank stops at once and exits with 128 + the signal's number). Bad settings and ranks that
 disagree exit 2; any other failure exits 1 with a traceback whose last line names the rank
@@ -45,7 +46,7 @@ def sgd(parameters: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
 
 
 async def report(event: lampdist.PassEvent) -> None:
-    """The root's progress, one line per training pass, on stderr."""
+    """The progress, one line per training pass, on stderr (called on the root only)."""
     if event.kind == "train" and event.done:
         print(f"epoch {event.epoch}: training loss {event.loss:.5f}", file=sys.stderr, flush=True)
 
@@ -67,9 +68,11 @@ async def main(epochs: int) -> None:
         loop=lampdist.LoopOptions(max_epochs=epochs, on_event=report),
     )
     checksum = sum(float(p.detach().double().sum()) for p in module.parameters())
-    result: dict[str, object] = {"rank": env.rank, "checksum": checksum}
-    if state is not None:  # the root
-        result["validation_losses"] = [p.validation_loss for p in state.learning_curve]
+    result = {
+        "rank": env.rank,
+        "checksum": checksum,
+        "validation_losses": [p.validation_loss for p in state.learning_curve],  # every rank's
+    }
     # one write per line: the ranks share torchrun's stdout, and a single write is not split
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()

@@ -347,7 +347,7 @@ MUTANTS = [
     Mutant(
         name="early-stopping-state-not-loaded",
         guarantee="a checkpoint's early-stopping state comes back on resume",
-        path="_checkpoint/_format.py",
+        path="_state_json.py",
         old='else EarlyStoppingState(best=stopping["best"], wait=stopping["wait"]),',
         new="else None,",
         tests=(LOCAL_MONITORS,),
@@ -355,7 +355,7 @@ MUTANTS = [
     Mutant(
         name="curve-metrics-not-checkpointed",
         guarantee="the learning curve's metrics are checkpointed",
-        path="_checkpoint/_format.py",
+        path="_state_json.py",
         old="    if point.metrics:\n",
         new="    if False:\n",
         tests=(LOCAL_MONITORS,),

@@ -13,6 +13,7 @@ ROOT = Path(lampdist.__file__).parent
 
 LAYERS = [
     {"_errors", "_version", "_defaults", "_words", "_early_signals"},
+    {"_launched_rank"},
     {
         "_clique_id",
         "_wakeup",
@@ -32,7 +33,7 @@ LAYERS = [
         "_step_schedules",
     },
     {"_library_schedules"},
-    {"_effects", "schedules", "_model", "_fsdp_options", "_timeouts"},
+    {"_effects", "schedules", "_model", "_fsdp_options", "_timeouts", "_state_json"},
     {"control", "clique", "_checkpoint", "_loop", "_step_options", "_model_with_data"},
     {"_loop_options"},
     {"launch", "checkpoint", "_options", "trackers"},

@@ -18,6 +18,7 @@ async def _checkpoint(training_state: object, lr_state: object, /) -> None:
 
 STEP_BAD = [
     ("accumulate_gradient_over_n_batches", 0),
+    ("global_accumulation", 0),
     ("autocast_dtype", torch.float64),
     ("step_on", "everywhere"),
     ("bucket_cap_mb", 0),
@@ -44,6 +45,8 @@ LOOP_BAD = [
     ("best_model_monitor", "validation_accuracy"),
     ("early_stopping", Monitor()),
     ("recovery", 30.0),
+    ("log_every_n_steps", 0),
+    ("peak_flops", 0.0),
 ]
 
 

@@ -212,8 +212,9 @@ def peak_flops(device: torch.device, dtype: torch.dtype | None) -> float | None:
     that :func:`match_gpu` does not know, or a dtype that GPU has no peak for.
 
     The environment variable :data:`PEAK_FLOPS_ENV`, when set, wins over all of that: its
-    number is returned for every device and dtype. Raises :class:`~lampdist.ConfigError`
-    naming the variable when it holds no positive number.
+    number is returned for every device and dtype (``LoopOptions.peak_flops``, when given,
+    wins over the variable: the root's telemetry takes it instead of this). Raises
+    :class:`~lampdist.ConfigError` naming the variable when it holds no positive number.
     """
     override = _peak_from_env()
     if override is not None:

@@ -187,6 +187,32 @@ class LoopOptions:
     )
     """Survive a lost follower within the job (:class:`~lampdist.Recovery`); ``None``: the
     loss of any rank ends the run."""
+    log_every_n_steps: int | None = attrs.field(
+        default=None,
+        validator=validator(
+            optional(lambda value: is_int(value) and value >= 1),
+            "an int >= 1 or None",
+            "pass None for the running progress events alone",
+        ),
+    )
+    """Give ``on_event`` one more event every this many optimizer steps of a training pass
+    (counted from each pass's start), never coalesced, whose ``loss`` is the exact mean over
+    every rank of those steps' losses; it is told apart by
+    :attr:`~lampdist.PassEvent.window_steps` (set to this number), and the trackers record it
+    (``train/window_loss``). ``None``: only the running progress events, coalesced to at
+    most one every 50 ms, and each pass's last."""
+    peak_flops: float | None = attrs.field(
+        default=None,
+        validator=validator(
+            optional(positive),
+            "> 0 FLOP/s or None",
+            "pass the dense peak FLOP/s of one device, e.g. 989e12 for an H100's bf16",
+        ),
+    )
+    """The dense peak FLOP/s of one device for the training's precision, which
+    :attr:`~lampdist.PassEvent.mfu` divides by (times the ranks); it wins over the
+    ``LAMPDIST_PEAK_FLOPS`` environment variable and the table of known GPUs. ``None``: the
+    variable, else the root GPU's known peak (none on a CPU)."""
 
     def __attrs_post_init__(self) -> None:
         if self.checkpoint_interval is not None and self.checkpoint_state is None:

@@ -230,8 +230,8 @@ class PassEvent:
     :attr:`lampdist.SupervisedModel.flops_per_example`)."""
     peak_flops: float | None = None
     """The clique's peak FLOP/s: the root device's dense peak for the training's precision
-    times the ranks (``None`` on a CPU or an unknown GPU; ``LAMPDIST_PEAK_FLOPS`` sets a
-    device's)."""
+    times the ranks (``None`` on a CPU or an unknown GPU; ``LoopOptions.peak_flops`` or
+    ``LAMPDIST_PEAK_FLOPS`` sets a device's)."""
     grad_norm: float | None = None
     """On a training pass's last event, with :attr:`lampdist.StepOptions.measure_grad_norm` or
     ``max_grad_norm``: the mean over the pass's steps of the global norm of the averaged
@@ -240,6 +240,12 @@ class PassEvent:
     step_split: tuple[StepSplit, ...] = ()
     """On a training pass's last event, with :attr:`lampdist.StepOptions.measure_step_split`: where
     each rank's steps spent their time, by rank."""
+    window_steps: int | None = None
+    """Set on the events of :attr:`lampdist.LoopOptions.log_every_n_steps` (to its N), one per
+    N optimizer steps of a training pass, never coalesced: ``step`` ends the window, and
+    ``examples``, ``loss`` and ``seconds`` are the window's own, ``loss`` the exact mean over
+    every rank of its N steps, weighted as the pass's loss is. ``None`` on the other events,
+    the running ones (whose ``loss`` is the pass's mean so far) and each pass's last."""
 
     @property
     def examples_per_second(self) -> float:

@@ -66,6 +66,21 @@ class StepOptions:
         ),
     )
     """How many batches make one step (an int >= 1): their gradients add up before it."""
+    global_accumulation: int | None = attrs.field(
+        default=None,
+        validator=validator(
+            optional(lambda value: is_int(value) and value >= 1),
+            "an int >= 1 or None",
+            "pass None to give the accumulation per rank",
+        ),
+    )
+    """How many batches make one step over every rank together (an int >= 1), as a DDP
+    script's ``gradient_accumulation_steps`` before it divides by the world size, or
+    torchtitan's global batch over the local one: each of ``n`` ranks accumulates
+    ``global_accumulation / n`` batches (it must divide; set
+    ``accumulate_gradient_over_n_batches`` or this, not both). ``None``: the accumulation is
+    ``accumulate_gradient_over_n_batches``, per rank. Resolved into the per-rank count once
+    the rank count is known (:meth:`per_rank`)."""
     autocast_dtype: torch.dtype | None = attrs.field(
         default=None,
         validator=validator(
@@ -216,12 +231,41 @@ class StepOptions:
                 "modules with FsdpPolicy.shard_modules); pass bucket_cap_mb=None",
                 phase="configure",
             )
+        if self.global_accumulation is not None and self.accumulate_gradient_over_n_batches != 1:
+            raise ConfigError(
+                f"StepOptions got global_accumulation={self.global_accumulation} and "
+                f"accumulate_gradient_over_n_batches={self.accumulate_gradient_over_n_batches}: "
+                "pass one of them (the global count is the per-rank count times the ranks)",
+                phase="configure",
+            )
         if self.learning_rate_per_step is not None and self.steps_per_epoch is None:
             raise ConfigError(
                 "StepOptions.learning_rate_per_step needs steps_per_epoch: the global step of "
                 "a step is epoch * steps_per_epoch + the step in the epoch; pass both",
                 phase="configure",
             )
+
+    def per_rank(self, nranks: int, *, rank: int | None = None) -> StepOptions:
+        """These options for a run of ``nranks`` ranks: ``global_accumulation`` resolved into
+        ``accumulate_gradient_over_n_batches`` (itself when there is none). Raises
+        :class:`~lampdist.ConfigError` naming both numbers when ``nranks`` does not divide
+        it."""
+        total = self.global_accumulation
+        if total is None:
+            return self
+        if total % nranks:
+            below, above = total // nranks * nranks, -(-total // nranks) * nranks
+            instead = " or ".join(str(n) for n in dict.fromkeys((below, above)) if n > 0)
+            raise ConfigError(
+                f"StepOptions.global_accumulation={total} does not divide by the {nranks} "
+                f"ranks: each rank accumulates global_accumulation / {nranks} batches; pass a "
+                f"multiple of {nranks} (e.g. {instead})",
+                rank=rank,
+                phase="configure",
+            )
+        return attrs.evolve(
+            self, accumulate_gradient_over_n_batches=total // nranks, global_accumulation=None
+        )
 
     @property
     def bucket_cap_bytes(self) -> int | None:

@@ -139,6 +139,22 @@ def test_the_rank_script_ends_as_the_readme_does() -> None:
     assert block.strip() in SCRIPT.read_text()
 
 
+def test_the_same_call_on_every_rank_gives_every_rank_the_final_state(tmp_path: Path) -> None:
+    """The rank script has no rank branch: every rank gives lampdist.train the same loop with
+    the same tracker; the root's tracker alone writes (one run), and every rank returns the
+    root's final loop state."""
+    job = run_job(tmp_path)
+    assert job.returncode == 0, job.explain()
+    out = tmp_path / "out"
+    states = [json.loads((out / f"state-{rank}.json").read_text()) for rank in range(2)]
+    assert states[0] == states[1] and len(states[0]["curve"]) == 3, states
+    records = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    kinds = [record["record"] for record in records]
+    assert kinds.count("hyperparameters") == 1 and kinds.count("summary") == 1, kinds
+    windows = [r["step"] for r in records if r["record"] == "event" and r["window_steps"]]
+    assert windows == [2, 4, 6] * 3, windows  # three epochs of 6 steps, every 2 steps
+
+
 def test_a_killed_follower_is_the_roots_error_not_a_graceful_stop(tmp_path: Path) -> None:
     job = run_job(tmp_path, "--fault", "kill", "--checkpoints", str(tmp_path / "ck"))
     report("follower SIGKILL in training", job)

@@ -3,8 +3,11 @@
     torchrun --standalone --nproc-per-node 2 tests/reliability/torchrun_rank.py --out DIR \
         [--fault KIND] [--fault-rank R] [--checkpoints DIR] [--epochs N]
 
-A 2-rank classifier trained with ``lampdist.train``: step windows, a metric, early stopping
-and checkpoints. The end of the script is the README's pattern, word for word. Faults:
+A 2-rank classifier trained with ``lampdist.train``: step windows, a metric, early stopping,
+checkpoints and a tracker logging every 2 steps, in one call that every rank makes alike (no
+rank branch but the faults'). The end of the script is the README's pattern, word for word.
+Each rank writes the final loop state it got to ``state-R.json`` in ``--out``, and the
+tracker (the root's) writes ``events.jsonl`` there. Faults:
 
 - ``kill``: the fault rank SIGKILLs itself in epoch 1's training pass;
 - ``stop``: the fault rank SIGSTOPs itself there (it stalls with its connections open);
@@ -41,7 +44,7 @@ import torch
 
 import lampdist
 import lampdist.launch
-from lampdist import checkpoint
+from lampdist import checkpoint, trackers
 
 
 def shard(rank: int, nranks: int, examples: int = 384, seed: int = 0) -> list[Any]:
@@ -100,7 +103,25 @@ async def main() -> None:
                 return value * float("nan")
         return value
 
-    state = await lampdist.train(
+    async with trackers.JsonLinesTracker(args.out / "events.jsonl") as tracker:
+        await tracker.log_hyperparameters({"epochs": args.epochs})
+        state = await run_training(env, module, train_batches, loss, faulty, valid, tracker)
+        await tracker.log_summary(state)
+    curve = [point.training_loss for point in state.learning_curve]
+    (args.out / f"state-{env.rank}.json").write_text(json.dumps({"curve": curve}))
+
+
+async def run_training(
+    env: lampdist.launch.LaunchEnv,
+    module: torch.nn.Module,
+    train_batches: Any,
+    loss: Any,
+    faulty: bool,
+    valid: Any,
+    tracker: trackers.Tracker,
+) -> lampdist.LoopState:
+    args = ARGS
+    return await lampdist.train(
         launch=env,
         data=lampdist.ModelWithData(
             model=lampdist.SupervisedModel(
@@ -122,12 +143,12 @@ async def main() -> None:
             early_stopping=lampdist.EarlyStopping(
                 monitor=lampdist.Monitor("validation_accuracy", mode="max"), patience=100
             ),
+            on_event=tracker,
+            log_every_n_steps=2,
         ),
         step=lampdist.StepOptions(steps_per_epoch=6, step_on=args.step_on),
         timeouts=lampdist.Timeouts(join=60, setup=60),
     )
-    if state is not None:
-        print(json.dumps({"epochs": len(state.learning_curve)}), flush=True)
 
 
 parser = argparse.ArgumentParser()

@@ -23,6 +23,7 @@ import torch
 from .._checkpoint import ShardedState
 from .._effects import BatchSource, OnPassEvent, PassAwareBatchSource
 from .._openmp import release_team
+from .._options import LoopOptions
 from .._source import PassContext, PassKind, pass_seed
 from .._state import PassEvent, TrainingState
 from .._words import counted
@@ -49,11 +50,17 @@ class PassRunner:
 
     kernel: StepKernel
     compute: ComputeThread
-    on_event: OnPassEvent | None = None
-    """The root's progress callback (followers report none)."""
+    loop: LoopOptions | None = None
+    """The root's loop, whose ``on_event`` gets the progress, as its ``log_every_n_steps``
+    and ``peak_flops`` say (followers report none)."""
     _stream: TrainStream | None = attrs.field(default=None, init=False)
     _start: StreamPosition | None = attrs.field(default=None, init=False)
     """Where the training stream starts (a resumed run's place in its data)."""
+
+    @property
+    def on_event(self) -> OnPassEvent | None:
+        """The root's progress callback (followers report none)."""
+        return None if self.loop is None else self.loop.on_event
 
     @property
     def rank(self) -> int:
@@ -181,8 +188,10 @@ class PassRunner:
         self, feed: BatchFeed, epoch: int, pass_index: int, lr_factor: float
     ) -> PassResult:
         progress = None
-        if self.on_event is not None and self.kernel.is_root:
-            progress = Progress()
+        if self.loop is not None and self.on_event is not None and self.kernel.is_root:
+            progress = Progress(
+                every_n_steps=self.loop.log_every_n_steps, peak_flops=self.loop.peak_flops
+            )
 
         async def run() -> PassResult:
             work = partial(

@@ -9,12 +9,17 @@ totals so far, so nothing is lost but intermediate snapshots, and training never
 the loop. A wake-up per step would cost the loop, and the compute thread's hold on the GIL,
 tens of microseconds a step. The last event is always delivered, and the pass ends after it
 has been.
+
+With ``every_n_steps`` (``LoopOptions.log_every_n_steps``) the events of each window of N
+steps (:attr:`PassEvent.window_steps` set) are never coalesced: each is delivered, in order,
+after the pass's first event and before the newest running one.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from typing import Literal, NamedTuple
 
 import anyio
@@ -79,15 +84,23 @@ class Progress:
 
     Invariant: ``_wake_pending`` is True from a wake-up's scheduling until the loop has taken
     every event there is; only then may the compute thread schedule another. The pass's first
-    event waits in ``_first`` and the newest since in ``_latest``. The fields are
-    guarded by ``_lock`` (the compute thread publishes, the loop takes).
+    event waits in ``_first``, the windows' events in ``_windows`` and the newest since in
+    ``_latest``. The fields are guarded by ``_lock`` (the compute thread publishes, the loop
+    takes).
     """
+
+    every_n_steps: int | None = attrs.field(default=None)
+    """``LoopOptions.log_every_n_steps``: the steps of a window whose event is never
+    coalesced (:meth:`publish_window`); ``None``: no such events."""
+    peak_flops: float | None = attrs.field(default=None)
+    """``LoopOptions.peak_flops``: one device's peak FLOP/s for the pass's MFU, when given."""
 
     _schedule = attrs.field(factory=loop_scheduler, init=False, repr=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
     _first: PassEvent | _Step | None = attrs.field(default=None, init=False)
     _published: bool = attrs.field(default=False, init=False)
     _latest: PassEvent | _Step | None = attrs.field(default=None, init=False)
+    _windows: deque[PassEvent] = attrs.field(factory=deque, init=False)
     _wake_pending: bool = attrs.field(default=False, init=False)
     _next_wake: float = attrs.field(default=0.0, init=False)  # monotonic; 0: the first event
     _arrived: anyio.Event = attrs.field(factory=anyio.Event, init=False, repr=False)
@@ -112,6 +125,17 @@ class Progress:
         tokens)``, an event not done, which is built on the loop if it is delivered (most are
         coalesced)."""
         self._offer((fields, step, batches, examples, loss, seconds, tokens), False)
+
+    def publish_window(self, event: PassEvent) -> None:
+        """Queue ``event``, a window's, for delivery (the compute thread); never coalesced,
+        never waits for the loop."""
+        with self._lock:
+            self._windows.append(event)
+            if self._wake_pending:
+                return
+            self._wake_pending = True
+            self._next_wake = time.monotonic() + PROGRESS_INTERVAL
+        self._schedule(self._wake)
 
     def _offer(self, event: PassEvent | _Step, done: bool) -> None:
         now = time.monotonic()
@@ -138,10 +162,12 @@ class Progress:
             with self._lock:
                 if self._first is not None:
                     taken, self._first = self._first, None
+                elif self._windows:
+                    taken = self._windows.popleft()
                 else:
                     taken, self._latest = self._latest, None
-                if self._latest is not None:
-                    self._arrived.set()  # the newest follows the first at once
+                if self._latest is not None or self._windows:
+                    self._arrived.set()  # the rest follows at once
                 else:
                     self._wake_pending = False
             if taken is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -109,6 +110,13 @@ class Tally:
     loss_sum: float = 0.0
     skipped: int = 0
     steps_read: int = 0
+    window: int | None = None
+    """With ``on_window``: every this many steps counted, ``on_window(steps_read, examples,
+    loss)`` gets the window's examples and their weighted mean loss (``LoopOptions.
+    log_every_n_steps``; the windows restart with each pass)."""
+    on_window: Callable[[int, int, float], None] | None = None
+    _window_examples: int = attrs.field(default=0, init=False)
+    _window_loss_sum: float = attrs.field(default=0.0, init=False)
     _entries: list[_Entry] = attrs.field(factory=list, init=False)
     _flights: deque[_Flight] = attrs.field(factory=deque, init=False)
     _flushed: float = attrs.field(factory=time.monotonic, init=False)
@@ -124,8 +132,16 @@ class Tally:
         if counted:
             self.examples += int(examples)
             self.loss_sum += loss_sum
+            self._window_examples += int(examples)
+            self._window_loss_sum += loss_sum
         elif examples > 0:
             self.skipped += 1
+        if self.on_window is not None and self.window and self.steps_read % self.window == 0:
+            examples_in, sum_in = self._window_examples, self._window_loss_sum
+            self._window_examples, self._window_loss_sum = 0, 0.0
+            self.on_window(
+                self.steps_read, examples_in, sum_in / examples_in if examples_in else math.nan
+            )
 
     def submit(self, step: int, meta: torch.Tensor, *, own: torch.Tensor) -> None:
         """Count a step's reduced ``[examples, loss sum, ...]`` (it stepped), once it has

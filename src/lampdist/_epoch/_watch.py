@@ -54,6 +54,7 @@ class TrainTelemetry:
     """The clique's peak FLOP/s (the root's; ``None`` where unknown)."""
     timing_events: list[Any] = attrs.field(factory=list)
     """CUDA timing events free for the step split, reused from pass to pass."""
+    nranks: int = 1
 
     @classmethod
     def create(
@@ -62,6 +63,7 @@ class TrainTelemetry:
         """The telemetry of rank ``rank`` of ``nranks``, which trains ``model`` by ``design``
         on ``device``: the FLOPs are the root's."""
         telemetry = cls(rank, device, design, Stragglers(every_rank_steps=design.followers_step))
+        telemetry.nranks = nranks
         given = model.flops_per_example
         if rank == 0:
             telemetry.count_flops = given == "count"
@@ -89,10 +91,11 @@ class TrainTelemetry:
             start_clock(self.device, self.timing_events) if options.measure_step_split else NO_CLOCK
         )
         self.design.clock = clock
-        fields = ProgressFields(
-            epoch, "train", pass_index, total, self.flops_per_example, self.peak_flops
-        )
-        return PassWatch(
+        peak = self.peak_flops
+        if progress is not None and progress.peak_flops is not None:  # the option wins
+            peak = progress.peak_flops * self.nranks
+        fields = ProgressFields(epoch, "train", pass_index, total, self.flops_per_example, peak)
+        watch = PassWatch(
             telemetry=self,
             clock=clock,
             feed=feed,
@@ -103,6 +106,9 @@ class TrainTelemetry:
             first_batch=feed.batches_read,
             counting_flops=self.count_flops,
         )
+        if progress is not None and progress.every_n_steps is not None:
+            tally.window, tally.on_window = progress.every_n_steps, watch.window_ended
+        return watch
 
 
 @attrs.define(eq=False)
@@ -131,6 +137,8 @@ class PassWatch:
     """The rank's own examples (the root's estimate of the clique's tokens mid-pass)."""
     last: PassEvent | None = None
     """The root's last event, published with the pass's sums (:meth:`finished`)."""
+    window_begun: float | None = None
+    """``time.perf_counter()`` at the last window's end (:meth:`window_ended`)."""
 
     def batch(self, batch: LoadedBatch) -> None:
         """The model code takes ``batch``: the time since the clock's last mark was data;
@@ -190,6 +198,18 @@ class PassWatch:
             self.last = self.fields.event(
                 tally.steps_read, batches_read, tally.examples, tally.loss, seconds, done=True
             )
+
+    def window_ended(self, step: int, examples: int, loss: float) -> None:
+        """The tally counted a window's last step, ``step``: the window's event, with its
+        ``examples`` and their mean ``loss`` over every rank (``LoopOptions.log_every_n_steps``)."""
+        progress = self.progress
+        assert progress is not None and progress.every_n_steps is not None
+        now = time.perf_counter()
+        seconds = now - (self.begun if self.window_begun is None else self.window_begun)
+        self.window_begun = now
+        batches_read = self.feed.batches_read - self.first_batch
+        event = self.fields.event(step, batches_read, examples, loss, seconds)
+        progress.publish_window(attrs.evolve(event, window_steps=progress.every_n_steps))
 
     def estimate_tokens(self, clique_examples: int) -> int | None:
         """The clique's tokens so far, from this rank's tokens per example (mid-pass)."""

@@ -30,6 +30,7 @@ from .._errors import (
 )
 from .._options import ModelWithData, StepOptions, Timeouts
 from .._preload import preload
+from .._state import LoopState
 from ..clique import CliqueFactory, CliqueId
 from ..control import Command, CommandKind, FollowerChannel
 from ._commands import carry_out
@@ -73,7 +74,7 @@ async def follow_distributed_training(
     timeouts: Timeouts = Timeouts(),
     stop: anyio.Event | None = None,
     cliques: CliqueFactory | None = None,
-) -> None:
+) -> LoopState:
     """Follow a data-parallel training run as rank ``rank`` (1..nranks-1) until the root stops it.
 
     The follower joins through ``control`` (within ``timeouts.join``), opens the clique on
@@ -82,7 +83,10 @@ async def follow_distributed_training(
     (lamp's design), it holds no optimizer: each step sends its example-weighted gradients
     to the root and receives the root's parameters; with ``step.step_on="every_rank"`` it
     steps its own, built by ``optimizer_factory``, and with ``"sharded"`` its slice of it.
-    On STOP it receives the final (or best) weights into ``data.model.module`` and returns.
+    On STOP it receives the final (or best) weights into ``data.model.module`` and returns
+    the root's final :class:`~lampdist.LoopState` (the one the root returns; its learning
+    curve cut to the newest epochs that one control frame carries, see
+    the ``max_frame_bytes`` of :func:`lampdist.control.tcp_root`).
 
     ``step`` must equal the root's (checked when the ranks agree), and ``cliques`` must be
     the root's kind (process groups by default; the in-process cliques shared with a root in
@@ -106,7 +110,7 @@ async def follow_distributed_training(
         raise ConfigError("rank 0 is the root: call drive_distributed_training for it")
     await preload()
     run = RunOptions(optimizer_factory, step, timeouts, cliques)
-    await follow(rank, nranks, resolve_device(device), control, data, run, stop)
+    return await follow(rank, nranks, resolve_device(device), control, data, run, stop)
 
 
 async def follow(
@@ -117,11 +121,11 @@ async def follow(
     data: ModelWithData,
     run: RunOptions,
     stop: anyio.Event | None = None,
-) -> None:
+) -> LoopState:
     """Rank ``rank``'s run as :func:`follow_distributed_training` describes it, for this
     package's entry points: the device resolved, the options built once."""
     try:
-        await _follow(rank, nranks, torch_device, control, data, run, stop)
+        return await _follow(rank, nranks, torch_device, control, data, run, stop)
     except RankFailed as exc:
         if exc.rank == 0 and exc.phase == "stop":  # the root's own error: it exits first
             await control.wait_until_root_left(ROOT_EXIT_TIMEOUT)
@@ -136,7 +140,7 @@ async def _follow(
     data: ModelWithData,
     run: RunOptions,
     stop: anyio.Event | None,
-) -> None:
+) -> LoopState:
     with naming_rank(rank):  # what the checkpoint's storage raises names no rank
         async with AsyncExitStack() as stack:
             try:
@@ -154,6 +158,7 @@ async def _follow(
                 watch = partial(watch_peers, control.watch, context.tracker)
                 async with context.supervised(watch, partial(follower.tell_root, receive)):
                     await follower.run(receive, send)
+    return follower.final
 
 
 async def _report_unjoined(
@@ -245,6 +250,8 @@ class _Follower:
     """A command read while a pass ran (see :meth:`_interruptible`), to carry out next."""
     hold_timeout: float | None = ROOT_REASON_TIMEOUT
     """How long to wait for the root's next word while held (the last HOLD's timeout)."""
+    final: LoopState = attrs.field(factory=LoopState)
+    """The root's final loop state, from its STOP (an empty one until then)."""
 
     @property
     def tracker(self) -> PhaseTracker:
@@ -461,6 +468,8 @@ class _Follower:
                     raise RankFailed(command.error, rank=0, phase="stop")
                 self.context.stopping.reached.set()
                 await carry_out(runner, self.context.data, command, tracker)
+                if command.state is not None:
+                    self.final = command.state
                 return
             if command.kind is CommandKind.HOLD:
                 raise _Held(command)

@@ -146,7 +146,7 @@ class Generations:
                         clique_id=clique_id,
                     )
                 )
-            opened = context.open_clique(clique_id, on_event=self.loop.on_event)
+            opened = context.open_clique(clique_id, loop=self.loop)
             self.runner = await stack.enter_async_context(opened)
             self.stack = stack.pop_all()  # open until close()
 

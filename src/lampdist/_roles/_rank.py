@@ -19,7 +19,7 @@ import anyio
 import attrs
 import torch
 
-from .._effects import OnPassEvent, OptimizerFactory
+from .._effects import OptimizerFactory
 from .._epoch import (
     DESIGNS,
     ComputeThread,
@@ -31,7 +31,7 @@ from .._epoch import (
 )
 from .._errors import ConfigError
 from .._metric import metric_layout
-from .._options import ModelWithData, StepOptions, Timeouts
+from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts
 from ..checkpoint import Resumed
 from ..clique import CliqueFactory, CliqueId, ProcessGroups, in_process
 from ._agreement import agree
@@ -113,10 +113,11 @@ class RankContext:
 
     @asynccontextmanager
     async def open_clique(
-        self, clique_id: CliqueId, *, on_event: OnPassEvent | None = None
+        self, clique_id: CliqueId, *, loop: LoopOptions | None = None
     ) -> AsyncIterator[PassRunner]:
         """The rank's clique (phase ``'clique setup'``), within ``timeouts.setup``, and the
-        pass runner over it, both closed with the block. Raises the clique's errors."""
+        pass runner over it, reporting as the root's ``loop`` says, both closed with the
+        block. Raises the clique's errors."""
         self.tracker.current = "clique setup"
         async with self.cliques.open(
             rank=self.rank,
@@ -129,7 +130,7 @@ class RankContext:
             kernel = StepKernel(
                 rank=self.rank, clique=clique, model=self.data.model, design=self.design
             )
-            yield PassRunner(kernel=kernel, compute=self.compute, on_event=on_event)
+            yield PassRunner(kernel=kernel, compute=self.compute, loop=loop)
 
     async def agree_and_sync(self, runner: PassRunner, *, resume: Resumed | None = None) -> None:
         """What every rank does, in the same order, once its clique is open: :func:`agree`
@@ -219,8 +220,11 @@ async def open_rank(
     optimizer built where the rank steps: that can take seconds, and the control channel
     must keep answering meanwhile). Without ``options.cliques``, a rank alone gets an in-process
     clique of one rank (no process group, store or thread behind it), and a clique of
-    several ranks process groups. Raises :class:`ConfigError` as :func:`create_design`
-    does."""
+    several ranks process groups. ``options.step``'s ``global_accumulation`` is resolved
+    into the per-rank count here, once (:meth:`StepOptions.per_rank`). Raises
+    :class:`ConfigError` as :func:`create_design` does, and for a ``global_accumulation``
+    that ``nranks`` does not divide."""
+    options = attrs.evolve(options, step=options.step.per_rank(nranks, rank=rank))
     cliques = _cliques(rank, nranks, device, options)
     async with open_compute_thread(rank, device) as compute:
         design = await compute.run(

@@ -349,10 +349,13 @@ class _Root:
         await anyio.sleep_forever()
 
     async def _stop(self, final: LoopState) -> None:
-        """STOP: every rank takes the final (or best) model."""
+        """STOP: every rank takes the final (or best) model, and the followers the final loop
+        state, which they return."""
         await self.state.take_best()
         await self._order(
-            Command(kind=CommandKind.STOP, epoch=final.epoch, pass_index=self.pass_index)
+            Command(
+                kind=CommandKind.STOP, epoch=final.epoch, pass_index=self.pass_index, state=final
+            )
         )
 
     def _runner(self) -> PassRunner:

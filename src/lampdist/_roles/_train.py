@@ -17,7 +17,7 @@ from anyio.abc import TaskStatus
 
 from .._early_signals import STOP_SIGNALS, take_early_signals
 from .._effects import OptimizerFactory
-from .._errors import Interrupted
+from .._errors import ConfigError, Interrupted
 from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts
 from .._preload import preload
 from .._state import LoopState
@@ -210,27 +210,31 @@ async def train(
     *,
     data: ModelWithData,
     optimizer_factory: OptimizerFactory,
-    loop: LoopOptions,
+    loop: LoopOptions | None = None,
     step: StepOptions = StepOptions(),
     timeouts: Timeouts = Timeouts(),
     resume: Resumed | None = None,
     launch: LaunchEnv | None = None,
     ssl_context: ssl.SSLContext | None = None,
     stop_on_signals: bool = True,
-) -> LoopState | None:
+) -> LoopState:
     """Train as this process's rank: the root on rank 0, a follower elsewhere.
 
-    One script serves every rank. ``launch`` says where this process stands; by default
-    :func:`lampdist.launch.from_env` reads it from torchrun's or srun's variables. The call
-    opens the control channel (:meth:`LaunchEnv.open_control`, with ``ssl_context`` for
-    TLS), then runs :func:`drive_distributed_training` on rank 0, serving the clique's
-    rendezvous at ``launch.host``, or :func:`follow_distributed_training` elsewhere, on
-    ``launch.device``. ``loop`` and ``resume`` act on the root only (followers ignore them);
-    give every rank the same model and ``step``.
+    One script, called the same way, serves every rank: no rank branch in user code.
+    ``launch`` says where this process stands; by default :func:`lampdist.launch.from_env`
+    reads it from torchrun's or srun's variables. The call opens the control channel
+    (:meth:`LaunchEnv.open_control`, with ``ssl_context`` for TLS), then runs
+    :func:`drive_distributed_training` on rank 0, serving the clique's rendezvous at
+    ``launch.host``, or :func:`follow_distributed_training` elsewhere, on ``launch.device``.
+    ``loop`` and ``resume`` act on the root only: followers ignore them, so ``loop``'s
+    ``on_event`` (a tracker, a progress bar) reports on the root only, and ``loop`` may be
+    left out on the followers (the root needs it); give every rank the same model and
+    ``step``.
 
-    Returns the final :class:`~lampdist.LoopState` on the root and ``None`` on the
-    followers; every rank's ``data.model.module`` then holds the same weights (the best model
-    when ``loop.return_min_validation_loss_model`` saved one, else the final one).
+    Returns the final :class:`~lampdist.LoopState` on every rank: the root's own, which it
+    sends the followers with its STOP (see :func:`follow_distributed_training`); every
+    rank's ``data.model.module`` then holds the same weights (the best model when
+    ``loop.return_min_validation_loss_model`` saved one, else the final one).
 
     With ``stop_on_signals`` (the default; it needs the main thread) the first SIGTERM or
     SIGINT stops the run gracefully: the root finishes the epoch in progress, checkpoints it
@@ -238,13 +242,14 @@ async def train(
     STOP; a second signal, or a first one before training began, stops at once. Every
     resource is released; then the root raises :class:`Interrupted`, and so does a follower
     that a second signal (or no STOP within ``timeouts.stop``) stopped, while a follower
-    that the root's STOP ended returns ``None`` as after a completed run (the root reports
-    the interruption). A failure that the signal did not cause (under torchrun: a rank died,
-    and torchrun signals the others) is raised as it is, not as :class:`Interrupted`. Raises
+    that the root's STOP ended returns the root's final state as after a completed run (the
+    root reports the interruption). A failure that the signal did not cause (under torchrun:
+    a rank died, and torchrun signals the others) is raised as it is, not as
+    :class:`Interrupted`. Raises
     :class:`~lampdist.ConfigError` for bad arguments or launch variables, and every error of
     the role it runs (see :func:`drive_distributed_training` and
     :func:`follow_distributed_training`), an ``ExceptionGroup`` only for several unrelated
-    failures.
+    failures; a :class:`~lampdist.ConfigError` naming ``loop`` on the root when it has none.
     """
     env = launch if launch is not None else from_env()
 
@@ -264,13 +269,13 @@ async def _train(
     env: LaunchEnv,
     data: ModelWithData,
     optimizer_factory: OptimizerFactory,
-    loop: LoopOptions,
+    loop: LoopOptions | None,
     step: StepOptions,
     timeouts: Timeouts,
     resume: Resumed | None,
     ssl_context: ssl.SSLContext | None,
     signals: _Signals | None,
-) -> LoopState | None:
+) -> LoopState:
     """:func:`train`'s work, with ``signals`` handled when given."""
     # A root alone gets the in-process clique of one rank that drive() picks for cliques=None.
     run_options = RunOptions(
@@ -278,12 +283,19 @@ async def _train(
     )
 
     async def run_root(control: RootChannel, stop: anyio.Event | None) -> LoopState:
+        if loop is None:
+            raise ConfigError(
+                "lampdist.train needs loop=LoopOptions(max_epochs=...) on rank 0, the root, "
+                "which runs the epoch loop: pass the same loop on every rank",
+                rank=0,
+                phase="configure",
+            )
         return await drive(env.nranks, env.device, control, data, run_options, loop, resume, stop)
 
-    async def run_follower(control: FollowerChannel, stop: anyio.Event | None) -> None:
-        await follow(env.rank, env.nranks, env.device, control, data, run_options, stop)
+    async def run_follower(control: FollowerChannel, stop: anyio.Event | None) -> LoopState:
+        return await follow(env.rank, env.nranks, env.device, control, data, run_options, stop)
 
-    async def run(stop: anyio.Event | None, guard: Guard | None) -> LoopState | None:
+    async def run(stop: anyio.Event | None, guard: Guard | None) -> LoopState:
         await preload()
         logger.info(
             "rank %d of %d on %s, root at %s:%s",
@@ -301,8 +313,7 @@ async def _train(
             # open_control gives rank 0 the root's side and every other rank a follower's
             if env.is_root:
                 return await run_root(cast(RootChannel, control), stop)
-            await run_follower(cast(FollowerChannel, control), stop)
-            return None
+            return await run_follower(cast(FollowerChannel, control), stop)
 
     if signals is None:
         return await run(None, None)

@@ -10,6 +10,8 @@ import attrs
 
 from .._clique_id import CliqueId
 from .._errors import ConfigError, Phase, ProtocolError
+from .._state import LoopState
+from .._state_json import loop_state_from_json, loop_state_to_json
 
 __all__ = ["MAX_TEXT_CHARS", "Command", "CommandKind"]
 
@@ -54,7 +56,9 @@ class Command:
     rates by it). CHECKPOINT comes before the root checkpoints an epoch: every rank hands the
     root what it holds of the checkpoint (its slice of a sharded optimizer state, its place in
     its training data, its RNG states). ``error`` is set only on a STOP that aborts the run:
-    followers then raise :class:`lampdist.RankFailed` (``rank=0``) with it.
+    followers then raise :class:`lampdist.RankFailed` (``rank=0``) with it. ``state`` is set
+    only on a STOP that ends the run in order: the root's final :class:`lampdist.LoopState`,
+    which every follower returns.
 
     HOLD tells the survivors of a lost rank to abandon the work in flight and wait up to
     ``timeout`` seconds for the root's next command; its ``error`` says which rank was lost
@@ -63,7 +67,8 @@ class Command:
 
     Raises :class:`lampdist.ConfigError` for a negative count, a non-finite ``lr_factor``, an
     ``error`` on anything but STOP and HOLD, a ``clique_id`` on anything but REJOIN (which
-    needs one) and a ``timeout`` on anything but HOLD.
+    needs one), a ``timeout`` on anything but HOLD and a ``state`` on anything but a STOP
+    without an ``error``.
     """
 
     kind: CommandKind
@@ -73,6 +78,7 @@ class Command:
     error: str | None = None
     clique_id: CliqueId | None = None
     timeout: float | None = None
+    state: LoopState | None = None
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.kind, CommandKind):
@@ -101,6 +107,12 @@ class Command:
                 or not self.timeout > 0
             ):
                 raise ConfigError(f"Command.timeout must be > 0 seconds, got {self.timeout!r}")
+        if self.state is not None and (
+            self.kind is not CommandKind.STOP
+            or self.error is not None
+            or not isinstance(self.state, LoopState)
+        ):
+            raise ConfigError("only a STOP command without an error carries a LoopState")
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (the wire form); an overlong ``error`` is cut to MAX_TEXT_CHARS."""
@@ -117,6 +129,8 @@ class Command:
             data["clique_id"] = self.clique_id.to_json()
         if self.timeout is not None:
             data["timeout"] = float(self.timeout)
+        if self.state is not None:
+            data["state"] = _spell_non_finite(loop_state_to_json(self.state))
         return data
 
     @classmethod
@@ -141,6 +155,7 @@ class Command:
         if timeout is not None and not isinstance(timeout, int | float):
             raise ProtocolError(f"a command's 'timeout' must be a number, got {timeout!r}")
         clique_id = None if clique is None else CliqueId.from_json(clique)
+        state = _state_from_json(data.get("state"))
         try:
             return cls(
                 kind=kind,
@@ -150,9 +165,48 @@ class Command:
                 error=error,
                 clique_id=clique_id,
                 timeout=timeout,
+                state=state,
             )
         except ConfigError as exc:
             raise ProtocolError(f"invalid command: {exc.message}") from None
+
+
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+"""How a STOP's state spells the floats that JSON lacks (a loss may be NaN or infinite); its
+JSON has no other string values."""
+
+
+def _spell_non_finite(value: Any) -> Any:
+    """``value`` with every non-finite float spelled as a key of :data:`_NON_FINITE`."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {key: _spell_non_finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_spell_non_finite(item) for item in value]
+    return value
+
+
+def _read_non_finite(value: Any) -> Any:
+    """:func:`_spell_non_finite` undone."""
+    if isinstance(value, str) and value in _NON_FINITE:
+        return _NON_FINITE[value]
+    if isinstance(value, dict):
+        return {key: _read_non_finite(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_read_non_finite(item) for item in value]
+    return value
+
+
+def _state_from_json(data: object) -> LoopState | None:
+    """A STOP's ``state`` field parsed (``None`` when absent); raises
+    :class:`lampdist.ProtocolError` for one :func:`loop_state_to_json` did not write."""
+    if data is None:
+        return None
+    try:
+        return loop_state_from_json(_read_non_finite(data))
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
+        raise ProtocolError(f"a STOP's 'state' is no loop state ({exc!r})") from None
 
 
 def clip_text(text: str, limit: int = MAX_TEXT_CHARS) -> str:

@@ -14,7 +14,8 @@ Messages (F = follower, R = root)::
     R->F welcome    {proof, heartbeat_interval}          HMAC of the transcript, root role
     R->F reject     {code, reason}                       the root refuses; the connection ends
     R->F clique     {clique_id}                          once, when the clique id is known
-    R->F command    {seq, command}
+    R->F command    {seq, command}                       a STOP in order carries the
+                                                         root's final loop state
     F->R ack        {seq}                                the follower holds the command
     F->R failure    {phase, message}                     the follower failed
     both ping       {}                                   heartbeat
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import struct
 from collections import deque
@@ -59,6 +61,8 @@ __all__ = [
     "decode_payload",
     "encode_frame",
 ]
+
+logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024
@@ -319,11 +323,59 @@ def _reject_constant(name: str) -> Any:
     raise ProtocolError(f"{name} is not a valid number here")
 
 
+def _payload(message: Message) -> bytes:
+    body = {"v": PROTOCOL_VERSION, "t": message.TAG, **message.fields()}
+    return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _fit_state(message: CommandMessage, max_frame_bytes: int) -> bytes | None:
+    """The payload of ``message``, a STOP whose loop state makes it too long, with the state's
+    learning curve cut to its newest points that fit (``None`` if not even an empty curve
+    fits). The followers' copy of the final state is then shorter than the root's, which
+    returns the whole of it: raise ``max_frame_bytes`` (the channels' option) to carry it."""
+    state = message.command.state
+    assert state is not None
+    curve = state.learning_curve
+
+    def payload(kept: int) -> bytes:
+        cut = attrs.evolve(state, learning_curve=curve[len(curve) - kept :])
+        command = attrs.evolve(message.command, state=cut)
+        return _payload(attrs.evolve(message, command=command))
+
+    low, high = 0, len(curve)  # payload(low) fits, if anything does; payload(high) does not
+    best = payload(0)
+    if len(best) > max_frame_bytes:
+        return None
+    while high - low > 1:
+        middle = (low + high) // 2
+        candidate = payload(middle)
+        if len(candidate) <= max_frame_bytes:
+            low, best = middle, candidate
+        else:
+            high = middle
+    logger.warning(
+        "the STOP's loop state holds %d epochs of learning curve, more than a frame of %d "
+        "bytes carries: the followers get the newest %d (raise the control channel's "
+        "max_frame_bytes for the whole curve)",
+        len(curve),
+        max_frame_bytes,
+        low,
+        extra={"rank": 0},
+    )
+    return best
+
+
 def encode_frame(message: Message, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
     """The frame (header and payload) of ``message``; raises :class:`lampdist.ProtocolError`
-    if it would exceed ``max_frame_bytes``."""
-    body = {"v": PROTOCOL_VERSION, "t": message.TAG, **message.fields()}
-    payload = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+    if it would exceed ``max_frame_bytes``, except for a STOP whose loop state is too long:
+    its learning curve is cut to the newest epochs that fit (logged as a warning)."""
+    payload = _payload(message)
+    if (
+        len(payload) > max_frame_bytes
+        and isinstance(message, CommandMessage)
+        and message.command.state is not None
+    ):
+        payload = _fit_state(message, max_frame_bytes) or payload
     if len(payload) > max_frame_bytes:
         raise ProtocolError(
             f"a '{message.TAG}' frame of {len(payload)} bytes exceeds the limit of "

@@ -11,8 +11,10 @@ closes it, flushed, on success, error and cancellation::
         )
         await tracker.log_summary(state)
 
-:func:`fan_out` makes several trackers one. Only the root reports events, so only the root
-opens a tracker (with :func:`lampdist.train`, on ``launch.is_root``): a follower never does.
+:func:`fan_out` makes several trackers one. Only the root reports events, so a tracker
+records on the root only: give every rank the same one (one script, one call to
+:func:`lampdist.train`), and on a follower it opens nothing and drops what it is given (it
+reads the rank from the launcher's variables, or from its ``rank`` argument).
 Each sink's package is optional (``pip install "lampdist[tensorboard]"``, ``"lampdist[mlflow]"``)
 and imported when the tracker opens; a missing one raises :class:`~lampdist.ConfigError`
 that says what to install. Blocking work (opening, writing, closing) runs in worker threads,

@@ -14,6 +14,7 @@ import anyio.to_thread
 import attrs
 
 from .._errors import ConfigError, Interrupted
+from .._launched_rank import launched_rank
 from .._state import LoopState, PassEvent, Recovered, as_pass_event
 
 __all__ = [
@@ -54,9 +55,10 @@ class Tracker(Protocol):
     and closes it (flushed) on success, error and cancellation.
 
     Inside ``async with``, call :meth:`log_hyperparameters` once before training and
-    :meth:`log_summary` once with the final :class:`~lampdist.LoopState`. Open a tracker on
-    the root only: the followers report no events, and a tracker a follower opened would
-    write an empty run.
+    :meth:`log_summary` once with the final :class:`~lampdist.LoopState`. Only the root
+    reports events: lampdist's trackers record on the root only, so one script gives every
+    rank the same tracker (see :class:`BufferedTracker`'s ``rank``); a tracker of your own
+    that a follower opened would write an empty run.
     """
 
     async def __aenter__(self) -> Self:
@@ -160,7 +162,8 @@ def event_scalars(event: PassEvent) -> dict[str, float]:
     (``step/rank_R/PART``). The event that reports an in-job recovery
     (:class:`~lampdist.Recovered`, recorded as a PassEvent whose ``recovered`` holds it)
     gives ``recovery/seconds`` and ``recovery/recoveries``
-    instead.
+    instead, and the event of a window of ``LoopOptions.log_every_n_steps`` steps
+    (:attr:`PassEvent.window_steps` set) ``train/window_loss``, the mean loss of its steps.
     """
     scalars: dict[str, float] = {}
     if event.recovered is not None:
@@ -168,6 +171,8 @@ def event_scalars(event: PassEvent) -> dict[str, float]:
             "recovery/seconds": event.recovered.seconds,
             "recovery/recoveries": float(event.recovered.recoveries),
         }
+    if event.window_steps is not None:  # LoopOptions.log_every_n_steps: the window's mean
+        return {"train/window_loss": event.loss}
     if event.kind == "train":
         scalars = {
             "train/running_loss": event.loss,
@@ -257,20 +262,35 @@ class BufferedTracker(abc.ABC):
     """A :class:`Tracker` whose subclass records on the event loop (cheap: into a buffer
     or a queue) and does its blocking work in worker threads (open, write, close).
 
+    ``rank`` is this process's rank: ``None`` reads it from the launcher's variables when
+    the tracker opens (torchrun's ``RANK``, else SLURM's ``SLURM_PROCID``, as
+    :func:`lampdist.launch.from_env` does; 0 in a process no launcher started). On any rank
+    but 0 the tracker is inert: opening it opens no file, connection or run, and its events,
+    hyperparameters and summary are dropped, so that the same script and the same call serve
+    every rank (pass ``rank=env.rank`` for ranks started otherwise).
+
     Invariant: ``_state`` goes ``new`` -> ``open`` -> ``closed``; events and records are
-    taken only while ``open``. ``_flush_lock`` keeps the writes in the order of the records
-    when several tasks flush.
+    taken only while ``open``, and only on the root (``_on_root``). ``_flush_lock`` keeps
+    the writes in the order of the records when several tasks flush.
     """
 
     first_step: int = attrs.field(default=0, kw_only=True)
+    rank: int | None = attrs.field(default=None, kw_only=True)
     _state: Literal["new", "open", "closed"] = attrs.field(default="new", init=False)
     _clock: StepClock = attrs.field(init=False)
     _flush_lock: anyio.Lock = attrs.field(factory=anyio.Lock, init=False)
     _flushed_at: float = attrs.field(default=0.0, init=False)
     _logged: set[str] = attrs.field(factory=set, init=False)
+    _on_root: bool = attrs.field(default=True, init=False)
 
     def __attrs_post_init__(self) -> None:
         check_first_step(self.first_step)
+        if self.rank is not None and (not isinstance(self.rank, int) or self.rank < 0):
+            raise ConfigError(
+                f"rank must be an int >= 0 or None, got {self.rank!r}: pass None to read it "
+                "from the launcher's variables",
+                phase="configure",
+            )
         self._clock = StepClock(self.first_step)
 
     # What a subclass does: ``_open``, the job that ``_take`` returns and ``_close`` run in a
@@ -308,9 +328,12 @@ class BufferedTracker(abc.ABC):
                 f"{type(self).__name__} was opened before: create a new one for each run",
                 phase="configure",
             )
-        # Not abandoned on cancellation: a sink opened meanwhile reaches __aexit__ (the body's
-        # first await raises the cancellation), which closes it.
-        await anyio.to_thread.run_sync(self._open)
+        rank = self.rank if self.rank is not None else launched_rank()
+        self._on_root = rank == 0
+        if self._on_root:
+            # Not abandoned on cancellation: a sink opened meanwhile reaches __aexit__ (the
+            # body's first await raises the cancellation), which closes it.
+            await anyio.to_thread.run_sync(self._open)
         self._flushed_at = time.monotonic()
         self._state = "open"
         return self
@@ -329,6 +352,8 @@ class BufferedTracker(abc.ABC):
 
     async def __call__(self, event: PassEvent | Recovered, /) -> None:
         self._check_open("record an event")
+        if not self._on_root:
+            return
         event = as_pass_event(event)  # a recovery is recorded as it always was
         self._record_event(event, self._clock.advance(event))
         if event.done or time.monotonic() - self._flushed_at >= FLUSH_INTERVAL:
@@ -337,12 +362,16 @@ class BufferedTracker(abc.ABC):
     async def log_hyperparameters(self, hyperparameters: Mapping[str, Any], /) -> None:
         """Record the run's hyperparameters, once; see :class:`Tracker`."""
         self._check_once("log_hyperparameters", "log them once, before training")
+        if not self._on_root:
+            return
         self._record_hyperparameters(flatten_hyperparameters(hyperparameters))
         await self._flush()
 
     async def log_summary(self, state: LoopState, /) -> None:
         """Record the final loop state, once; see :class:`Tracker`."""
         self._check_once("log_summary", "log it once, with the final LoopState")
+        if not self._on_root:
+            return
         self._record_summary(summary_values(state), self._clock.step)
         await self._flush()
 
@@ -368,7 +397,7 @@ class BufferedTracker(abc.ABC):
             self._flushed_at = time.monotonic()
 
     async def _shut(self, outcome: Outcome) -> None:
-        if self._state != "open":
+        if self._state != "open" or not self._on_root:
             self._state = "closed"
             return
         self._state = "closed"

@@ -37,6 +37,7 @@ EVENT_FIELDS = (
     "grad_norm",
     "grad_norm_max",
     "step_split",
+    "window_steps",
 )
 """The fields of an event record, in the order of the CSV columns."""
 
