@@ -7,9 +7,10 @@
 the control channel (on a free port published in torchrun's store), and runs the root on
 rank 0 and a follower on the others: the script has no rank branch. The progress (the
 ``on_event`` effect) reports on the root only. Every rank prints its final weights' checksum
-and the final loop state's validation losses: they are the same everywhere. Ctrl-C (or SIGTERM) stops the run after the epoch in progress: the
-root exits with 128 + the signal's number, the followers with 0 (before training began, every
-rank stops at once and exits with 128 + the signal's number). Bad settings and ranks that
+and the final loop state's validation losses: they are the same everywhere. Ctrl-C (or
+SIGTERM) stops the run after the epoch in progress: the root exits with 128 + the signal's
+number, the followers with 0 (before training began, every rank stops at once and exits with
+128 + the signal's number). Bad settings and ranks that
 disagree exit 2; any other failure exits 1 with a traceback whose last line names the rank
 and phase where the run failed (docs/reliability.md lists the exit codes).
 """
