@@ -9,7 +9,7 @@ import logging
 import signal
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import anyio
 import attrs
@@ -31,7 +31,7 @@ from ._rank import RunOptions, check_rank
 from ._root import drive
 from ._stopping import abandoned_stop
 
-__all__ = ["Interrupted", "handling_signals", "run_until_signal", "train"]
+__all__ = ["Interrupted", "handling_signals", "run_this_rank", "run_until_signal", "train"]
 
 logger = logging.getLogger(__name__)
 
@@ -246,18 +246,26 @@ async def train(
     :func:`follow_distributed_training`), an ``ExceptionGroup`` only for several unrelated
     failures.
     """
+    args = (data, optimizer_factory, loop, step, timeouts, resume, ssl_context)
+    return await run_this_rank(launch, stop_on_signals, *args)
+
+
+async def run_this_rank(
+    launch: LaunchEnv | None,
+    stop_on_signals: bool,
+    *args: Any,
+    evaluating: bool = False,
+) -> LoopState | None:
+    """:func:`train`'s work from its launch on, ``args`` being its arguments from ``data``
+    to ``ssl_context`` in :func:`_train`'s order (``evaluating``: see ``drive``)."""
     env = launch if launch is not None else from_env()
 
     check_rank(env.rank, env.nranks)
     if not stop_on_signals:
-        return await _train(
-            env, data, optimizer_factory, loop, step, timeouts, resume, ssl_context, None
-        )
+        return await _train(env, *args, None, evaluating=evaluating)
     # The signals are handled from the first instant: one during the start ends it at once.
     async with handling_signals(env.rank) as signals:
-        return await _train(
-            env, data, optimizer_factory, loop, step, timeouts, resume, ssl_context, signals
-        )
+        return await _train(env, *args, signals, evaluating=evaluating)
 
 
 async def _train(
@@ -270,6 +278,8 @@ async def _train(
     resume: Resumed | None,
     ssl_context: ssl.SSLContext | None,
     signals: _Signals | None,
+    *,
+    evaluating: bool = False,
 ) -> LoopState | None:
     """:func:`train`'s work, with ``signals`` handled when given."""
     # A root alone gets the in-process clique of one rank that drive() picks for cliques=None.
@@ -278,7 +288,17 @@ async def _train(
     )
 
     async def run_root(control: RootChannel, stop: anyio.Event | None) -> LoopState:
-        return await drive(env.nranks, env.device, control, data, run_options, loop, resume, stop)
+        return await drive(
+            env.nranks,
+            env.device,
+            control,
+            data,
+            run_options,
+            loop,
+            resume,
+            stop,
+            evaluating=evaluating,
+        )
 
     async def run_follower(control: FollowerChannel, stop: anyio.Event | None) -> None:
         await follow(env.rank, env.nranks, env.device, control, data, run_options, stop)

@@ -56,13 +56,18 @@ class Command:
     its training data, its RNG states). ``error`` is set only on a STOP that aborts the run:
     followers then raise :class:`lampdist.RankFailed` (``rank=0``) with it.
 
+    ``validation_set`` names the validation set a VALID pass runs over (``None``: the one
+    source); with ``share_result`` the root's result of that pass goes to every rank (an
+    evaluation-only run, :func:`lampdist.evaluate`).
+
     HOLD tells the survivors of a lost rank to abandon the work in flight and wait up to
     ``timeout`` seconds for the root's next command; its ``error`` says which rank was lost
     and why. REJOIN carries the ``clique_id`` of the clique's next generation, which every
     rank opens before the root redoes the pass in flight.
 
     Raises :class:`lampdist.ConfigError` for a negative count, a non-finite ``lr_factor``, an
-    ``error`` on anything but STOP and HOLD, a ``clique_id`` on anything but REJOIN (which
+    ``error`` on anything but STOP and HOLD, a ``validation_set`` or ``share_result`` on
+    anything but VALID, a ``clique_id`` on anything but REJOIN (which
     needs one) and a ``timeout`` on anything but HOLD.
     """
 
@@ -73,6 +78,8 @@ class Command:
     error: str | None = None
     clique_id: CliqueId | None = None
     timeout: float | None = None
+    validation_set: str | None = None
+    share_result: bool = False
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.kind, CommandKind):
@@ -90,6 +97,13 @@ class Command:
                 raise ConfigError(f"Command.error must be a string, got {self.error!r}")
             if self.kind not in (CommandKind.STOP, CommandKind.HOLD):
                 raise ConfigError("only a STOP or HOLD command carries an error")
+        if self.validation_set is not None or self.share_result:
+            if self.kind is not CommandKind.VALID:
+                raise ConfigError("only a VALID command carries a validation_set or share_result")
+            if self.validation_set is not None and not isinstance(self.validation_set, str):
+                raise ConfigError(
+                    f"Command.validation_set must be a string, got {self.validation_set!r}"
+                )
         if (self.clique_id is not None) != (self.kind is CommandKind.REJOIN):
             raise ConfigError("a REJOIN command, and only it, carries a clique_id")
         if self.timeout is not None:
@@ -117,6 +131,10 @@ class Command:
             data["clique_id"] = self.clique_id.to_json()
         if self.timeout is not None:
             data["timeout"] = float(self.timeout)
+        if self.validation_set is not None:
+            data["validation_set"] = self.validation_set
+        if self.share_result:
+            data["share_result"] = True
         return data
 
     @classmethod
@@ -141,6 +159,13 @@ class Command:
         if timeout is not None and not isinstance(timeout, int | float):
             raise ProtocolError(f"a command's 'timeout' must be a number, got {timeout!r}")
         clique_id = None if clique is None else CliqueId.from_json(clique)
+        validation_set, share = data.get("validation_set"), data.get("share_result", False)
+        if validation_set is not None and (
+            not isinstance(validation_set, str) or len(validation_set) > MAX_TEXT_CHARS
+        ):
+            raise ProtocolError("a command's 'validation_set' must be a string of bounded length")
+        if not isinstance(share, bool):
+            raise ProtocolError(f"a command's 'share_result' must be a boolean, got {share!r}")
         try:
             return cls(
                 kind=kind,
@@ -150,6 +175,8 @@ class Command:
                 error=error,
                 clique_id=clique_id,
                 timeout=timeout,
+                validation_set=validation_set,
+                share_result=share,
             )
         except ConfigError as exc:
             raise ProtocolError(f"invalid command: {exc.message}") from None
