@@ -254,9 +254,7 @@ def test_bad_set_names_and_choices_are_refused() -> None:
 
     def data(sets: Any, m: lampdist.SupervisedModel | None = None) -> lampdist.ModelWithData:
         plain = lampdist.SupervisedModel(make_model(), mse)
-        return lampdist.ModelWithData(
-            model=m or plain, train_batches=list, validation_batches=sets
-        )
+        return lampdist.ModelWithData(model=m or plain, train_batches=list, validation_batches=sets)
 
     for sets in ({}, {"": list}, {"not a name": list}, {3: list}):
         with pytest.raises(lampdist.ConfigError, match="validation_batches"):
@@ -264,8 +262,12 @@ def test_bad_set_names_and_choices_are_refused() -> None:
     with pytest.raises(lampdist.ConfigError, match="validation_near_loss"):
         data({"near": list}, model)  # a set's loss named as a metric
     with pytest.raises(lampdist.ConfigError, match="rename the set"):
-        data({"a_b": list, "a": list}, lampdist.SupervisedModel(make_model(), mse, metrics={
-            "b_loss": mse_metric(), "x": mse_metric()}))
+        data(
+            {"a_b": list, "a": list},
+            lampdist.SupervisedModel(
+                make_model(), mse, metrics={"b_loss": mse_metric(), "x": mse_metric()}
+            ),
+        )
     with pytest.raises(lampdist.ConfigError, match="validation_batches\\['v'\\]"):
         data({"v": 3})
     two = data({"val": list, "train": list})
