@@ -355,9 +355,8 @@ async def run_epochs(
 def _validates_first(loop: _Loop, state: LoopState) -> bool:
     """Whether the loop validates before training: asked to, and a new run."""
     first = state.epoch == 0 and not state.learning_curve
-    return (
-        loop.rules.validate_before_training and loop.effects.validation_epoch is not None and first
-    )
+    validates = loop.effects.validation_epoch is not None
+    return loop.rules.validate_before_training and validates and first
 
 
 async def _validate_first(loop: _Loop, state: LoopState) -> LoopState:
