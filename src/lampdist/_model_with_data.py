@@ -100,7 +100,7 @@ class ModelWithData:
         :class:`ConfigError` for a name this rank does not have."""
         sets = self.validation_batches
         if isinstance(sets, Mapping) and name is not None and name in sets:
-            return sets[name]  # type: ignore[no-any-return]  # a checked source
+            return sets[name]
         if name is None and sets is not None and not isinstance(sets, Mapping):
             return sets
         raise ConfigError(

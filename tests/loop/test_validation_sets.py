@@ -78,11 +78,12 @@ async def test_a_resumed_run_and_a_run_without_validation_do_not_validate_first(
 
 async def test_a_plateau_schedule_does_not_see_the_validation_before_training() -> None:
     seen: list[object] = []
-    plateau = schedules.reduce_on_plateau(monitor=Monitor("validation_b_loss"))
+    watched = Monitor("validation_b_loss")
+    plateau = schedules.reduce_on_plateau(monitor=watched)
 
     class Watching:
         init = plateau.init
-        monitor = plateau.monitor
+        monitor = watched
 
         def learning_rate_factor(self, state: object, epoch: int, value: object) -> object:
             seen.append(value)

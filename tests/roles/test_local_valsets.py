@@ -8,7 +8,7 @@ import functools
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import pytest
@@ -154,7 +154,7 @@ async def test_the_driving_set_drives_the_best_model_and_early_stopping() -> Non
         for point in curve:  # every set reported whichever drives
             assert point.validation_loss == point.metrics[f"validation_{driving}_loss"]
         outcomes[driving] = (state.epoch, state.min_validation_epoch)
-        losses = [p.metrics[f"validation_{driving}_loss"] for p in curve]
+        losses = [cast(float, p.metrics[f"validation_{driving}_loss"]) for p in curve]
         assert outcomes[driving] == by_the_rules(losses, patience=2, max_epochs=6)
     # near's losses: best at epoch 3 and no two epochs in a row without improving; far's
     # worsen after epoch 2, which stops the run after epoch 4
@@ -272,10 +272,10 @@ def test_bad_set_names_and_choices_are_refused() -> None:
         data({"v": 3})
     two = data({"val": list, "train": list})
     assert two.validation_sets == ("val", "train")
-    for chosen, sets in (("test", two), ("val", data(list)), ("val", data(None))):
+    for chosen, given in (("test", two), ("val", data(list)), ("val", data(None))):
         loop = lampdist.LoopOptions(max_epochs=1, validation_set=chosen)
         with pytest.raises(lampdist.ConfigError, match="validation_set"):
-            lampdist._loop_options.check_monitors(loop, sets)
+            lampdist._loop_options.check_monitors(loop, given)
     with pytest.raises(lampdist.ConfigError, match="validation_set"):
         lampdist.LoopOptions(max_epochs=1, validation_set="")
     watched = lampdist.LoopOptions(

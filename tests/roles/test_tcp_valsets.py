@@ -14,7 +14,8 @@ import pytest
 
 from lampdist import checkpoint
 
-from .test_local_valsets import make_model, reference_loss, set_shards
+from .reference import make_model
+from .test_local_valsets import reference_loss, set_shards
 
 ROOT_DIR = Path(__file__).resolve().parents[2]
 
@@ -56,10 +57,10 @@ def test_two_sets_validated_before_training_then_evaluated(tmp_path: Path) -> No
     curve = json.loads((tmp_path / "curve.json").read_text())
     assert [point[0] for point in curve] == [-1, 0, 1]
     initial = {name: reference_loss(make_model(), shards) for name, shards in set_shards().items()}
-    epoch, loss, metrics = curve[0]
+    _, loss, metrics = curve[0]
     assert loss == metrics["validation_near_loss"]
-    for name, want in initial.items():
-        assert metrics[f"validation_{name}_loss"] == pytest.approx(want, rel=1e-12)
+    for name, value in initial.items():
+        assert metrics[f"validation_{name}_loss"] == pytest.approx(value, rel=1e-12)
     run_both(tmp_path, "evaluate")
     resumed = checkpoint.load_latest(tmp_path / "ckpt")
     assert resumed is not None

@@ -16,7 +16,7 @@ from ..checkpoint import Resumed, load_latest
 from ..launch import LaunchEnv
 from ._commands import EVALUATED
 from ._local import run_locally
-from ._train import run_this_rank
+from ._train import run_this_rank, train_rank
 
 __all__ = ["Evaluation", "evaluate", "evaluate_locally"]
 
@@ -104,17 +104,11 @@ async def evaluate(
     collected: dict[str | None, PassResult] = {}
     token = EVALUATED.set(collected)
     try:
+        args = (data, optimizer_factory, loop, step, timeouts, _resumed(resume), ssl_context)
         await run_this_rank(
             launch,
             stop_on_signals,
-            data,
-            optimizer_factory,
-            loop,
-            step,
-            timeouts,
-            _resumed(resume),
-            ssl_context,
-            evaluating=True,
+            lambda env, signals: train_rank(env, *args, signals, evaluating=True),
         )
     finally:
         EVALUATED.reset(token)

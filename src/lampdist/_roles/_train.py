@@ -9,7 +9,7 @@ import logging
 import signal
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any, TypeVar, cast
+from typing import TypeVar, cast
 
 import anyio
 import attrs
@@ -31,7 +31,14 @@ from ._rank import RunOptions, check_rank
 from ._root import drive
 from ._stopping import abandoned_stop
 
-__all__ = ["Interrupted", "handling_signals", "run_this_rank", "run_until_signal", "train"]
+__all__ = [
+    "Interrupted",
+    "handling_signals",
+    "run_this_rank",
+    "run_until_signal",
+    "train",
+    "train_rank",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -246,29 +253,33 @@ async def train(
     :func:`follow_distributed_training`), an ``ExceptionGroup`` only for several unrelated
     failures.
     """
-    args = (data, optimizer_factory, loop, step, timeouts, resume, ssl_context)
-    return await run_this_rank(launch, stop_on_signals, *args)
+
+    def work(env: LaunchEnv, signals: _Signals | None) -> Awaitable[LoopState | None]:
+        args = (data, optimizer_factory, loop, step, timeouts, resume, ssl_context)
+        return train_rank(env, *args, signals)
+
+    return await run_this_rank(launch, stop_on_signals, work)
 
 
 async def run_this_rank(
     launch: LaunchEnv | None,
     stop_on_signals: bool,
-    *args: Any,
-    evaluating: bool = False,
-) -> LoopState | None:
-    """:func:`train`'s work from its launch on, ``args`` being its arguments from ``data``
-    to ``ssl_context`` in :func:`_train`'s order (``evaluating``: see ``drive``)."""
+    work: Callable[[LaunchEnv, _Signals | None], Awaitable[T]],
+) -> T:
+    """``work(env, signals)`` for this process's rank as :func:`train` runs it: ``launch``
+    (or the launcher's variables) checked, and the signals handled from the first instant
+    with ``stop_on_signals`` (``None`` without)."""
     env = launch if launch is not None else from_env()
 
     check_rank(env.rank, env.nranks)
     if not stop_on_signals:
-        return await _train(env, *args, None, evaluating=evaluating)
+        return await work(env, None)
     # The signals are handled from the first instant: one during the start ends it at once.
     async with handling_signals(env.rank) as signals:
-        return await _train(env, *args, signals, evaluating=evaluating)
+        return await work(env, signals)
 
 
-async def _train(
+async def train_rank(
     env: LaunchEnv,
     data: ModelWithData,
     optimizer_factory: OptimizerFactory,
@@ -281,7 +292,8 @@ async def _train(
     *,
     evaluating: bool = False,
 ) -> LoopState | None:
-    """:func:`train`'s work, with ``signals`` handled when given."""
+    """:func:`train`'s work, with ``signals`` handled when given (``evaluating``: an
+    evaluation-only run, see ``drive``)."""
     # A root alone gets the in-process clique of one rank that drive() picks for cliques=None.
     run_options = RunOptions(
         optimizer_factory, step, timeouts, ProcessGroups(env.host) if env.nranks > 1 else None
