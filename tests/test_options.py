@@ -44,6 +44,8 @@ LOOP_BAD = [
     ("best_model_monitor", "validation_accuracy"),
     ("early_stopping", Monitor()),
     ("recovery", 30.0),
+    ("validation_set", "not a name"),
+    ("validate_before_training", "yes"),
 ]
 
 
