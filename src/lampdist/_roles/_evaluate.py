@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 import ssl
 from collections.abc import Mapping, Sequence
+from typing import Any
 
+import anyio
+import anyio.to_thread
 import attrs
 
 from .._effects import OnPassEvent, OptimizerFactory
@@ -46,12 +49,13 @@ class Evaluation:
         )
 
 
-def _resumed(resume: Resumed | str | os.PathLike[str] | None) -> Resumed | None:
-    """A checkpoint directory's newest checkpoint, or ``resume`` as it is; raises
-    :class:`ConfigError` for a directory without one (an evaluation needs the model)."""
+async def _resumed(resume: Resumed | str | os.PathLike[str] | None) -> Resumed | None:
+    """A checkpoint directory's newest checkpoint (read in a worker thread), or ``resume`` as
+    it is; raises :class:`ConfigError` for a directory without one (an evaluation needs the
+    model)."""
     if resume is None or isinstance(resume, Resumed):
         return resume
-    loaded = load_latest(resume)
+    loaded = await anyio.to_thread.run_sync(load_latest, resume)
     if loaded is None:
         raise ConfigError(
             f"evaluate(resume={os.fspath(resume)!r}): no checkpoint there; pass the directory "
@@ -89,10 +93,11 @@ async def evaluate(
     rank alike. ``resume`` is the checkpoint whose model is evaluated: a
     :class:`~lampdist.checkpoint.Resumed` (:func:`lampdist.checkpoint.load_latest`'s) or a
     checkpoint directory, whose newest checkpoint the root loads (its model and optimizer
-    state, hence ``optimizer_factory``: the training run's); ``None`` evaluates the model as
-    given. The ranks join, agree and take the root's model as for training; then each set
-    runs one validation pass in order (each rank over its own shard of it, the loss exact
-    over every rank's examples), the root sends every rank its result, and the run stops.
+    state, hence ``optimizer_factory``: the training run's; the followers ignore
+    ``resume``); ``None`` evaluates the model as given. The ranks join, agree and take the
+    root's model as for training; then each set runs one validation pass in order (each
+    rank over its own shard of it, the loss exact over every rank's examples), the root
+    sends every rank its result, and the run stops.
     Nothing is trained and no checkpoint is written; every rank ends holding the evaluated
     model. ``on_event`` (the root's) receives each set's :class:`~lampdist.PassEvent`.
 
@@ -102,14 +107,15 @@ async def evaluate(
     _check_validates(data)
     loop = LoopOptions(max_epochs=0, on_event=on_event)
     collected: dict[str | None, PassResult] = {}
+
+    async def work(env: LaunchEnv, signals: Any) -> None:
+        loaded = await _resumed(resume) if env.is_root else None  # the root's to load
+        args = (data, optimizer_factory, loop, step, timeouts, loaded, ssl_context)
+        await train_rank(env, *args, signals, evaluating=True)
+
     token = EVALUATED.set(collected)
     try:
-        args = (data, optimizer_factory, loop, step, timeouts, _resumed(resume), ssl_context)
-        await run_this_rank(
-            launch,
-            stop_on_signals,
-            lambda env, signals: train_rank(env, *args, signals, evaluating=True),
-        )
+        await run_this_rank(launch, stop_on_signals, work)
     finally:
         EVALUATED.reset(token)
     return Evaluation.from_results(collected)
@@ -139,7 +145,7 @@ async def evaluate_locally(
             loop,
             step,
             timeouts,
-            _resumed(resume),
+            await _resumed(resume),
             None,
             evaluating=True,
         )
