@@ -52,6 +52,7 @@ ROLES_LAYERS = [
     {"_generations"},
     {"_root", "_follower"},
     {"_local", "_train"},
+    {"_evaluate"},
     {"__init__"},
 ]
 """The modules of ``_roles``, each importing only from the layers below it."""

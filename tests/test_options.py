@@ -47,6 +47,8 @@ LOOP_BAD = [
     ("recovery", 30.0),
     ("log_every_n_steps", 0),
     ("peak_flops", 0.0),
+    ("validation_set", "not a name"),
+    ("validate_before_training", "yes"),
 ]
 
 

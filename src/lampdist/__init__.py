@@ -62,7 +62,10 @@ if TYPE_CHECKING:
     from ._options import Recovery as Recovery
     from ._options import StepOptions as StepOptions
     from ._options import Timeouts as Timeouts
+    from ._roles import Evaluation as Evaluation
     from ._roles import drive_distributed_training as drive_distributed_training
+    from ._roles import evaluate as evaluate
+    from ._roles import evaluate_locally as evaluate_locally
     from ._roles import follow_distributed_training as follow_distributed_training
     from ._roles import local_data_parallel_training_loop as local_data_parallel_training_loop
     from ._roles import run_until_signal as run_until_signal
@@ -122,7 +125,10 @@ _FROM: dict[str, tuple[str, ...]] = {
     "._monitor": ("EarlyStopping", "Monitor"),
     "._options": ("LoopOptions", "ModelWithData", "Recovery", "StepOptions", "Timeouts"),
     "._roles": (
+        "Evaluation",
         "drive_distributed_training",
+        "evaluate",
+        "evaluate_locally",
         "follow_distributed_training",
         "local_data_parallel_training_loop",
         "run_until_signal",
@@ -185,6 +191,7 @@ __all__ = [
     "CurvePoint",
     "EarlyStopping",
     "EarlyStoppingState",
+    "Evaluation",
     "FsdpPolicy",
     "Interrupted",
     "JoinRejected",
@@ -224,6 +231,8 @@ __all__ = [
     "control",
     "drive_distributed_training",
     "epochs",
+    "evaluate",
+    "evaluate_locally",
     "follow_distributed_training",
     "launch",
     "local_data_parallel_training_loop",

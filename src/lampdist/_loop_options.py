@@ -213,6 +213,29 @@ class LoopOptions:
     :attr:`~lampdist.PassEvent.mfu` divides by (times the ranks); it wins over the
     ``LAMPDIST_PEAK_FLOPS`` environment variable and the table of known GPUs. ``None``: the
     variable, else the root GPU's known peak (none on a CPU)."""
+    validation_set: str | None = attrs.field(
+        default=None,
+        validator=validator(
+            optional(lambda value: isinstance(value, str) and value.isidentifier()),
+            "the name of a validation set or None",
+            'pass a key of ModelWithData.validation_batches, e.g. validation_set="val"',
+        ),
+    )
+    """With several validation sets (``ModelWithData.validation_batches`` a mapping), the
+    set whose loss and metrics are the curve's ``validation_loss`` and ``validation_NAME``:
+    the values that the smoothing, the best model, plateau schedules and early stopping
+    watch by default (``None``: the first set). Every set is also reported as
+    ``validation_<set>_loss`` and ``validation_<set>_NAME``, which a
+    :class:`~lampdist.Monitor` may watch too."""
+    validate_before_training: bool = attrs.field(
+        default=False,
+        validator=validator(
+            lambda value: isinstance(value, bool), "True or False", "pass True or False"
+        ),
+    )
+    """Validate every set once before the first training pass of a new run (not on
+    resume): the learning curve's point of epoch ``-1``, whose events come before the first
+    training pass's (global step 0 in the trackers). It feeds none of the loop's rules."""
 
     def __attrs_post_init__(self) -> None:
         if self.checkpoint_interval is not None and self.checkpoint_state is None:
@@ -237,12 +260,31 @@ class LoopOptions:
         return found
 
 
+def _check_validation_set(loop: LoopOptions, data: ModelWithData, rank: int) -> tuple[str, ...]:
+    """``data``'s validation sets; raise :class:`ConfigError` when ``loop.validation_set``
+    names none of them."""
+    sets, chosen = data.validation_sets, loop.validation_set
+    if chosen is not None and chosen not in sets:
+        have = f"its sets are {list(sets)}" if sets else "it has no named validation sets"
+        raise ConfigError(
+            f"LoopOptions.validation_set is {chosen!r}, which ModelWithData.validation_batches "
+            f"does not name ({have}): pass one of its names, or None for the first",
+            rank=rank,
+            phase="configure",
+        )
+    return sets
+
+
 def check_monitors(loop: LoopOptions, data: ModelWithData, *, rank: int = 0) -> None:
     """Raise :class:`ConfigError` before training when a rule of ``loop`` watches a metric
     that ``data.model`` does not report, or a validation value of a run that does not
     validate (except lamp's defaults: without validation the best model and a plateau
-    watching the smoothed validation loss never act, as in lamp)."""
-    names = set(data.model.metrics)
+    watching the smoothed validation loss never act, as in lamp), and when
+    ``loop.validation_set`` names no set of ``data``. A set's values count as reported
+    (``validation_<set>_loss``, ``validation_<set>_NAME``)."""
+    metrics = set(data.model.metrics)
+    sets = _check_validation_set(loop, data, rank)
+    per_set = {f"{s}_{value}" for s in sets for value in ("loss", *metrics)}
     for rule, monitor in loop._monitors():
         metric = monitor.metric
         kind, _, name = metric.partition("_")
@@ -257,11 +299,13 @@ def check_monitors(loop: LoopOptions, data: ModelWithData, *, rank: int = 0) -> 
             )
         if metric in LOSSES:
             continue
+        names = metrics | per_set if monitor.validation else metrics
         if name not in names:
             known = ", ".join(f"{kind}_{n}" for n in sorted(names)) or "none"
             raise ConfigError(
                 f"LoopOptions.{rule} watches {metric!r}, which is no metric of the model "
-                f"(its metrics as {kind} values: {known}); add it to SupervisedModel.metrics",
+                f"(its metrics as {kind} values: {known}); add it to SupervisedModel.metrics "
+                "or name a validation set's value",
                 rank=rank,
                 phase="configure",
             )

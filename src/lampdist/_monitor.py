@@ -4,7 +4,8 @@ The best model (``LoopOptions.best_model_monitor``), ``schedules.reduce_on_plate
 :class:`EarlyStopping` each watch one value of the learning curve, named as a
 :class:`~lampdist.CurvePoint` names it: ``smoothed_validation_loss`` (lamp's, the default),
 ``validation_loss``, ``training_loss``, or a metric as ``training_NAME`` or
-``validation_NAME``. Nothing here touches torch.
+``validation_NAME``; with several validation sets, also any set's values as
+``validation_<set>_loss`` and ``validation_<set>_NAME``. Nothing here touches torch.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ class Monitor:
 
     ``metric`` is ``"smoothed_validation_loss"`` (the default, lamp's), ``"validation_loss"``
     (raw), ``"training_loss"``, or one of the model's metrics as ``"validation_NAME"`` or
-    ``"training_NAME"`` (see :attr:`lampdist.CurvePoint.metrics`)::
+    ``"training_NAME"`` (see :attr:`lampdist.CurvePoint.metrics`), and with several
+    validation sets a set's loss or metric as ``"validation_<set>_loss"`` or
+    ``"validation_<set>_NAME"``::
 
         lampdist.Monitor("validation_accuracy", mode="max")
 

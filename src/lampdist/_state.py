@@ -30,6 +30,15 @@ class CurvePoint:
     epoch that was not validated. ``metrics`` holds the epoch's metrics (see
     :attr:`lampdist.SupervisedModel.metrics`) as ``training_NAME`` and, when validated,
     ``validation_NAME``: floats, or tuples of floats for vector-valued metrics.
+
+    With several validation sets (see :class:`lampdist.ModelWithData`), ``validation_loss``,
+    ``smoothed_validation_loss`` and ``validation_NAME`` are the driving set's
+    (``LoopOptions.validation_set``), and ``metrics`` also holds every set's loss and metrics
+    as ``validation_<set>_loss`` and ``validation_<set>_NAME``.
+
+    With ``LoopOptions.validate_before_training``, a new run's curve begins with the point of
+    epoch ``-1``: the validation of the model before any training, whose ``training_loss`` is
+    NaN and ``smoothed_validation_loss`` ``None`` (it feeds none of the loop's rules).
     """
 
     epoch: int
@@ -246,6 +255,9 @@ class PassEvent:
     ``examples``, ``loss`` and ``seconds`` are the window's own, ``loss`` the exact mean over
     every rank of its N steps, weighted as the pass's loss is. ``None`` on the other events,
     the running ones (whose ``loss`` is the pass's mean so far) and each pass's last."""
+    validation_set: str | None = None
+    """The validation set a validation pass ran over, where ``validation_batches`` names
+    several (see :class:`lampdist.ModelWithData`); ``None`` for one source and for training."""
 
     @property
     def examples_per_second(self) -> float:

@@ -236,6 +236,11 @@ def _loop_page(_: Path) -> dict[str, Any]:
 
     schedule = schedules.reduce_on_plateau(patience=1)
     return {
+        "model": regression(),  # the sets of "Several validation sets"
+        "train_source": batches,
+        "val_source": lambda: batches()[:2],
+        "train_eval_source": lambda: batches()[2:],
+        "make_optimizer": sgd,
         "train_epoch": train_epoch,
         "schedule": schedule,
         "saved_loop_state": lampdist.LoopState(epoch=1),

@@ -209,14 +209,26 @@ class PassRunner:
         return await _with_delivery(run, progress, self.on_event)
 
     async def validation_pass(
-        self, source: BatchSource | PassAwareBatchSource, *, epoch: int, pass_index: int
+        self,
+        source: BatchSource | PassAwareBatchSource,
+        *,
+        epoch: int,
+        pass_index: int,
+        validation_set: str | None = None,
+        share_result: bool = False,
     ) -> PassResult:
-        """One validation pass in eval mode without gradients; one reduce at the end."""
+        """One validation pass in eval mode without gradients; one reduce at the end. Its
+        event names ``validation_set`` (the set it runs over; ``None``: the one source); with
+        ``share_result`` every rank returns the root's result (one broadcast more)."""
         started = time.perf_counter()
         async with self._feed(source, "valid", epoch) as feed:
             work = partial(self.kernel.validation_pass, feed, epoch=epoch)
             result = await self.compute.run(work, on_cancel=lambda: self._stop(feed))
             batches = feed.batches_read
+        if share_result:
+            result = await self.compute.run(
+                partial(self._share, result), on_cancel=self._abort_clique
+            )
         if self.on_event is not None and self.kernel.is_root:
             await self.on_event(
                 PassEvent(
@@ -231,9 +243,18 @@ class PassRunner:
                     seconds=time.perf_counter() - started,
                     done=True,
                     metrics=result.metrics,
+                    validation_set=validation_set,
                 )
             )
         return result
+
+    def _share(self, result: PassResult) -> PassResult:
+        """The root's ``result`` on every rank (plain values: they travel as weights_only)."""
+        plain = {"loss": result.loss, "examples": result.examples, "metrics": dict(result.metrics)}
+        shared = broadcast_object(self.clique, plain, rank=self.rank)
+        return PassResult(
+            loss=shared["loss"], examples=shared["examples"], steps=0, metrics=shared["metrics"]
+        )
 
     def _feed(
         self, source: BatchSource | PassAwareBatchSource, phase: PassKind, epoch: int

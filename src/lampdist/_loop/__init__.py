@@ -10,6 +10,7 @@ from ._driver import check_smoothing as check_smoothing
 from ._driver import check_validation_frequency as check_validation_frequency
 from ._driver import epochs as epochs
 from ._driver import run_epochs as run_epochs
+from ._sets import merge_sets as merge_sets
 
 __all__ = [
     "EpochEffects",
@@ -18,5 +19,6 @@ __all__ = [
     "check_smoothing",
     "check_validation_frequency",
     "epochs",
+    "merge_sets",
     "run_epochs",
 ]

@@ -105,8 +105,11 @@ def _schedule_monitor(schedule: object) -> Monitor | None:
 
 
 def _latest(curve: Iterable[CurvePoint], monitor: Monitor) -> float | None:
-    """The newest value of ``monitor``'s metric in ``curve`` (``None`` before the first)."""
+    """The newest value of ``monitor``'s metric in ``curve`` (``None`` before the first; the
+    validation before training does not count)."""
     for point in reversed(tuple(curve)):
+        if point.epoch < 0:
+            break
         value = _watched(point, monitor, "the learning-rate schedule", check=False)
         if value is not None:
             return value
@@ -174,6 +177,7 @@ async def epochs(
     validation_loss_exponential_smoothing_factor: float = 1.0,
     best_model_monitor: Monitor = _DEFAULT_MONITOR,
     early_stopping: EarlyStopping | None = None,
+    validate_before_training: bool = False,
 ) -> LoopState:
     """Run epochs ``init_state.epoch, ..., max_epochs - 1`` and return the final loop state.
 
@@ -199,6 +203,12 @@ async def epochs(
     (``learning_rate_schedule_init_state=None`` means the schedule's ``init``); the
     early-stopping state travels in the loop state.
 
+    With ``validate_before_training`` (and ``validation_epoch``), a new run (``init_state``
+    at epoch 0 with an empty learning curve) first awaits ``validation_epoch()`` once and
+    records it as the curve's point of epoch ``-1`` (``training_loss`` NaN, no smoothed
+    loss): a measurement of the model before training, which feeds neither the smoothing,
+    the best model, early stopping nor the schedule. A resumed run does not repeat it.
+
     The returned state's ``epoch`` is the first epoch not run. Non-finite losses are passed
     through unchanged (a NaN or infinite loss never counts as a new minimum); deciding what
     to do about them belongs to the training layer. Logs one INFO line per epoch with the
@@ -219,6 +229,7 @@ async def epochs(
         return_min_validation_loss_model=return_min_validation_loss_model,
         best_model_monitor=best_model_monitor,
         early_stopping=early_stopping,
+        validate_before_training=validate_before_training,
     )
     effects = EpochEffects(
         train_epoch=train_epoch,
@@ -248,6 +259,8 @@ class EpochRules(Protocol):
     def best_model_monitor(self) -> Monitor: ...
     @property
     def early_stopping(self) -> EarlyStopping | None: ...
+    @property
+    def validate_before_training(self) -> bool: ...
 
 
 @attrs.frozen(kw_only=True)
@@ -261,6 +274,7 @@ class _Rules:
     return_min_validation_loss_model: Container[int] | Iterable[int]
     best_model_monitor: Monitor
     early_stopping: EarlyStopping | None
+    validate_before_training: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -316,6 +330,8 @@ async def run_epochs(
     loop = _Loop.create(rules, effects, state)
     schedule = rules.learning_rate_schedule
     lr_state = lr_state if lr_state is not None else schedule.init
+    if _validates_first(loop, state):
+        state = await _validate_first(loop, state)
     while True:
         epoch = state.epoch
         stopped = stop is not None and stop()
@@ -334,6 +350,28 @@ async def run_epochs(
         if effects.checkpoint_state is not None:
             await effects.checkpoint_state(state, next_lr_state)
         lr_state = next_lr_state
+
+
+def _validates_first(loop: _Loop, state: LoopState) -> bool:
+    """Whether the loop validates before training: asked to, and a new run."""
+    first = state.epoch == 0 and not state.learning_curve
+    validates = loop.effects.validation_epoch is not None
+    return loop.rules.validate_before_training and validates and first
+
+
+async def _validate_first(loop: _Loop, state: LoopState) -> LoopState:
+    """The validation before training, as the curve's point of epoch ``state.epoch - 1``."""
+    assert loop.effects.validation_epoch is not None
+    outcome = await loop.effects.validation_epoch()
+    raw, metrics = _outcome(outcome, "validation_epoch")
+    point = CurvePoint(
+        epoch=state.epoch - 1,
+        training_loss=math.nan,
+        validation_loss=raw,
+        metrics={f"validation_{name}": value for name, value in metrics.items()},
+    )
+    logger.info("before training: validation loss %.6g", raw, extra={"epoch": point.epoch})
+    return attrs.evolve(state, learning_curve=(*state.learning_curve, point))
 
 
 def _ends_before(loop: _Loop, state: LoopState, factor: float, *, stopped: bool) -> bool:

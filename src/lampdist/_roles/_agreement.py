@@ -34,9 +34,11 @@ def agree(
     options: StepOptions,
     validates: bool,
     metrics: Sequence[tuple[str, str]] = (),
+    validation_sets: Sequence[str] = (),
 ) -> None:
     """Check on every rank that all ranks have the root's model layout and step options, and
-    validate alike, with the same ``metrics`` (each as (name, what it sums): see
+    validate alike (the same named ``validation_sets`` in the same order), with the same
+    ``metrics`` (each as (name, what it sums): see
     ``lampdist._metric.metric_layout``) (on the rank's compute thread: it waits for the
     peers and reads the result from the device).
 
@@ -44,6 +46,8 @@ def agree(
     (``rank 2: parameter 'fc.weight': shape (7, 4), ... (the root: shape (6, 4), ...)``).
     """
     settings = [*_settings(options, validates), *metrics]
+    if validation_sets:  # one source's settings stay as they were
+        settings.append(("validation sets", repr(tuple(validation_sets))))
     mine = host_to_device(
         [_digest64(flat.fingerprint()), _digest64(repr(settings).encode())],
         torch.int64,

@@ -9,19 +9,33 @@ apart. HOLD and REJOIN are not in it: they change the clique, not the model (see
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
 
 from .._checkpoint import ShardedState
-from .._epoch import PassRunner
+from .._epoch import PassResult, PassRunner
 from .._errors import Phase
 from .._options import ModelWithData
 from ..control import Command, CommandKind, RootChannel
 from ._failures import PhaseTracker
 
-__all__ = ["WORK", "Work", "carry_out", "order"]
+__all__ = ["EVALUATED", "WORK", "Work", "carry_out", "order"]
+
+EVALUATED: contextvars.ContextVar[dict[str | None, PassResult] | None] = contextvars.ContextVar(
+    "lampdist_evaluated", default=None
+)
+"""Where an evaluation-only run (:func:`lampdist.evaluate`) collects, on every rank, the
+results the root shares (VALID with ``share_result``), by set; ``None`` outside one."""
+
+
+def record_evaluated(name: str | None, result: PassResult) -> None:
+    """Keep a shared validation result for the evaluation around this task, if any."""
+    collected = EVALUATED.get()
+    if collected is not None:
+        collected[name] = result
 
 
 @attrs.frozen
@@ -47,10 +61,17 @@ async def _train(
 async def _valid(
     runner: PassRunner, data: ModelWithData, command: Command, shards: ShardedState | None
 ) -> Any:
-    assert data.validation_batches is not None  # the agreement check ensures it
-    return await runner.validation_pass(
-        data.validation_batches, epoch=command.epoch, pass_index=command.pass_index
+    name = command.validation_set  # every rank has the root's sets: the agreement checks it
+    result = await runner.validation_pass(
+        data.validation_source(name),
+        epoch=command.epoch,
+        pass_index=command.pass_index,
+        validation_set=name,
+        share_result=command.share_result,
     )
+    if command.share_result:
+        record_evaluated(name, result)
+    return result
 
 
 async def _checkpoint(

@@ -25,7 +25,7 @@ from ._follower import follow
 from ._rank import RunOptions
 from ._root import drive
 
-__all__ = ["local_data_parallel_training_loop"]
+__all__ = ["local_data_parallel_training_loop", "run_locally"]
 
 
 async def local_data_parallel_training_loop(
@@ -60,6 +60,22 @@ async def local_data_parallel_training_loop(
     for a torchmetrics metric object given to two ranks (each rank updates its own), and the
     errors of :func:`drive_distributed_training`.
     """
+    args = (models_with_data_streams, optimizer_factory, loop, step, timeouts, resume, stop)
+    return await run_locally(*args)
+
+
+async def run_locally(
+    models_with_data_streams: Sequence[ModelWithData],
+    optimizer_factory: OptimizerFactory,
+    loop: LoopOptions,
+    step: StepOptions,
+    timeouts: Timeouts,
+    resume: Resumed | None,
+    stop: anyio.Event | None,
+    *,
+    evaluating: bool = False,
+) -> LoopState:
+    """:func:`local_data_parallel_training_loop`'s work (``evaluating``: see ``drive``)."""
     if not models_with_data_streams:
         raise ConfigError(
             "models_with_data_streams is empty: pass one ModelWithData(model, train_batches, "
@@ -92,7 +108,9 @@ async def local_data_parallel_training_loop(
                     # The root's stop stops every rank (its STOP): a follower needs none.
                     group.start_soon(follow, rank, nranks, devices[rank], follower, data, run)
                 first = models_with_data_streams[0]
-                state = await drive(nranks, devices[0], root, first, run, loop, resume, stop)
+                state = await drive(
+                    nranks, devices[0], root, first, run, loop, resume, stop, evaluating=evaluating
+                )
     return state
 
 

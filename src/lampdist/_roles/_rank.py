@@ -147,7 +147,8 @@ class RankContext:
         data, flat, step = self.data, self.design.flat, self.options.step
         validates = data.validation_batches is not None
         metrics = metric_layout(data.model.metrics)
-        await runner.run(partial(agree, runner.clique, flat, step, validates, metrics))
+        sets = data.validation_sets
+        await runner.run(partial(agree, runner.clique, flat, step, validates, metrics, sets))
         await runner.prepare(resume.training_state if resume is not None else None)
         await runner.sync_parameters()
         await runner.sync_optimizer_state()

@@ -14,9 +14,9 @@ import torch
 from .._checkpoint import Storage, storage_for
 from .._device import resolve_device
 from .._effects import EpochOutcome, OptimizerFactory
-from .._epoch import DESIGNS, PassRunner
+from .._epoch import DESIGNS, PassResult, PassRunner
 from .._errors import CliqueError, CliqueTimeout, ConfigError, LampdistError, RankFailed
-from .._loop import EpochEffects, run_epochs
+from .._loop import EpochEffects, merge_sets, run_epochs
 from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts, check_monitors
 from .._preload import preload
 from .._state import LoopState
@@ -128,9 +128,13 @@ async def drive(
     loop: LoopOptions,
     resume: Resumed | None,
     stop: anyio.Event | None = None,
+    *,
+    evaluating: bool = False,
 ) -> LoopState:
     """The root's run as :func:`drive_distributed_training` describes it, for this package's
-    entry points: the device resolved, the options built once."""
+    entry points: the device resolved, the options built once. ``evaluating``: instead of the
+    epochs, every validation set once with its result shared (:func:`lampdist.evaluate`);
+    the loop state returned is the resumed one."""
     check_optimizer_factory(0, run)
     effect = loop.checkpoint_state
     storage = storage_for(effect) if effect is not None else None
@@ -138,7 +142,7 @@ async def drive(
     check_recovery(nranks, run, loop, control)
     lr_state = resumed_schedule_state(loop.learning_rate_schedule, resume)
     check_monitors(loop, data)
-    if resume is not None and loop.max_epochs <= resume.epoch:
+    if resume is not None and loop.max_epochs <= resume.epoch and not evaluating:
         logger.warning(
             "rank 0: the run resumes at epoch %d and max_epochs=%d: no epoch is left to train; "
             "raise max_epochs to train on",
@@ -158,6 +162,7 @@ async def drive(
                 resume=resume,
                 lr_state=lr_state,
                 storage=storage,
+                evaluating=evaluating,
             )
             stopping = context.stopping
             try:
@@ -269,6 +274,8 @@ class _Root:
     lr_state: Any
     storage: Storage | None = None
     """Where the checkpoints go (``storage_for`` the ``checkpoint_state``)."""
+    evaluating: bool = False
+    """An evaluation-only run: every set validated once, no epoch, the model kept as loaded."""
     state: RunState = attrs.field(init=False)
     generations: Generations = attrs.field(init=False)
     setup_watch: anyio.CancelScope = attrs.field(factory=anyio.CancelScope)
@@ -319,7 +326,8 @@ class _Root:
                     await self.generations.take_snapshot()
                     self.setup_watch.cancel()  # from now on each effect watches (guarded)
                 try:
-                    final = await self._epochs(loop_state)
+                    run = self._evaluate if self.evaluating else self._epochs
+                    final = await run(loop_state)
                 finally:
                     self._runner().close()
                 self.tracker.current = "stop"
@@ -349,9 +357,10 @@ class _Root:
         await anyio.sleep_forever()
 
     async def _stop(self, final: LoopState) -> None:
-        """STOP: every rank takes the final (or best) model, and the followers the final loop
-        state, which they return."""
-        await self.state.take_best()
+        """STOP: every rank takes the final (or best) model (an evaluation's: the loaded),
+        and the followers the final loop state, which they return."""
+        if not self.evaluating:
+            await self.state.take_best()
         await self._order(
             Command(
                 kind=CommandKind.STOP, epoch=final.epoch, pass_index=self.pass_index, state=final
@@ -412,6 +421,12 @@ class _Root:
             await state.finish()
         return final
 
+    async def _evaluate(self, loop_state: LoopState | None) -> LoopState:
+        """Every validation set once, each result shared with every rank."""
+        for name in self.data.validation_sets or (None,):
+            await self.validate(name, share_result=True)
+        return loop_state if loop_state is not None else LoopState()
+
     async def _train_epoch(self, lr_factor: float) -> EpochOutcome:
         self.state.check_saves()  # an asynchronous checkpoint that failed ends the run here
         self.epoch += 1
@@ -429,12 +444,32 @@ class _Root:
         return (result.loss, result.metrics) if result.metrics else result.loss
 
     async def _validation_epoch(self) -> EpochOutcome:
-        epoch, pass_index = self.epoch, self.pass_index
-        self.tracker.pass_index = pass_index
-        command = Command(kind=CommandKind.VALID, epoch=epoch, pass_index=pass_index)
-        result = await self.generations.guarded(partial(self._order, command), keep=True)
+        """Validate every set in order (one VALID each); the driving set's loss and the
+        sets' metrics (see :func:`merge_sets`)."""
+        sets = self.data.validation_sets or (None,)
+        outcomes = []
+        for name in sets:
+            result = await self.validate(name)
+            outcomes.append((name, result.loss, result.metrics))
+        return merge_sets(outcomes, self.loop.validation_set)
+
+    async def validate(self, name: str | None, *, share_result: bool = False) -> PassResult:
+        """One VALID pass over the set ``name`` on every rank; the validation before
+        training belongs to the first epoch (the epoch of its events)."""
+        epoch, pass_index = max(self.epoch, 0), self.pass_index
+        self.tracker.epoch, self.tracker.pass_index = epoch, pass_index
+        command = Command(
+            kind=CommandKind.VALID,
+            epoch=epoch,
+            pass_index=pass_index,
+            validation_set=name,
+            share_result=share_result,
+        )
+        result: PassResult = await self.generations.guarded(
+            partial(self._order, command), keep=True
+        )
         self.pass_index += 1
-        return (result.loss, result.metrics) if result.metrics else result.loss
+        return result
 
 
 def _where(root: _Root) -> tuple[int, int]:

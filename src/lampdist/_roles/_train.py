@@ -31,7 +31,14 @@ from ._rank import RunOptions, check_rank
 from ._root import drive
 from ._stopping import abandoned_stop
 
-__all__ = ["Interrupted", "handling_signals", "run_until_signal", "train"]
+__all__ = [
+    "Interrupted",
+    "handling_signals",
+    "run_this_rank",
+    "run_until_signal",
+    "train",
+    "train_rank",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -251,21 +258,33 @@ async def train(
     :func:`follow_distributed_training`), an ``ExceptionGroup`` only for several unrelated
     failures; a :class:`~lampdist.ConfigError` naming ``loop`` on the root when it has none.
     """
+
+    def work(env: LaunchEnv, signals: _Signals | None) -> Awaitable[LoopState]:
+        args = (data, optimizer_factory, loop, step, timeouts, resume, ssl_context)
+        return train_rank(env, *args, signals)
+
+    return await run_this_rank(launch, stop_on_signals, work)
+
+
+async def run_this_rank(
+    launch: LaunchEnv | None,
+    stop_on_signals: bool,
+    work: Callable[[LaunchEnv, _Signals | None], Awaitable[T]],
+) -> T:
+    """``work(env, signals)`` for this process's rank as :func:`train` runs it: ``launch``
+    (or the launcher's variables) checked, and the signals handled from the first instant
+    with ``stop_on_signals`` (``None`` without)."""
     env = launch if launch is not None else from_env()
 
     check_rank(env.rank, env.nranks)
     if not stop_on_signals:
-        return await _train(
-            env, data, optimizer_factory, loop, step, timeouts, resume, ssl_context, None
-        )
+        return await work(env, None)
     # The signals are handled from the first instant: one during the start ends it at once.
     async with handling_signals(env.rank) as signals:
-        return await _train(
-            env, data, optimizer_factory, loop, step, timeouts, resume, ssl_context, signals
-        )
+        return await work(env, signals)
 
 
-async def _train(
+async def train_rank(
     env: LaunchEnv,
     data: ModelWithData,
     optimizer_factory: OptimizerFactory,
@@ -275,8 +294,11 @@ async def _train(
     resume: Resumed | None,
     ssl_context: ssl.SSLContext | None,
     signals: _Signals | None,
+    *,
+    evaluating: bool = False,
 ) -> LoopState:
-    """:func:`train`'s work, with ``signals`` handled when given."""
+    """:func:`train`'s work, with ``signals`` handled when given (``evaluating``: an
+    evaluation-only run, see ``drive``)."""
     # A root alone gets the in-process clique of one rank that drive() picks for cliques=None.
     run_options = RunOptions(
         optimizer_factory, step, timeouts, ProcessGroups(env.host) if env.nranks > 1 else None
@@ -290,7 +312,17 @@ async def _train(
                 rank=0,
                 phase="configure",
             )
-        return await drive(env.nranks, env.device, control, data, run_options, loop, resume, stop)
+        return await drive(
+            env.nranks,
+            env.device,
+            control,
+            data,
+            run_options,
+            loop,
+            resume,
+            stop,
+            evaluating=evaluating,
+        )
 
     async def run_follower(control: FollowerChannel, stop: anyio.Event | None) -> LoopState:
         return await follow(env.rank, env.nranks, env.device, control, data, run_options, stop)

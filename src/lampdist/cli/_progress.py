@@ -195,7 +195,8 @@ class MetricsFile:
     async def record(self, event: PassEvent) -> None:
         """Append the finished pass ``event``, its metrics under ``"metrics"`` (vectors as
         lists); a training pass's line adds its telemetry (:meth:`PassEvent.telemetry`:
-        ``step_split``, ``grad_norm``, ``mfu``, ...)."""
+        ``step_split``, ``grad_norm``, ``mfu``, ...); a named validation set's pass adds
+        ``validation_set``."""
         line: dict[str, Any] = {
             "epoch": event.epoch,
             "kind": event.kind,
@@ -212,6 +213,8 @@ class MetricsFile:
         }
         if event.kind == "train":
             line.update(event.telemetry())
+        if event.validation_set is not None:
+            line["validation_set"] = event.validation_set
         text = json.dumps(line) + "\n"
 
         def append() -> None:

@@ -60,15 +60,20 @@ class Command:
     only on a STOP that ends the run in order: the root's final :class:`lampdist.LoopState`,
     which every follower returns.
 
+    ``validation_set`` names the validation set a VALID pass runs over (``None``: the one
+    source); with ``share_result`` the root's result of that pass goes to every rank (an
+    evaluation-only run, :func:`lampdist.evaluate`).
+
     HOLD tells the survivors of a lost rank to abandon the work in flight and wait up to
     ``timeout`` seconds for the root's next command; its ``error`` says which rank was lost
     and why. REJOIN carries the ``clique_id`` of the clique's next generation, which every
     rank opens before the root redoes the pass in flight.
 
     Raises :class:`lampdist.ConfigError` for a negative count, a non-finite ``lr_factor``, an
-    ``error`` on anything but STOP and HOLD, a ``clique_id`` on anything but REJOIN (which
-    needs one), a ``timeout`` on anything but HOLD and a ``state`` on anything but a STOP
-    without an ``error``.
+    ``error`` on anything but STOP and HOLD, a ``validation_set`` or ``share_result`` on
+    anything but VALID, a ``clique_id`` on anything but REJOIN (which needs one), a
+    ``timeout`` on anything but HOLD and a ``state`` on anything but a STOP without an
+    ``error``.
     """
 
     kind: CommandKind
@@ -79,6 +84,8 @@ class Command:
     clique_id: CliqueId | None = None
     timeout: float | None = None
     state: LoopState | None = None
+    validation_set: str | None = None
+    share_result: bool = False
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.kind, CommandKind):
@@ -96,6 +103,13 @@ class Command:
                 raise ConfigError(f"Command.error must be a string, got {self.error!r}")
             if self.kind not in (CommandKind.STOP, CommandKind.HOLD):
                 raise ConfigError("only a STOP or HOLD command carries an error")
+        if self.validation_set is not None or self.share_result:
+            if self.kind is not CommandKind.VALID:
+                raise ConfigError("only a VALID command carries a validation_set or share_result")
+            if self.validation_set is not None and not isinstance(self.validation_set, str):
+                raise ConfigError(
+                    f"Command.validation_set must be a string, got {self.validation_set!r}"
+                )
         if (self.clique_id is not None) != (self.kind is CommandKind.REJOIN):
             raise ConfigError("a REJOIN command, and only it, carries a clique_id")
         if self.timeout is not None:
@@ -131,6 +145,10 @@ class Command:
             data["timeout"] = float(self.timeout)
         if self.state is not None:
             data["state"] = _spell_non_finite(loop_state_to_json(self.state))
+        if self.validation_set is not None:
+            data["validation_set"] = self.validation_set
+        if self.share_result:
+            data["share_result"] = True
         return data
 
     @classmethod
@@ -156,6 +174,13 @@ class Command:
             raise ProtocolError(f"a command's 'timeout' must be a number, got {timeout!r}")
         clique_id = None if clique is None else CliqueId.from_json(clique)
         state = _state_from_json(data.get("state"))
+        validation_set, share = data.get("validation_set"), data.get("share_result", False)
+        if validation_set is not None and (
+            not isinstance(validation_set, str) or len(validation_set) > MAX_TEXT_CHARS
+        ):
+            raise ProtocolError("a command's 'validation_set' must be a string of bounded length")
+        if not isinstance(share, bool):
+            raise ProtocolError(f"a command's 'share_result' must be a boolean, got {share!r}")
         try:
             return cls(
                 kind=kind,
@@ -166,6 +191,8 @@ class Command:
                 clique_id=clique_id,
                 timeout=timeout,
                 state=state,
+                validation_set=validation_set,
+                share_result=share,
             )
         except ConfigError as exc:
             raise ProtocolError(f"invalid command: {exc.message}") from None

@@ -164,6 +164,9 @@ def event_scalars(event: PassEvent) -> dict[str, float]:
     gives ``recovery/seconds`` and ``recovery/recoveries``
     instead, and the event of a window of ``LoopOptions.log_every_n_steps`` steps
     (:attr:`PassEvent.window_steps` set) ``train/window_loss``, the mean loss of its steps.
+    A validation pass over a named set (:attr:`PassEvent.validation_set`, with
+    several validation sets) gives its values as ``valid/<set>/loss``,
+    ``valid/<set>/examples_per_second`` and ``valid/<set>/NAME``.
     """
     scalars: dict[str, float] = {}
     if event.recovered is not None:
@@ -203,6 +206,9 @@ def event_scalars(event: PassEvent) -> dict[str, float]:
                     scalars[f"{event.kind}/{name}/{index}"] = float(item)
             else:
                 scalars[f"{event.kind}/{name}"] = float(value)
+    if event.validation_set is not None:  # a named set's values: valid/<set>/...
+        prefix = f"valid/{event.validation_set}/"
+        scalars = {prefix + name.removeprefix("valid/"): value for name, value in scalars.items()}
     return scalars
 
 

@@ -45,10 +45,14 @@ EVENT_FIELDS = (
 def event_record(event: PassEvent, global_step: int) -> dict[str, Any]:
     """``event``'s fields, its global step, its examples per second and its telemetry
     (:meth:`~lampdist.PassEvent.telemetry`), by name (``metrics`` as a dict of floats and
-    lists)."""
+    lists); a validation pass over a named set adds ``validation_set``, its name (after
+    :data:`EVENT_FIELDS`, so that a run of one source records what it always did)."""
     record = {"global_step": global_step, **attrs.asdict(event), **event.telemetry()}
     record["examples_per_second"] = event.examples_per_second
-    return {name: record[name] for name in EVENT_FIELDS}
+    fields = {name: record[name] for name in EVENT_FIELDS}
+    if event.validation_set is not None:
+        fields["validation_set"] = event.validation_set
+    return fields
 
 
 def _append_text(path: Path, text: str) -> None:
@@ -73,7 +77,8 @@ def _run_all(jobs: Sequence[Callable[[], None]]) -> None:
 class JsonLinesTracker(BufferedTracker):
     """Appends one JSON object a line to ``path``: an ``{"record": "event", ...}`` line for
     every :class:`~lampdist.PassEvent` the root reports (with the fields of
-    :class:`~lampdist.trackers.CsvTracker`'s columns), one
+    :class:`~lampdist.trackers.CsvTracker`'s columns, and ``validation_set`` for a named
+    validation set's pass), one
     ``{"record": "hyperparameters", "hyperparameters": {...}}`` line and one
     ``{"record": "summary", "global_step": ..., "summary": {...}}`` line.
 
@@ -128,7 +133,8 @@ class CsvTracker(BufferedTracker):
     :class:`~lampdist.trackers.TensorBoardTracker`), the event's fields (``epoch``,
     ``kind``, ``pass_index``, ``step``, ``batches``, ``total_batches``, ``examples``,
     ``loss``, ``seconds``), ``examples_per_second``, ``done`` and ``metrics`` (the pass's
-    metrics as a JSON object, on a pass's last event). An empty cell is ``None``
+    metrics as a JSON object, on a pass's last event). A validation pass over a named set
+    (several validation sets) has the kind ``valid/<set>``. An empty cell is ``None``
     (``total_batches`` of a source without a length, ``metrics`` of the other events). Rows
     are written in a worker thread at the end of every pass, at least every 5 seconds and on
     closing; no file stays open between writes. ``async with`` opens the tracker; see
@@ -152,6 +158,9 @@ class CsvTracker(BufferedTracker):
 
     def _record_event(self, event: PassEvent, global_step: int) -> None:
         record = event_record(event, global_step)
+        name = record.pop("validation_set", None)
+        if name is not None:  # the columns stay those of one source: the kind names the set
+            record["kind"] = f"valid/{name}"
         record["metrics"] = json.dumps(record["metrics"]) if record["metrics"] else None
         split = record["step_split"]
         record["step_split"] = None if split is None else json.dumps(split)

@@ -31,7 +31,8 @@ class TensorBoardTracker(BufferedTracker):
     epochs): ``train/running_loss`` (the pass's example-weighted mean loss so far) and
     ``train/examples_per_second`` for every training event (at most one every 50 ms, and
     the pass's last); ``train/loss`` at the end of each training pass; ``valid/loss`` and
-    ``valid/examples_per_second`` at the end of each validation pass; ``summary/<name>``
+    ``valid/examples_per_second`` at the end of each validation pass (``valid/<set>/loss``,
+    ... for each of several validation sets); ``summary/<name>``
     for each value of :meth:`log_summary`. The hyperparameters go to TensorBoard's
     HParams dashboard, with the summary's tags as its metrics.
 
