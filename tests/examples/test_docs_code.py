@@ -17,6 +17,7 @@ PAGES = [
     "README.md",
     "docs/tutorial.md",
     "docs/concepts.md",
+    "docs/howto-bring-your-model.md",
     "docs/howto-multinode.md",
     "docs/howto-tls-secrets.md",
     "docs/howto-checkpoint-resume.md",

@@ -1,0 +1,145 @@
+"""A small transformers GPT-2 trained with lampdist, one script on every rank:
+
+    export LAMPDIST_SECRET=$(openssl rand -hex 16)
+    torchrun --nproc-per-node 2 examples/hf_causal_lm.py [--epochs 4]
+
+The model is built from a config (nothing is downloaded) and computes its own loss:
+``model(**batch).loss``, the mean over the batch's tokens whose label is not -100. That is a
+:class:`lampdist.LossModel` with ``mean_over="tokens"``: lampdist weights every batch by
+those tokens, over the accumulation window and every rank, so the ranks train exactly as one
+process on all their batches would, however many tokens each batch holds. The text is
+lampdist's own documentation, a byte a token (a vocabulary of 256: no tokenizer to train or
+download), cut into windows of random lengths padded with -100 labels.
+
+What a nanoGPT-style script's ``estimate_loss`` reports, the loss on held-out text and on
+training text, are two validation sets (``"val"`` drives the best model), evaluated once
+before training too; transformers' cosine schedule with warm-up sets each step's learning
+rate; the accumulation is global (4 batches a step over all ranks, as a DDP script's
+``gradient_accumulation_steps``); an event every 5 steps logs the mean loss of those steps.
+Every rank prints one JSON line: its rank, a checksum of its final weights and the last
+validation losses of both sets (the same on every rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+import transformers
+
+import lampdist
+from lampdist import schedules
+
+BLOCK = 64  # tokens a window
+BATCH = 8  # windows a batch, on each rank
+WINDOW = 10  # optimizer steps an epoch
+GLOBAL_ACCUMULATION = 4  # batches a step over all ranks
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def corpus() -> tuple[torch.Tensor, torch.Tensor]:
+    """lampdist's docs as bytes: the first 90% to train on, the rest held out."""
+    text = b"\n".join(path.read_bytes() for path in sorted(DOCS.glob("*.md")))
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    split = int(len(data) * 0.9)
+    return data[:split], data[split:]
+
+
+def batch_of(data: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """``BATCH`` windows at random places, of random lengths: labels past a window's end are
+    -100 (no loss there), so the batches hold different numbers of tokens."""
+    starts = torch.randint(len(data) - BLOCK, (BATCH,), generator=generator)
+    lengths = torch.randint(BLOCK // 2, BLOCK + 1, (BATCH,), generator=generator)
+    input_ids = torch.stack([data[s : s + BLOCK] for s in starts.tolist()])
+    attention_mask = torch.arange(BLOCK)[None, :] < lengths[:, None]
+    labels = input_ids.masked_fill(~attention_mask, -100)
+    return {"input_ids": input_ids, "attention_mask": attention_mask.long(), "labels": labels}
+
+
+def loss(module: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model's own loss: the mean over the tokens it predicts (labels shifted by one)."""
+    return module(**batch).loss
+
+
+def tokens(batch: dict[str, torch.Tensor]) -> int:
+    """The tokens that loss averages over: the labels after the first that are not -100."""
+    return int((batch["labels"][:, 1:] != -100).sum())
+
+
+def build(rank: int, nranks: int) -> lampdist.ModelWithData:
+    train, held_out = corpus()
+    torch.manual_seed(0)  # any start: the root's weights reach every rank first
+    config = transformers.GPT2Config(
+        vocab_size=256, n_positions=BLOCK, n_embd=64, n_layer=2, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    module = transformers.GPT2LMHeadModel(config)
+
+    def train_batches(context: lampdist.PassContext) -> Any:
+        # A random sample of the text each epoch, its own on each rank, the same again when
+        # the epoch is run again (a resumed run): seeded by the epoch and the rank.
+        generator = torch.Generator().manual_seed(1000 * context.epoch + rank)
+        per_rank = WINDOW * GLOBAL_ACCUMULATION // nranks
+        return [batch_of(train, generator) for _ in range(per_rank)]
+
+    def evaluation(data: torch.Tensor, seed: int) -> Any:
+        generator = torch.Generator().manual_seed(seed)
+        batches = [batch_of(data, generator) for _ in range(4)]
+        return lambda: batches[rank::nranks]  # this rank's share of the same 4 batches
+
+    return lampdist.ModelWithData(
+        model=lampdist.LossModel(module, loss, tokens=tokens, mean_over="tokens"),
+        train_batches=train_batches,
+        validation_batches={"val": evaluation(held_out, 1), "train": evaluation(train, 2)},
+    )
+
+
+async def main(epochs: int) -> None:
+    env = lampdist.launch.from_env()
+    data = build(env.rank, env.nranks)
+    state = await lampdist.train(
+        launch=env,
+        data=data,
+        optimizer_factory=lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1),
+        loop=lampdist.LoopOptions(
+            max_epochs=epochs,
+            validate_before_training=True,
+            log_every_n_steps=5,
+            on_event=lambda event: print(event, file=sys.stderr),
+        ),
+        step=lampdist.StepOptions(
+            steps_per_epoch=WINDOW,
+            global_accumulation=GLOBAL_ACCUMULATION,
+            max_grad_norm=1.0,
+            learning_rate_per_step=schedules.transformers_cosine_with_warmup(
+                num_warmup_steps=5, num_training_steps=epochs * WINDOW
+            ),
+        ),
+    )
+    weights = data.model.module.state_dict().values()
+    last = state.learning_curve[-1].metrics
+    result = {
+        "rank": env.rank,
+        "checksum": float(sum(t.double().sum() for t in weights)),
+        "val_loss": last["validation_val_loss"],
+        "train_loss": last["validation_train_loss"],
+        "first_val_loss": state.learning_curve[0].metrics["validation_val_loss"],
+    }
+    print(json.dumps(result), flush=True)  # one write: the ranks share torchrun's stdout
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--epochs", type=int, default=4)
+    try:
+        anyio.run(main, parser.parse_args().epochs)
+    except lampdist.Interrupted as stopped:  # Ctrl-C or SIGTERM: stopped in order
+        raise SystemExit(128 + stopped.signum) from None
+    except lampdist.ConfigError as error:  # bad settings, or ranks that disagree
+        print(f"{type(error).__name__}: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
