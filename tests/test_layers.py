@@ -31,6 +31,7 @@ LAYERS = [
         "_option_checks",
     },
     {"_effects", "schedules", "_model", "_fsdp_options", "_timeouts"},
+    {"_loss_model"},
     {"control", "clique", "_checkpoint", "_loop", "_step_options", "_model_with_data"},
     {"_loop_options"},
     {"launch", "checkpoint", "_options", "trackers"},

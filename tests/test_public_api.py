@@ -46,6 +46,7 @@ PUBLIC_NAMES = {
         "LampdistTimeout",
         "LoopOptions",
         "LoopState",
+        "LossModel",
         "Metric",
         "MismatchError",
         "ModelWithData",

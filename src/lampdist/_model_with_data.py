@@ -5,6 +5,7 @@ from __future__ import annotations
 import attrs
 
 from ._effects import BatchSource, PassAwareBatchSource
+from ._loss_model import LossModel
 from ._model import SupervisedModel
 from ._source import check_source
 
@@ -22,7 +23,7 @@ class ModelWithData:
     than one argument.
     """
 
-    model: SupervisedModel
+    model: SupervisedModel | LossModel
     train_batches: BatchSource | PassAwareBatchSource
     validation_batches: BatchSource | PassAwareBatchSource | None = None
 

@@ -145,7 +145,7 @@ class RankContext:
         self.tracker.current = "agreement"
         data, flat, step = self.data, self.design.flat, self.options.step
         validates = data.validation_batches is not None
-        metrics = metric_layout(data.model.metrics)
+        metrics = [*metric_layout(data.model.metrics), ("mean_over", data.model.mean_over)]
         await runner.run(partial(agree, runner.clique, flat, step, validates, metrics))
         await runner.prepare(resume.training_state if resume is not None else None)
         await runner.sync_parameters()
