@@ -2,11 +2,11 @@
 
 A step of an exchanging design, on every rank: forward and backward over up to ``accumulate``
 batches with each batch's mean loss weighted by its weight (its examples, or its tokens for a
-loss that is a mean over tokens: ``LoadedBatch.weight``; "examples" below means that count),
-so that the flat gradient buffers hold sums (with fp16 loss scaling, by its share of the
-nominal step: see ``LossScale.nominal``; the last backward starts the gradient buckets as
-they fill, with ``bucket_cap_mb``: see ``_buckets``); the step's meta values (examples, loss sum, whether the
-rank has more batches: see ``_values``) written behind the gradients or beside them; the
+loss that is a mean over tokens: ``LoadedBatch.weight``; "examples" below means that count), so
+that the flat gradient buffers hold sums (with fp16 loss scaling, by its share of the nominal
+step: see ``LossScale.nominal``; the last backward starts the gradient buckets as they fill,
+with ``bucket_cap_mb``: see ``_buckets``); the step's meta values (examples, loss sum, whether
+the rank has more batches: see ``_values``) written behind the gradients or beside them; the
 exchange that the design starts (:meth:`ExchangingDesign.start_step_exchanges`); then, where
 the rank steps, the update (:meth:`ExchangingDesign.step_here`: divide by the clique's
 examples, clip, step) and what the design sends after it (:meth:`ExchangingDesign.publish`).
