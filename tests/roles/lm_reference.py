@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -88,7 +88,9 @@ def make_shards(sizes: Sequence[Sequence[int]], seed: int) -> list[list[Batch]]:
     return [[make_batch(generator, size) for size in rank] for rank in sizes]
 
 
-def lm_model(module: torch.nn.Module, mean_over: str = "tokens", **kwargs: Any) -> Any:
+def lm_model(
+    module: torch.nn.Module, mean_over: Literal["examples", "tokens"] = "tokens", **kwargs: Any
+) -> Any:
     return lampdist.LossModel(module, lm_loss, tokens=count_labels, mean_over=mean_over, **kwargs)
 
 
