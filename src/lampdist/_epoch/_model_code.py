@@ -98,9 +98,9 @@ class ModelCode:
         except BadBatch as exc:
             if exc.rank is not None:
                 raise
-            index = batch.number - self.first_batch
             raise BadBatch(
-                f"epoch {epoch}, batch {index}: {exc.message} ({self._describe(batch)})",
+                f"epoch {epoch}, batch {batch.number - self.first_batch}: {exc.message} "
+                f"({self._describe(batch)})",
                 rank=self.rank,
                 phase=phase,
             ) from exc
