@@ -16,7 +16,7 @@ synchronized, lampdist's pass's last progress event. ``--tree NAME=PATH`` adds t
 of another source tree (``PATH/lampdist``) as configuration ``NAME``, to compare two versions
 in one run. ``--variant NAME=key:value,...`` adds this lampdist with other step options as
 configuration ``NAME`` (``flops:count`` or ``flops:N`` sets the model's ``flops_per_example``
-instead). The table gives the median samples/s and its ratio to the plain loop's median (and
+instead; ``model:loss`` runs the same forward and loss as a ``LossModel``). The table gives the median samples/s and its ratio to the plain loop's median (and
 to ``--baseline``'s, a configuration's name), and each lampdist configuration's telemetry of
 its last pass (MFU, gradient norm, the step split in ms a step) goes into the JSON.
 """
@@ -97,7 +97,18 @@ def run_lampdist(
     ends: list[float] = []
     kwargs = dict(options or {})
     flops = kwargs.pop("flops", None)
+    kind = kwargs.pop("model", "supervised")
     model_options = {} if flops is None else {"flops_per_example": flops}
+    if kind == "loss":  # the same forward and loss as a LossModel over (inputs, target)
+        loss_fn = work.spec.loss_fn
+
+        def loss(module: torch.nn.Module, batch: Any) -> torch.Tensor:
+            inputs, target = batch
+            return loss_fn(module(inputs), target)  # type: ignore[no-any-return]
+
+        model = library.LossModel(work.module, loss, **model_options)
+    else:
+        model = library.SupervisedModel(work.module, work.spec.loss_fn, **model_options)
 
     async def on_event(event: Any) -> None:
         if event.kind == "train" and event.done:
@@ -110,7 +121,7 @@ def run_lampdist(
         await library.local_data_parallel_training_loop(
             models_with_data_streams=[
                 library.ModelWithData(
-                    model=library.SupervisedModel(work.module, work.spec.loss_fn, **model_options),
+                    model=model,
                     train_batches=batch_source(work, warmup + steps),
                 )
             ],
