@@ -104,6 +104,39 @@ async def test_a_token_mean_loss_trains_like_one_process_on_the_concatenated_bat
     assert [e.tokens for e in events if e.kind == "train"] == [sum(tokens)] * lm.EPOCHS
 
 
+async def test_a_supervised_model_weights_by_its_token_count_with_mean_over_tokens() -> None:
+    """SupervisedModel over (input_ids, labels) pairs, its loss a token mean: the same
+    exactness, the weight coming from ``token_count`` of the target."""
+    train = lm.make_shards(lm.TRAIN_SIZES[2], seed=1)
+    valid = lm.make_shards(lm.VALID_SIZES[2], seed=2)
+    expected, train_losses, valid_losses = lm.reference_training(lm.TinyLM(0), lm.sgd, train, valid)
+
+    def loss_fn(output: lm.Output, labels: torch.Tensor) -> torch.Tensor:
+        logits = output.logits[:, :-1].reshape(-1, lm.VOCAB)
+        return torch.nn.functional.cross_entropy(logits, labels[:, 1:].reshape(-1))
+
+    def pairs(shards: list[list[lm.Batch]]) -> list[list[Any]]:
+        return [[(b["input_ids"], b["labels"]) for b in shard] for shard in shards]
+
+    modules = [lm.TinyLM(0), lm.TinyLM(11)]
+    models = [
+        lampdist.SupervisedModel(
+            m,
+            loss_fn,
+            token_count=lambda labels: int((labels[:, 1:] != -100).sum()),
+            mean_over="tokens",
+        )
+        for m in modules
+    ]
+    state = await train_locally(models, pairs(train), pairs(valid), step_on="every_rank")
+    for module in modules:
+        assert_weights(module, expected)
+    assert [p.training_loss for p in state.learning_curve] == pytest.approx(train_losses, rel=1e-9)
+    assert [p.validation_loss for p in state.learning_curve] == pytest.approx(
+        valid_losses, rel=1e-9
+    )
+
+
 async def test_weighting_a_token_mean_loss_by_examples_differs_from_one_process() -> None:
     """The bug ``mean_over="tokens"`` avoids: the same run weighted by examples is off."""
     train = lm.make_shards(lm.TRAIN_SIZES[2], seed=1)
