@@ -12,13 +12,14 @@ over TCP, this measures what a rank alone costs the host per step with nothing e
 ``_loops.training_step``, on the same model, optimizer and batches, in one process (the
 configurations take turns, the order rotating each repeat). Both are timed from the first timed
 batch's forward (a device synchronization first) to the end: the plain loop's last step
-synchronized, lampdist's pass's last progress event. ``--tree NAME=PATH`` adds the lampdist
-of another source tree (``PATH/lampdist``) as configuration ``NAME``, to compare two versions
-in one run. ``--variant NAME=key:value,...`` adds this lampdist with other step options as
+synchronized, lampdist's pass's last progress event. ``--tree NAME=PATH`` adds the lampdist of
+another source tree (``PATH/lampdist``) as configuration ``NAME``, to compare two versions in
+one run. ``--variant NAME=key:value,...`` adds this lampdist with other step options as
 configuration ``NAME`` (``flops:count`` or ``flops:N`` sets the model's ``flops_per_example``
-instead). The table gives the median samples/s and its ratio to the plain loop's median (and
-to ``--baseline``'s, a configuration's name), and each lampdist configuration's telemetry of
-its last pass (MFU, gradient norm, the step split in ms a step) goes into the JSON.
+instead; ``model:loss`` runs the same forward and loss as a ``LossModel``). The table gives the
+median samples/s and its ratio to the plain loop's median (and to ``--baseline``'s, a
+configuration's name), and each lampdist configuration's telemetry of its last pass (MFU,
+gradient norm, the step split in ms a step) goes into the JSON.
 """
 
 from __future__ import annotations
@@ -97,7 +98,18 @@ def run_lampdist(
     ends: list[float] = []
     kwargs = dict(options or {})
     flops = kwargs.pop("flops", None)
+    kind = kwargs.pop("model", "supervised")
     model_options = {} if flops is None else {"flops_per_example": flops}
+    if kind == "loss":  # the same forward and loss as a LossModel over (inputs, target)
+        loss_fn = work.spec.loss_fn
+
+        def loss(module: torch.nn.Module, batch: Any) -> torch.Tensor:
+            inputs, target = batch
+            return loss_fn(module(inputs), target)  # type: ignore[no-any-return]
+
+        model = library.LossModel(work.module, loss, **model_options)
+    else:
+        model = library.SupervisedModel(work.module, work.spec.loss_fn, **model_options)
 
     async def on_event(event: Any) -> None:
         if event.kind == "train" and event.done:
@@ -110,7 +122,7 @@ def run_lampdist(
         await library.local_data_parallel_training_loop(
             models_with_data_streams=[
                 library.ModelWithData(
-                    model=library.SupervisedModel(work.module, work.spec.loss_fn, **model_options),
+                    model=model,
                     train_batches=batch_source(work, warmup + steps),
                 )
             ],

@@ -50,6 +50,7 @@ SHARDED = "tests/roles/test_local_sharded.py"
 STEPS = "tests/roles/test_local_steps.py"
 CALLABLE_SCHEDULES = "tests/roles/test_callable_schedules.py"
 BLAME = "tests/roles/test_local_blame.py"
+LOSS_MODEL = "tests/roles/test_loss_model.py"
 FSDP = "tests/roles/test_fsdp.py"
 TELEMETRY = "tests/epoch/test_telemetry.py"
 MIXED_PRECISION = (
@@ -78,9 +79,72 @@ MUTANTS = [
         name="batches-weighted-equally",
         guarantee="each batch's loss is weighted by its example count",
         path="_epoch/_designs/_exchanging.py",
-        old="weight = self.loss_scale.weight(batch.examples)",
+        old="weight = self.loss_scale.weight(batch.weight)",
         new="weight = 1",
         tests=(EXACTNESS,),
+    ),
+    Mutant(
+        name="tokens-weighted-by-examples",
+        guarantee="mean_over='tokens' weights each batch by its tokens (every weighting)",
+        path="_model.py",
+        old='    if mean_over == "examples":\n        return examples\n',
+        new="    if True:\n        return examples\n",
+        tests=(
+            LOSS_MODEL
+            + "::test_a_token_mean_loss_trains_like_one_process_on_the_concatenated_batches",
+        ),
+    ),
+    Mutant(
+        name="step-weighted-by-examples",
+        guarantee="an exchanging design weights a batch's loss and gradients by its weight",
+        path="_epoch/_designs/_exchanging.py",
+        old="            weight = self.loss_scale.weight(batch.weight)",
+        new="            weight = self.loss_scale.weight(batch.examples)",
+        tests=(
+            LOSS_MODEL
+            + "::test_a_token_mean_loss_trains_like_one_process_on_the_concatenated_batches",
+        ),
+    ),
+    Mutant(
+        name="alone-weighted-by-examples",
+        guarantee="a rank alone weights each batch by its share of the step's weight",
+        path="_epoch/_designs/_solo.py",
+        old="    total = sum(batch.weight for batch in taken)",
+        new="    total = sum(batch.examples for batch in taken)",
+        tests=(
+            LOSS_MODEL
+            + "::test_a_token_mean_loss_trains_like_one_process_on_the_concatenated_batches",
+        ),
+    ),
+    Mutant(
+        name="validation-weighted-by-examples",
+        guarantee="the validation loss weights each batch by its weight (tokens)",
+        path="_epoch/_model_code.py",
+        old="        return loss.to(torch.float64) * batch.weight",
+        new="        return loss.to(torch.float64) * batch.examples",
+        tests=(
+            LOSS_MODEL
+            + "::test_a_token_mean_loss_trains_like_one_process_on_the_concatenated_batches",
+        ),
+    ),
+    Mutant(
+        name="fsdp-weighted-by-examples",
+        guarantee="fsdp weights a batch's loss and gradients by its weight",
+        path="_epoch/_designs/_fsdp.py",
+        old="                    sums.add(batches.backward(batch, weight), batch.weight)",
+        new="                    sums.add(batches.backward(batch, weight), batch.examples)",
+        tests=(LOSS_MODEL + "::test_processes_over_tcp_train_a_token_mean_loss_like_one_process",),
+    ),
+    Mutant(
+        name="events-count-tokens-as-examples",
+        guarantee="with mean_over='tokens' the events count examples, not the weight",
+        path="_epoch/_watch.py",
+        old="        if self.telemetry.by_examples:\n            return weight\n",
+        new="        if True:\n            return weight\n",
+        tests=(
+            LOSS_MODEL
+            + "::test_a_token_mean_loss_trains_like_one_process_on_the_concatenated_batches",
+        ),
     ),
     Mutant(
         name="no-accumulation",
@@ -284,7 +348,7 @@ MUTANTS = [
         name="validation-metrics-of-the-root-only",
         guarantee="the validation metrics are summed over every rank in the pass's reduce",
         path="_epoch/_kernel.py",
-        old="values = {} if metrics is None else metrics.values(meta[2:])",
+        old="values = {} if metrics is None else metrics.values(meta[3:])",
         new="values = {} if metrics is None else metrics.values(metrics.local())",
         tests=(METRICS,),
     ),
@@ -572,8 +636,8 @@ MUTANTS = [
         name="batch-shapes-unnamed",
         guarantee="a model error names the batch's shapes and dtypes",
         path="_epoch/_model_code.py",
-        old='f"({describe_batch(batch.inputs, batch.target)})",',
-        new='"",',
+        old='{type(exc).__name__}: {exc} "\n                f"({self._describe(batch)})",',
+        new='{type(exc).__name__}: {exc} "\n                "",',
         tests=(BLAME + "::test_a_batch_of_the_wrong_shape_names_the_rank_batch_and_shapes",),
     ),
     Mutant(

@@ -34,6 +34,7 @@ LAYERS = [
     },
     {"_library_schedules"},
     {"_effects", "schedules", "_model", "_fsdp_options", "_timeouts", "_state_json"},
+    {"_loss_model"},
     {"control", "clique", "_checkpoint", "_loop", "_step_options", "_model_with_data"},
     {"_loop_options"},
     {"launch", "checkpoint", "_options", "trackers"},

@@ -47,6 +47,7 @@ PUBLIC_NAMES = {
         "LampdistTimeout",
         "LoopOptions",
         "LoopState",
+        "LossModel",
         "Metric",
         "MismatchError",
         "ModelWithData",

@@ -78,6 +78,7 @@ async def train(
 def with_metrics(entry: lampdist.ModelWithData) -> lampdist.ModelWithData:
     """``entry`` whose model reports its mean absolute error (a metric of every pass end)."""
     mae = lampdist.Metric(lambda out, y: ((out - y).abs().sum(), y.numel()))
+    assert isinstance(entry.model, lampdist.SupervisedModel)
     model = lampdist.SupervisedModel(entry.model.module, entry.model.loss_fn, metrics={"mae": mae})
     return attrs.evolve(entry, model=model)
 

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from ._fsdp_options import FsdpPolicy as FsdpPolicy
     from ._fsdp_options import Precision as Precision
     from ._loop import epochs as epochs
+    from ._loss_model import LossModel as LossModel
     from ._metric import Metric as Metric
     from ._model import SupervisedModel as SupervisedModel
     from ._monitor import EarlyStopping as EarlyStopping
@@ -120,6 +121,7 @@ _FROM: dict[str, tuple[str, ...]] = {
     ),
     "._fsdp_options": ("FsdpPolicy", "Precision"),
     "._loop": ("epochs",),
+    "._loss_model": ("LossModel",),
     "._metric": ("Metric",),
     "._model": ("SupervisedModel",),
     "._monitor": ("EarlyStopping", "Monitor"),
@@ -200,6 +202,7 @@ __all__ = [
     "LampdistTimeout",
     "LoopOptions",
     "LoopState",
+    "LossModel",
     "Metric",
     "MismatchError",
     "ModelWithData",

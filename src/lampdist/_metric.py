@@ -57,10 +57,12 @@ class Metric:
     over every batch of every rank.
 
     ``output`` is what the module returned for the batch (the forward the loss used: it runs
-    once) and ``target`` the batch's target. ``sum`` is a tensor of ``shape`` (a number for
-    a scalar metric); ``count`` a tensor of ``shape``, or a number or scalar tensor that counts
-    for every element. Both are summed in float64 on the rank's device, then over the ranks
-    in the reduce that carries the loss: the reported value is the metric of the
+    once) and ``target`` the batch's target. With a :class:`~lampdist.LossModel` the call is
+    ``function(output, batch)``: ``output`` is the second element of what its ``loss``
+    returned, and ``batch`` the whole batch on the device. ``sum`` is a tensor of ``shape`` (a
+    number for a scalar metric); ``count`` a tensor of ``shape``, or a number or scalar tensor
+    that counts for every element. Both are summed in float64 on the rank's device, then over
+    the ranks in the reduce that carries the loss: the reported value is the metric of the
     concatenated data, exact on uneven shards. A count of zero reports NaN::
 
         accuracy = lampdist.Metric(lambda out, y: ((out.argmax(1) == y).sum(), y.numel()))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, TypeAlias
 
 import attrs
 import torch
@@ -14,7 +14,12 @@ from ._errors import BadBatch, ConfigError
 from ._metric import Metric, check_metrics
 
 __all__ = [
+    "MEAN_OVER",
+    "BatchModel",
+    "Loaded",
+    "MeanOver",
     "SupervisedModel",
+    "check_mean_over",
     "count_examples",
     "count_tokens",
     "move_to_device",
@@ -44,16 +49,88 @@ def count_tokens(target: Any) -> int | None:
     return None
 
 
+MeanOver: TypeAlias = Literal["examples", "tokens"]
+"""What a model's loss is a mean over, and so what weights it (see :class:`BatchModel`)."""
+
+MEAN_OVER: tuple[MeanOver, ...] = ("examples", "tokens")
+
+
+Loaded: TypeAlias = tuple[Any, int, int | None, int]
+"""A batch as the loading thread hands it on (see :meth:`BatchModel.load`): ``(data,
+examples, tokens, weight)``. ``data`` is the batch on the rank's device, as the model's other
+methods take it; ``examples`` its examples and ``tokens`` its tokens when it says (reported:
+events, throughput); ``weight`` the count its mean loss is a mean over (its examples or its
+tokens, by ``mean_over``): what weights its loss, its gradients and the reported losses."""
+
+
+class BatchModel(Protocol):
+    """What the step kernel sees of a model, :class:`SupervisedModel` and
+    :class:`~lampdist.LossModel` alike: one interface, whatever a batch looks like.
+
+    :meth:`load` runs on the loading thread (it must not read the device); the others on the
+    compute thread, in the mode and grad mode the caller set.
+    """
+
+    module: torch.nn.Module
+    metrics: Mapping[str, Any]
+    flops_per_example: float | Literal["count"] | None
+    mean_over: MeanOver
+
+    def load(self, batch: object, device: torch.device) -> Loaded:
+        """``batch`` checked (:class:`BadBatch`), counted and moved to ``device``."""
+        ...
+
+    def batch_loss(self, data: Any) -> torch.Tensor:
+        """The mean loss (a scalar tensor) of a loaded batch's ``data``."""
+        ...
+
+    def batch_loss_and_output(self, data: Any) -> tuple[torch.Tensor, Any]:
+        """The mean loss and what the metrics see of the same forward."""
+        ...
+
+    def metric_target(self, data: Any) -> Any:
+        """The second argument of the metrics' calls (the target, or the whole batch)."""
+        ...
+
+
+def check_mean_over(owner: str, value: object) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is ``"examples"`` or ``"tokens"``."""
+    if value not in MEAN_OVER:
+        raise ConfigError(
+            f"{owner}.mean_over must be 'examples' or 'tokens', got {value!r}: pass 'tokens' "
+            "for a loss that is a mean over tokens (a language model's), else 'examples'",
+            phase="configure",
+        )
+
+
+def weight_of(examples: int, tokens: int | None, mean_over: MeanOver) -> int:
+    """A batch's weight: its ``examples``, or its ``tokens`` (:class:`BadBatch` when the
+    batch does not say how many)."""
+    if mean_over == "examples":
+        return examples
+    if tokens is None:
+        raise BadBatch(
+            "mean_over='tokens' weights each batch by its tokens, but a batch did not say "
+            "how many it holds (its token count gave None): pass tokens=, a function that "
+            "counts the positions its loss is a mean over"
+        )
+    return tokens
+
+
 def _check_flops(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if value is None or value == "count":
         return
     if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
         return
     raise ConfigError(
-        f"SupervisedModel.flops_per_example must be a number > 0, 'count' or None, got "
-        f"{value!r}: pass 'count' to count them once on the first batch",
+        f"{type(instance).__name__}.flops_per_example must be a number > 0, 'count' or None, "
+        f"got {value!r}: pass 'count' to count them once on the first batch",
         phase="configure",
     )
+
+
+def _check_mean_over(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    check_mean_over(type(instance).__name__, value)
 
 
 def original_module(module: torch.nn.Module) -> torch.nn.Module:
@@ -110,6 +187,31 @@ class SupervisedModel:
     flops_per_example: float | Literal["count"] | None = attrs.field(
         default=None, validator=_check_flops, kw_only=True
     )
+    mean_over: MeanOver = attrs.field(default="examples", validator=_check_mean_over, kw_only=True)
+
+    def load(self, batch: object, device: torch.device) -> tuple[Any, int, int | None, int]:
+        """``batch`` as ``(inputs, target)`` (:class:`BadBatch` for anything else), counted
+        from its target, and moved to ``device``: the loaded data is the pair."""
+        inputs, target = check_batch(batch)
+        examples = self.example_count(target)
+        tokens = self.token_count(target)
+        weight = examples if self.mean_over == "examples" else weight_of(examples, tokens, "tokens")
+        data = (move_to_device(inputs, device), move_to_device(target, device))
+        return data, examples, tokens, weight
+
+    def batch_loss(self, data: tuple[Any, Any]) -> torch.Tensor:
+        """:meth:`forward_loss` of a loaded ``(inputs, target)`` pair."""
+        inputs, target = data
+        return self.forward_loss(inputs, target)
+
+    def batch_loss_and_output(self, data: tuple[Any, Any]) -> tuple[torch.Tensor, Any]:
+        """:meth:`forward_loss_and_output` of a loaded ``(inputs, target)`` pair."""
+        inputs, target = data
+        return self.forward_loss_and_output(inputs, target)
+
+    def metric_target(self, data: tuple[Any, Any]) -> Any:
+        """The target: a metric gets ``(output, target)``."""
+        return data[1]
 
     def forward_loss(self, inputs: Any, target: Any) -> torch.Tensor:
         """The mean loss of one batch (the module's mode and grad mode are the caller's)."""

@@ -9,6 +9,7 @@ import attrs
 
 from ._effects import BatchSource, PassAwareBatchSource
 from ._errors import ConfigError
+from ._loss_model import LossModel
 from ._model import SupervisedModel
 from ._source import check_source
 
@@ -73,7 +74,7 @@ class ModelWithData:
     names clash with another set's or a metric's.
     """
 
-    model: SupervisedModel
+    model: SupervisedModel | LossModel
     train_batches: BatchSource | PassAwareBatchSource
     validation_batches: Source | Mapping[str, Source] | None = attrs.field(
         default=None, converter=_sets

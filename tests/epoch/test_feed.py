@@ -69,7 +69,7 @@ def read_all(feed: BatchFeed) -> list[tuple[int, int]]:
     """On the compute thread: every batch's first value and example count."""
     seen = []
     while (loaded := feed.next()) is not None:
-        seen.append((int(loaded.inputs[0, 0]), loaded.examples))
+        seen.append((int(loaded.data[0][0, 0]), loaded.examples))
     return seen
 
 

@@ -20,6 +20,7 @@ A rank alone names itself: its loss is the summed loss.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Mapping
@@ -33,6 +34,7 @@ from ._shard import AllGather
 
 __all__ = [
     "NonFiniteSteps",
+    "describe_any_batch",
     "describe_batch",
     "describe_losses",
     "non_finite_error",
@@ -161,10 +163,23 @@ def describe_batch(inputs: Any, target: Any) -> str:
     return f"inputs {_describe(inputs, 0)}, target {_describe(target, 0)}"
 
 
+def describe_any_batch(batch: Any) -> str:
+    """A batch of any shape, for an error message (``batch {'input_ids': int64[4, 9]}``;
+    nested dicts, tuples and lists, and the fields of attrs and dataclass instances)."""
+    return f"batch {_describe(batch, 0)}"
+
+
 def _describe(value: Any, depth: int) -> str:
     if isinstance(value, torch.Tensor):
         dtype = str(value.dtype).removeprefix("torch.")
         return f"{dtype}[{', '.join(str(size) for size in value.shape)}]"
+    if depth < 4 and not isinstance(value, type):
+        if attrs.has(type(value)):
+            fields = {f.name: getattr(value, f.name) for f in attrs.fields(type(value))}
+            return f"{type(value).__name__}{_describe(fields, depth)}"
+        if dataclasses.is_dataclass(value):
+            fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+            return f"{type(value).__name__}{_describe(fields, depth)}"
     if depth >= 4 or not isinstance(value, Mapping | list | tuple):
         return type(value).__name__
     items = list(value.items()) if isinstance(value, Mapping) else list(enumerate(value))

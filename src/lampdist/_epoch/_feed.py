@@ -24,7 +24,7 @@ import torch
 
 from .._effects import BatchSource, PassAwareBatchSource
 from .._errors import BadBatch, LampdistError, TrainingError
-from .._model import SupervisedModel, check_batch, move_to_device
+from .._model import BatchModel
 from .._source import PassContext, PassKind, call_source
 from .._wakeup import Wakeup
 
@@ -52,11 +52,12 @@ class PassStopped(BaseException):
 
 @attrs.frozen
 class LoadedBatch:
-    """One batch on the rank's device, with its example count."""
+    """One batch on the rank's device, with its counts."""
 
-    inputs: Any
-    target: Any
+    data: Any
+    """The batch as the model takes it (see :meth:`lampdist._model.BatchModel.load`)."""
     examples: int
+    """Its examples, as reported (events, throughput)."""
     position: Any = None
     """On a training stream, the rank's place in its data right after this batch, when the
     batch ends a window (a :class:`~lampdist._epoch._stream.StreamPosition`)."""
@@ -65,6 +66,10 @@ class LoadedBatch:
     error messages, is this less the batches the feed handed out before the pass)."""
     tokens: int | None = None
     """The batch's tokens, when it says (see :attr:`lampdist.SupervisedModel.token_count`)."""
+    weight: int = 0
+    """What the batch's mean loss is a mean over (its examples or its tokens, by the model's
+    ``mean_over``): what weights its loss and gradients in a step and a pass, summed over
+    the accumulation window and every rank. A batch of weight 0 is skipped."""
 
 
 @attrs.define(eq=False)
@@ -215,7 +220,7 @@ async def open_feed(
     source: BatchSource | PassAwareBatchSource,
     context: PassContext,
     *,
-    model: SupervisedModel,
+    model: BatchModel,
     device: torch.device,
     rank: int,
     phase: PassKind,
@@ -287,26 +292,17 @@ class Loader:
     """Puts a source's batches into ``feed``: checked, counted and on the device."""
 
     feed: BatchFeed
-    model: SupervisedModel
+    model: BatchModel
     device: torch.device
     rank: int
     phase: PassKind
 
     def load_one(self, batch: object, position: Any = None) -> LoadedBatch:
         """``batch`` checked, counted and on the device (with its stream ``position``)."""
-        inputs, target = check_batch(batch)
-        examples = self.model.example_count(target)
-        tokens = self.model.token_count(target)
+        data, examples, tokens, weight = self.model.load(batch, self.device)
         number = self.feed.loaded
         self.feed.loaded = number + 1
-        return LoadedBatch(
-            move_to_device(inputs, self.device),
-            move_to_device(target, self.device),
-            examples,
-            position,
-            number,
-            tokens,
-        )
+        return LoadedBatch(data, examples, position, number, tokens, weight)
 
     def load(self, iterable: Iterable[object]) -> None:
         """The loading thread: one intra-op thread, then every batch into the feed."""

@@ -31,7 +31,7 @@ import torch
 
 from .._checkpoint import FileRecord, ShardedState
 from .._errors import TrainingError
-from .._model import SupervisedModel
+from .._model import BatchModel
 from .._options import StepOptions
 from .._state import TrainingState
 from .._wakeup import on_event_loop_thread
@@ -78,7 +78,7 @@ class StepKernel:
 
     rank: int
     clique: Clique
-    model: SupervisedModel
+    model: BatchModel
     design: Design
     _peers: Peers = attrs.field(init=False)
     """What a pass asks of the other ranks (nothing for a rank alone)."""
@@ -339,14 +339,15 @@ class StepKernel:
             return PassResult(loss=math.nan, examples=0, steps=steps)
         if tally.examples == 0 and tally.skipped == 0:
             raise TrainingError(
-                f"epoch {epoch}: the training pass saw no examples on any rank; "
-                "check train_batches",
+                f"epoch {epoch}: the training pass saw no examples on any rank"
+                + ("" if self.model.mean_over == "examples" else " (or no tokens)")
+                + "; check train_batches",
                 rank=self.rank,
                 phase="train",
             )
         return PassResult(
-            loss=tally.loss,
-            examples=tally.examples,
+            loss=tally.loss,  # weighted by examples or tokens: what the loss is a mean over
+            examples=watch.reported_examples(tally.examples, rows),
             steps=steps,
             skipped_steps=tally.skipped,
             metrics=values,
@@ -364,13 +365,15 @@ class StepKernel:
 
     def validation_pass(self, feed: BatchFeed, *, epoch: int) -> PassResult:
         """One validation pass in eval mode without gradients; one reduce at the end. The
-        root's result covers the whole clique; a follower's its own examples."""
+        root's result covers the whole clique; a follower's its own examples. The loss is the
+        mean of the batches' losses weighted by their weight (examples or tokens: what the
+        loss is a mean over), over every rank."""
         self._check_thread()
         self.model.module.eval()
         code = self._code
         metrics = code.start(feed, "valid", epoch)
         loss_sum: torch.Tensor | None = None
-        examples = 0
+        examples = weight = 0
         lockstep = self._peers.lockstep
         # In lockstep every rank runs a forward while any rank has a batch: as many as the
         # longest source when every length is known, else agreed before each forward.
@@ -390,7 +393,7 @@ class StepKernel:
                 break
             if feed.stopped:
                 raise PassStopped
-            if batch is None or batch.examples == 0:
+            if batch is None or batch.weight == 0:
                 if lockstep:
                     code.padding_pass(epoch, phase="valid")
                 continue
@@ -398,25 +401,39 @@ class StepKernel:
             loss = code.weighted_loss(batch, "valid", epoch, weight=None)
             loss_sum = loss if loss_sum is None else loss_sum + loss
             examples += batch.examples
-        meta = host_to_device([examples, 0.0], torch.float64, self.device)
-        if metrics is not None:  # behind the examples and the loss, in the same reduce
+            weight += batch.weight
+        return self._validation_result(epoch, metrics, loss_sum, weight, examples)
+
+    def _validation_result(
+        self,
+        epoch: int,
+        metrics: MetricTally | None,
+        loss_sum: torch.Tensor | None,
+        weight: int,
+        examples: int,
+    ) -> PassResult:
+        """The validation pass's sums over the clique on the root, in one reduce: the weight,
+        the weighted loss sum, the examples and the metrics."""
+        meta = host_to_device([weight, 0.0, examples], torch.float64, self.device)
+        if metrics is not None:  # behind the weight, the loss and the examples: one reduce
             meta = torch.cat([meta, metrics.local()])
         if loss_sum is not None:
             meta[1] = loss_sum
         self._peers.sum_to_root(meta)
         if not self.is_root:
             return PassResult(loss=math.nan, examples=examples, steps=0)
-        total_examples, total_loss = meta[:2].tolist()
-        if total_examples == 0:
+        total_weight, total_loss, total_examples = meta[:3].tolist()
+        if total_weight == 0:
             raise TrainingError(
-                f"epoch {epoch}: the validation pass saw no examples on any rank; "
-                "check validation_batches",
+                f"epoch {epoch}: the validation pass saw no examples on any rank"
+                + ("" if self.model.mean_over == "examples" else " (or no tokens)")
+                + "; check validation_batches",
                 rank=self.rank,
                 phase="valid",
             )
-        values = {} if metrics is None else metrics.values(meta[2:])
+        values = {} if metrics is None else metrics.values(meta[3:])
         return PassResult(
-            loss=total_loss / total_examples,
+            loss=total_loss / total_weight,
             examples=int(total_examples),
             steps=0,
             metrics=values,

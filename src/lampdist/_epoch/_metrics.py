@@ -20,7 +20,7 @@ import torch
 
 from .._errors import LampdistError, TrainingError
 from .._metric import Metric, MetricValue, sum_states, to_metric_value
-from .._model import SupervisedModel
+from .._model import BatchModel
 from .._source import PassKind
 from ._device import host_to_device
 
@@ -102,7 +102,7 @@ class MetricTally:
 
     @classmethod
     def start(
-        cls, model: SupervisedModel, device: torch.device, *, rank: int, phase: PassKind, epoch: int
+        cls, model: BatchModel, device: torch.device, *, rank: int, phase: PassKind, epoch: int
     ) -> MetricTally | None:
         """A tally for ``model``'s metrics (``None`` when it has none); torchmetrics metrics
         are moved to ``device`` and reset."""

@@ -18,11 +18,11 @@ from typing import Any
 import attrs
 import torch
 
-from .._errors import LampdistError, TrainingError
-from .._model import SupervisedModel
+from .._errors import BadBatch, LampdistError, TrainingError
+from .._model import BatchModel, SupervisedModel
 from .._source import PassKind
 from ..clique import Clique
-from ._blame import describe_batch
+from ._blame import describe_any_batch, describe_batch
 from ._designs import Design
 from ._feed import BatchFeed, LoadedBatch
 from ._metrics import MetricTally
@@ -36,7 +36,7 @@ class ModelCode:
 
     rank: int
     clique: Clique
-    model: SupervisedModel
+    model: BatchModel
     design: Design
     lockstep: bool
     """Whether the design's collectives run inside the model, with other ranks (a model's
@@ -94,7 +94,16 @@ class ModelCode:
                     flat.ensure_gradient_views()
             if metrics is not None:
                 with torch.no_grad():
-                    metrics.update(output, batch.target)
+                    metrics.update(output, self.model.metric_target(batch.data))
+        except BadBatch as exc:
+            if exc.rank is not None:
+                raise
+            raise BadBatch(
+                f"epoch {epoch}, batch {batch.number - self.first_batch}: {exc.message} "
+                f"({self._describe(batch)})",
+                rank=self.rank,
+                phase=phase,
+            ) from exc
         except LampdistError:
             raise
         except Exception as exc:
@@ -107,7 +116,7 @@ class ModelCode:
             index = batch.number - self.first_batch
             raise TrainingError(
                 f"epoch {epoch}, batch {index}: the model raised {type(exc).__name__}: {exc} "
-                f"({describe_batch(batch.inputs, batch.target)})",
+                f"({self._describe(batch)})",
                 rank=self.rank,
                 phase=phase,
             ) from exc
@@ -116,9 +125,17 @@ class ModelCode:
     def weighted_loss(
         self, batch: LoadedBatch, phase: PassKind, epoch: int, *, weight: float | None
     ) -> torch.Tensor:
-        """:meth:`loss` times the batch's examples, in float64 on the device."""
+        """:meth:`loss` times the batch's weight (its examples or tokens, what the loss is a
+        mean over), in float64 on the device."""
         loss = self.loss(batch, phase, epoch, weight=weight)
-        return loss.to(torch.float64) * batch.examples
+        return loss.to(torch.float64) * batch.weight
+
+    def _describe(self, batch: LoadedBatch) -> str:
+        """The batch's shapes, for an error message."""
+        if isinstance(self.model, SupervisedModel):
+            inputs, target = batch.data
+            return describe_batch(inputs, target)
+        return describe_any_batch(batch.data)
 
     def padding_pass(self, epoch: int, *, phase: PassKind) -> None:
         """A forward of the rank's last batch in eval mode with no metric (training: and its
@@ -147,8 +164,8 @@ class ModelCode:
     def _forward(self, batch: LoadedBatch) -> tuple[torch.Tensor, Any]:
         """The batch's mean loss, and its output when the pass has metrics (else ``None``)."""
         if self.metrics is None:
-            return self.model.forward_loss(batch.inputs, batch.target), None
-        return self.model.forward_loss_and_output(batch.inputs, batch.target)
+            return self.model.batch_loss(batch.data), None
+        return self.model.batch_loss_and_output(batch.data)
 
     def _autocast(self) -> AbstractContextManager[object]:
         dtype = self.design.options.autocast_dtype

@@ -27,7 +27,7 @@ import torch
 
 from .._effects import BatchSource, PassAwareBatchSource
 from .._errors import BadBatch, TrainingError
-from .._model import SupervisedModel
+from .._model import BatchModel
 from .._source import PassContext, pass_seed
 from ._feed import AHEAD, BatchFeed, Loader, call_checked
 
@@ -65,7 +65,7 @@ class TrainStream:
         cls,
         source: BatchSource | PassAwareBatchSource,
         *,
-        model: SupervisedModel,
+        model: BatchModel,
         device: torch.device,
         rank: int,
         intra_op_threads: int,

@@ -98,7 +98,11 @@ class ReadBack:
 
 @attrs.define(eq=False)
 class Tally:
-    """Examples, loss sum and skipped steps of the clique over one pass, on a stepping rank."""
+    """Examples, loss sum and skipped steps of the clique over one pass, on a stepping rank.
+
+    ``examples`` counts what the loss is a mean over (:attr:`LoadedBatch.weight`: examples,
+    or tokens for a model with ``mean_over="tokens"``), the weight of the mean :attr:`loss`;
+    the events' examples are the watch's (see :meth:`PassWatch.reported_examples`)."""
 
     rank: int
     epoch: int
@@ -123,7 +127,7 @@ class Tally:
 
     @property
     def loss(self) -> float:
-        """The example-weighted mean loss so far (NaN before any example)."""
+        """The weighted mean loss so far (NaN before any weight)."""
         return self.loss_sum / self.examples if self.examples else math.nan
 
     def record(self, examples: float, loss_sum: float, *, counted: bool) -> None:

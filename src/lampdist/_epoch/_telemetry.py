@@ -23,12 +23,13 @@ __all__ = [
     "STRAGGLER_MARGIN",
     "STRAGGLER_PASSES",
     "Stragglers",
+    "examples",
     "splits",
     "straggler",
     "tokens",
 ]
 
-ROW = ("steps", *PARTS, "tokens", "batches without tokens")
+ROW = ("steps", *PARTS, "tokens", "batches without tokens", "examples")
 """What each rank's row holds, in order."""
 
 STRAGGLER_MARGIN = 0.10
@@ -66,6 +67,11 @@ def tokens(rows: list[list[float]]) -> int | None:
     if any(row[7] > 0 for row in rows):
         return None
     return round(sum(row[6] for row in rows))
+
+
+def examples(rows: list[list[float]]) -> int:
+    """The clique's examples (the batches the ranks ran forward)."""
+    return round(sum(row[8] for row in rows))
 
 
 def _own(split: StepSplit, parts: tuple[str, ...]) -> float:

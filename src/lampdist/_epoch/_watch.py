@@ -23,14 +23,14 @@ import torch
 
 from .._flops import count_flops, peak_flops
 from .._metric import MetricValue
-from .._model import SupervisedModel
+from .._model import BatchModel
 from .._state import PassEvent
 from ._clock import DATA, EXCHANGE, IDLE, NO_CLOCK, StepClock, start_clock
 from ._designs import Design
 from ._feed import BatchFeed, LoadedBatch
 from ._progress import Progress, ProgressFields
 from ._tally import Tally
-from ._telemetry import Stragglers, splits, tokens
+from ._telemetry import Stragglers, examples, splits, tokens
 
 __all__ = ["PassWatch", "TrainTelemetry"]
 
@@ -55,15 +55,20 @@ class TrainTelemetry:
     timing_events: list[Any] = attrs.field(factory=list)
     """CUDA timing events free for the step split, reused from pass to pass."""
     nranks: int = 1
+    by_examples: bool = True
+    """Whether the model's loss is a mean over examples (then a step's weight, what the
+    tally counts, is its examples; else its tokens, and the events' examples are counted
+    apart: see :meth:`PassWatch.reported_examples`)."""
 
     @classmethod
     def create(
-        cls, rank: int, design: Design, model: SupervisedModel, device: torch.device, nranks: int
+        cls, rank: int, design: Design, model: BatchModel, device: torch.device, nranks: int
     ) -> TrainTelemetry:
         """The telemetry of rank ``rank`` of ``nranks``, which trains ``model`` by ``design``
         on ``device``: the FLOPs are the root's."""
         telemetry = cls(rank, device, design, Stragglers(every_rank_steps=design.followers_step))
         telemetry.nranks = nranks
+        telemetry.by_examples = model.mean_over == "examples"
         given = model.flops_per_example
         if rank == 0:
             telemetry.count_flops = given == "count"
@@ -135,6 +140,8 @@ class PassWatch:
     """Batches that did not say how many tokens they hold."""
     examples: int = 0
     """The rank's own examples (the root's estimate of the clique's tokens mid-pass)."""
+    weight: int = 0
+    """The rank's own weight (examples or tokens: see :attr:`LoadedBatch.weight`)."""
     last: PassEvent | None = None
     """The root's last event, published with the pass's sums (:meth:`finished`)."""
     window_begun: float | None = None
@@ -149,6 +156,7 @@ class PassWatch:
         else:
             self.tokens += batch.tokens
         self.examples += batch.examples
+        self.weight += batch.weight
 
     def counted(self, loss: Callable[[], torch.Tensor], examples: int) -> torch.Tensor:
         """``loss()``, the model code on the root's first training batch of the run
@@ -182,34 +190,49 @@ class PassWatch:
         tally = self.tally
         seconds = time.perf_counter() - self.begun
         batches_read = self.feed.batches_read - self.first_batch
+        clique_examples = self.reported_examples(tally.examples)
         if more:
             # The event itself is built on the loop, for the events it takes.
             progress.publish_step(
                 self.fields,
                 tally.steps_read,
                 batches_read,
-                tally.examples,
+                clique_examples,
                 tally.loss,
                 seconds,
-                self.estimate_tokens(tally.examples),
+                self.estimate_tokens(clique_examples),
             )
         else:
             # with the pass's sums over the clique, once they are summed
             self.last = self.fields.event(
-                tally.steps_read, batches_read, tally.examples, tally.loss, seconds, done=True
+                tally.steps_read, batches_read, clique_examples, tally.loss, seconds, done=True
             )
 
-    def window_ended(self, step: int, examples: int, loss: float) -> None:
+    def window_ended(self, step: int, weight: int, loss: float) -> None:
         """The tally counted a window's last step, ``step``: the window's event, with its
-        ``examples`` and their mean ``loss`` over every rank (``LoopOptions.log_every_n_steps``)."""
+        examples (from its ``weight``, see :meth:`reported_examples`) and their mean ``loss``
+        over every rank, weighted as the pass's is (``LoopOptions.log_every_n_steps``)."""
         progress = self.progress
         assert progress is not None and progress.every_n_steps is not None
         now = time.perf_counter()
         seconds = now - (self.begun if self.window_begun is None else self.window_begun)
         self.window_begun = now
         batches_read = self.feed.batches_read - self.first_batch
+        examples = self.reported_examples(weight)
         event = self.fields.event(step, batches_read, examples, loss, seconds)
         progress.publish_window(attrs.evolve(event, window_steps=progress.every_n_steps))
+
+    def reported_examples(self, weight: int, rows: list[list[float]] | None = None) -> int:
+        """The clique's examples so far, from the tally's ``weight``: the weight itself when
+        the loss is a mean over examples; else the sum of the ranks' ``rows`` when given (the
+        pass's end, on the root), or an estimate from this rank's examples per weight."""
+        if self.telemetry.by_examples:
+            return weight
+        if rows:
+            return examples(rows)
+        if self.weight == 0:
+            return 0
+        return round(self.examples / self.weight * weight)
 
     def estimate_tokens(self, clique_examples: int) -> int | None:
         """The clique's tokens so far, from this rank's tokens per example (mid-pass)."""
@@ -228,7 +251,13 @@ class PassWatch:
 
     def row(self) -> list[float]:
         """The rank's row (:data:`~._telemetry.ROW`): waits for the clock's last events."""
-        return [float(self.clock.steps), *self.clock.finish(), self.tokens, self.untokened]
+        return [
+            float(self.clock.steps),
+            *self.clock.finish(),
+            self.tokens,
+            self.untokened,
+            self.examples,
+        ]
 
     def finished(self, rows: list[list[float]], values: dict[str, MetricValue]) -> None:
         """The pass's sums are in: every rank's :meth:`row` and the metrics' ``values`` (the
@@ -251,6 +280,7 @@ class PassWatch:
             progress.publish(
                 attrs.evolve(
                     last,
+                    examples=self.reported_examples(self.tally.examples, rows),
                     metrics=values,
                     tokens=tokens(rows),
                     grad_norm=None if norms is None else norms[0],

@@ -13,7 +13,7 @@ from .._effects import OptimizerFactory
 from .._epoch import DESIGNS
 from .._errors import ConfigError
 from .._metric import Metric
-from .._model import SupervisedModel
+from .._model import BatchModel
 from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts
 from .._preload import preload
 from .._state import LoopState
@@ -145,7 +145,7 @@ def _check_own_metrics(entries: Sequence[ModelWithData]) -> None:
                 )
 
 
-def _device_of(model: SupervisedModel) -> torch.device:
+def _device_of(model: BatchModel) -> torch.device:
     for parameter in model.module.parameters():
         return parameter.device
     raise ConfigError("a model has no parameters: lampdist trains modules with parameters")

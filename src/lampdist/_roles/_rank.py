@@ -146,7 +146,7 @@ class RankContext:
         self.tracker.current = "agreement"
         data, flat, step = self.data, self.design.flat, self.options.step
         validates = data.validation_batches is not None
-        metrics = metric_layout(data.model.metrics)
+        metrics = [*metric_layout(data.model.metrics), ("mean_over", data.model.mean_over)]
         sets = data.validation_sets
         await runner.run(partial(agree, runner.clique, flat, step, validates, metrics, sets))
         await runner.prepare(resume.training_state if resume is not None else None)

@@ -1,11 +1,12 @@
 """What the designs of two or more ranks share: the step's sums, its exchange and its update.
 
 A step of an exchanging design, on every rank: forward and backward over up to ``accumulate``
-batches with each batch's mean loss weighted by its example count, so that the flat gradient
-buffers hold sums (with fp16 loss scaling, by its share of the nominal step: see
-``LossScale.nominal``; the last backward starts the gradient buckets as they fill, with
-``bucket_cap_mb``: see ``_buckets``); the step's meta values (examples, loss sum, whether the
-rank has more batches: see ``_values``) written behind the gradients or beside them; the
+batches with each batch's mean loss weighted by its weight (its examples, or its tokens for a
+loss that is a mean over tokens: ``LoadedBatch.weight``; "examples" below means that count), so
+that the flat gradient buffers hold sums (with fp16 loss scaling, by its share of the nominal
+step: see ``LossScale.nominal``; the last backward starts the gradient buckets as they fill,
+with ``bucket_cap_mb``: see ``_buckets``); the step's meta values (examples, loss sum, whether
+the rank has more batches: see ``_values``) written behind the gradients or beside them; the
 exchange that the design starts (:meth:`ExchangingDesign.start_step_exchanges`); then, where
 the rank steps, the update (:meth:`ExchangingDesign.step_here`: divide by the clique's
 examples, clip, step) and what the design sends after it (:meth:`ExchangingDesign.publish`).
@@ -132,14 +133,14 @@ class ExchangingDesign(Design):
             batch = feed.next()
             if batch is None:
                 break
-            if batch.examples == 0:
+            if batch.weight == 0:
                 continue
             if index == accumulate - 1 and self._buckets is not None:
                 self._buckets.arm()  # the step's last backward: start buckets as they fill
-            weight = self.loss_scale.weight(batch.examples)  # fp16: a share of the nominal step
-            loss = batches.backward(batch, weight).to(torch.float64) * batch.examples
+            weight = self.loss_scale.weight(batch.weight)  # fp16: a share of the nominal step
+            loss = batches.backward(batch, weight).to(torch.float64) * batch.weight
             loss_sum = loss if loss_sum is None else loss_sum + loss
-            examples += batch.examples
+            examples += batch.weight  # the step's weight: examples or tokens
         more = feed.has_next()  # after the backward: the next batch loaded meanwhile
         self.clock.mark(DATA)
         if loss_sum is None:

@@ -312,16 +312,16 @@ class FsdpSteps(EveryRankSteps):
                 break
             self._set_gradient_sync(not anyone_ahead)
             start = early and not anyone_ahead  # the step's last backward
-            if batch is None or batch.examples == 0:
+            if batch is None or batch.weight == 0:
                 if start:
                     sums.start()
                 batches.pad()
             else:
-                weight = self.loss_scale.weight(batch.examples)  # fp16: a share of the nominal
+                weight = self.loss_scale.weight(batch.weight)  # fp16: a share of the nominal
                 if start:
-                    batches.backward(batch, weight, sums.add_and_start(batch.examples))
+                    batches.backward(batch, weight, sums.add_and_start(batch.weight))
                 else:
-                    sums.add(batches.backward(batch, weight), batch.examples)
+                    sums.add(batches.backward(batch, weight), batch.weight)
             if not anyone_ahead:
                 break
             batch = feed.next()
@@ -399,7 +399,8 @@ class FsdpSteps(EveryRankSteps):
 
 @attrs.define(eq=False)
 class _StepSums:
-    """One fsdp step's examples and float64 loss sum on this rank, and the all-reduce of its
+    """One fsdp step's weight (``examples``: the batches' :attr:`LoadedBatch.weight`, examples
+    or tokens) and float64 loss sum on this rank, and the all-reduce of its
     meta values: started before the step's last backward (:meth:`start`,
     :meth:`add_and_start`) or after it (:meth:`exchanged`)."""
 

@@ -22,8 +22,9 @@ class Solo(Design):
     """The design of a rank alone (``nranks=1``, whatever ``step_on`` says): no gradient
     buffers (autograd keeps the gradients as a plain loop's, set to ``None`` after each step,
     which saves a fill and a read of every gradient a step), no collective, and each batch's
-    loss weighted by its share of the step's examples before backward, so that the gradients
-    are the step's average as they come out of backward: no division pass."""
+    loss weighted by its share of the step's weight (examples or tokens) before backward, so
+    that the gradients are the step's average as they come out of backward: no division
+    pass."""
 
     @classmethod
     def lay_out(
@@ -44,44 +45,45 @@ def step_alone(
     design: Design, batches: StepBatches, *, epoch: int, step: int, tally: Tally
 ) -> bool:
     """A plain loop's step for ``design``, a rank alone: the step's batches are taken first
-    (for their example count), then each one's forward and backward, its loss weighted by its
-    share of the step's examples, so that the gradients come out of backward averaged (no
-    division pass). Returns whether the source has more batches."""
+    (for their weight: examples or tokens, what the loss is a mean over), then each one's
+    forward and backward, its loss weighted by its share of the step's weight, so that the
+    gradients come out of backward averaged (no division pass). Returns whether the source
+    has more batches."""
     feed = batches.feed
     if batches.accumulate == 1:  # the common case, without the lists of the general one
         batch = feed.next()
-        if batch is None or not batch.examples > 0:
+        if batch is None or not batch.weight > 0:
             more = feed.has_next()
             tally.record(0, 0.0, counted=False)
             return more
-        examples = batch.examples
-        loss_sum = batches.backward(batch, 1.0)  # its share of the step's examples: all
+        total = batch.weight
+        loss_sum = batches.backward(batch, 1.0)  # its share of the step's weight: all
         more = feed.has_next()  # after the backward: the next batch loaded meanwhile
         design.clock.mark(DATA)
-        return _update(design, epoch, step, tally, more, examples, loss_sum, float(examples))
+        return _update(design, epoch, step, tally, more, total, loss_sum, float(total))
     taken: list[LoadedBatch] = []
     for _ in range(batches.accumulate):
         batch = feed.next()
         if batch is None:
             break
-        if batch.examples > 0:
+        if batch.weight > 0:
             taken.append(batch)
-    examples = sum(batch.examples for batch in taken)
-    # The step's loss sum: a batch's mean loss times its examples on the host, or the
+    total = sum(batch.weight for batch in taken)
+    # The step's loss sum: a batch's mean loss times its weight on the host, or the
     # float64 sum of several on the device.
-    losses = [batches.backward(batch, batch.examples / examples) for batch in taken]
+    losses = [batches.backward(batch, batch.weight / total) for batch in taken]
     more = feed.has_next()  # after the backward: the next batch loaded meanwhile
     design.clock.mark(DATA)
     if not losses:
         tally.record(0, 0.0, counted=False)
         return more
     if len(losses) == 1:
-        loss_sum, factor = losses[0], float(examples)
+        loss_sum, factor = losses[0], float(total)
     else:
-        loss_sum, factor = losses[0].to(torch.float64) * taken[0].examples, 1.0
+        loss_sum, factor = losses[0].to(torch.float64) * taken[0].weight, 1.0
         for loss, batch in zip(losses[1:], taken[1:], strict=True):
-            loss_sum = loss_sum + loss.to(torch.float64) * batch.examples
-    return _update(design, epoch, step, tally, more, examples, loss_sum, factor)
+            loss_sum = loss_sum + loss.to(torch.float64) * batch.weight
+    return _update(design, epoch, step, tally, more, total, loss_sum, factor)
 
 
 def _update(
@@ -95,7 +97,7 @@ def _update(
     factor: float,
 ) -> bool:
     """The optimizer step on the step's averaged gradients, whose loss sum is ``loss_sum``
-    times ``factor`` over ``examples``; returns ``more``."""
+    times ``factor`` over ``examples`` (the step's weight); returns ``more``."""
     stepper = design.stepper
     assert stepper is not None  # a rank alone is the root
     if stepper.needs_host_values:
