@@ -76,7 +76,7 @@ def build(rank: int, nranks: int) -> lampdist.ModelWithData:
     torch.manual_seed(0)  # any start: the root's weights reach every rank first
     config = transformers.GPT2Config(
         vocab_size=256, n_positions=BLOCK, n_embd=64, n_layer=2, n_head=4,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, loss_type="ForCausalLM",
     )  # fmt: skip
     module = transformers.GPT2LMHeadModel(config)
 
@@ -99,6 +99,17 @@ def build(rank: int, nranks: int) -> lampdist.ModelWithData:
     )
 
 
+async def report(event: lampdist.PassEvent) -> None:
+    """The root's progress: each window's mean loss, and each validation set's."""
+    if event.window_steps:
+        what = f"training, the mean of steps {event.step - event.window_steps + 1}-{event.step}"
+    elif event.kind == "valid" and event.done:
+        what = f"validation set {event.validation_set!r}"
+    else:
+        return
+    print(f"epoch {event.epoch}, {what}: loss {event.loss:.4f}", file=sys.stderr)
+
+
 async def main(epochs: int) -> None:
     env = lampdist.launch.from_env()
     data = build(env.rank, env.nranks)
@@ -110,7 +121,7 @@ async def main(epochs: int) -> None:
             max_epochs=epochs,
             validate_before_training=True,
             log_every_n_steps=5,
-            on_event=lambda event: print(event, file=sys.stderr),
+            on_event=report,
         ),
         step=lampdist.StepOptions(
             steps_per_epoch=WINDOW,

@@ -392,6 +392,45 @@ def _recovery_page(directory: Path) -> dict[str, Any]:
     return namespace
 
 
+class _TinyGpt(torch.nn.Module):
+    """A stand-in for the ported script's GPT: ``forward(idx, targets) -> (logits, loss)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 16)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        logits = self.head(self.embedding(idx))
+        return logits, torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _bring_your_model_page(_: Path) -> dict[str, Any]:
+    """What the ported script defines itself: its model, text, batches and schedule, with a
+    run of two epochs of two steps."""
+
+    def get_batch_from(data: torch.Tensor, generator: torch.Generator) -> Any:
+        ix = torch.randint(len(data) - 5, (3,), generator=generator).tolist()
+        x = torch.stack([data[i : i + 4] for i in ix])
+        y = torch.stack([data[i + 1 : i + 5] for i in ix])
+        return x, y
+
+    text = torch.randint(16, (200,), generator=torch.Generator().manual_seed(0))
+    return {
+        "GPT": lambda config: _TinyGpt(),
+        "config": None,
+        "train_data": text[:160],
+        "val_data": text[160:],
+        "get_batch_from": get_batch_from,
+        "eval_interval": 2,
+        "eval_iters": 2,
+        "max_iters": 4,
+        "log_interval": 1,
+        "learning_rate": 0.01,
+        "get_lr": lambda it: 0.01 * min(1.0, (it + 1) / 3),
+    }
+
+
 def _given(*parts: Callable[[Path], dict[str, Any]]) -> Callable[[Path], dict[str, Any]]:
     def given(directory: Path) -> dict[str, Any]:
         namespace: dict[str, Any] = {}
@@ -412,6 +451,7 @@ PAGES: dict[str, Page] = {
     ),
     "docs/control.md": Page(),
     "docs/howto-big-models.md": Page(given=_big_models_page, then=then_big_models),
+    "docs/howto-bring-your-model.md": Page(given=_bring_your_model_page),
     "docs/howto-checkpoint-resume.md": Page(given=_shared),
     "docs/howto-object-store.md": Page(
         given=_shared, then=then_object_store_main, s3_bucket="my-bucket"

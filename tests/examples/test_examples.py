@@ -73,6 +73,29 @@ def test_torchrun_script_under_torchrun(tmp_path: Path) -> None:
     assert done.stderr.count("epoch 0: training loss") == 1  # the progress: the root's only
 
 
+def test_hf_causal_lm_under_torchrun(tmp_path: Path) -> None:
+    """The transformers GPT-2 of examples/hf_causal_lm.py, on two CPU ranks: both end with the
+    same weights and the same losses of both validation sets, and the held-out loss falls
+    from the validation before training."""
+    env = {
+        **os.environ,
+        "LAMPDIST_SECRET": "example-secret",
+        "PYTHONPATH": os.pathsep.join([str(ROOT_DIR / "src"), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", str(EXAMPLES / "hf_causal_lm.py"), "--epochs", "2"]
+    done = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, _errors_first(done.stderr)
+    results = {r["rank"]: r for r in map(json.loads, _json_lines(done.stdout))}
+    assert sorted(results) == [0, 1], done.stdout
+    assert results[0] == {**results[1], "rank": 0}  # the same weights and losses everywhere
+    assert results[0]["val_loss"] < results[0]["first_val_loss"] - 1.0
+    assert "training, the mean of steps 6-10" in done.stderr  # log_every_n_steps=5
+
+
 def _json_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("{")]
 
