@@ -324,3 +324,42 @@ def test_dying_keeps_the_state_of_what_it_wraps() -> None:
     iterable = source(context)
     next(iter(iterable))
     assert iterable.state_dict()["drawn"] == 1
+
+
+@pytest.mark.parametrize("position", [10, 10**12])
+def test_the_first_batch_after_a_resume_costs_the_same_at_any_position(position: int) -> None:
+    """A stream resumed from a RandomBatches state draws the batch after its position with
+    the first call of ``sample`` (a few more load ahead), whatever the position."""
+    from lampdist._epoch._feed import AHEAD
+    from lampdist._epoch._stream import StreamPosition, TrainStream, stream_context
+
+    calls = [0]
+
+    def sample(generator: torch.Generator) -> torch.Tensor:
+        calls[0] += 1
+        return torch.rand(2, generator=generator)
+
+    source = lampdist.RandomBatches(sample)
+    draws = source(stream_context(0, 0, 1)(0))
+    iterator = iter(draws)
+    for _ in range(10):
+        next(iterator)
+    state = {**draws.state_dict(), "drawn": position}  # the generator's state is what counts
+    want = next(iterator)
+    calls[0] = 0
+    stream = TrainStream.open(
+        source,
+        model=loss_model(make_model()),
+        device=torch.device("cpu"),
+        rank=0,
+        intra_op_threads=1,
+        window=10**15,
+        start=StreamPosition(data_pass=0, batches=position, state=state),
+        context=stream_context(0, 0, 1),
+    )
+    try:
+        loaded = stream.feed.next()
+        assert loaded is not None and torch.equal(loaded.data, want)
+        assert calls[0] <= AHEAD + 2
+    finally:
+        stream.close()
