@@ -46,7 +46,7 @@ def random_source(x: torch.Tensor, y: torch.Tensor) -> lampdist.RandomBatches[An
 
 
 def _table(x: torch.Tensor, y: torch.Tensor) -> Any:
-    import datasets
+    import datasets  # type: ignore[import-untyped]
 
     return datasets.Dataset.from_dict({"x": x.tolist(), "y": y.tolist()}).with_format("torch")
 

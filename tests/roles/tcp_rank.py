@@ -324,7 +324,7 @@ async def main(argv: list[str]) -> None:
     stateful = None
     if args.data is not None:
         stateful = data_sources.make_source(args.data, *data_sources.rows(train))
-        valid = [{"x": x, "y": y} for x, y in valid]  # type: ignore[misc]  # dict batches
+        valid = [{"x": x, "y": y} for x, y in valid]  # dict batches
     if args.die_after is not None and stateful is not None:
         marker = args.out / f"died-{args.rank}"
         signum = getattr(signal, args.signal)

@@ -82,7 +82,9 @@ async def _train(
     resume: lampdist.Resumed | None = None,
 ) -> tuple[list[torch.nn.Module], lampdist.LoopState]:
     modules = [copy.deepcopy(initial)] + [make_model(seed=10 + r) for r in range(1, len(sources))]
-    saving = {} if directory is None else {"checkpoint_state": checkpoint.to_directory(directory)}
+    saving: dict[str, Any] = {}
+    if directory is not None:
+        saving["checkpoint_state"] = checkpoint.to_directory(directory)
     with anyio.fail_after(120):
         state = await lampdist.local_data_parallel_training_loop(
             models_with_data_streams=[
@@ -273,7 +275,7 @@ class _Slow:
     def __init__(self, delay: float) -> None:
         self.delay = delay
 
-    def __call__(self) -> Iterator[dict[str, torch.Tensor]]:
+    def __call__(self) -> Iterator[Any]:
         x, y = rows(make_shards([[3] * 3], seed=4)[0])
         while True:
             time.sleep(self.delay)
@@ -339,7 +341,7 @@ def test_the_first_batch_after_a_resume_costs_the_same_at_any_position(position:
         calls[0] += 1
         return torch.rand(2, generator=generator)
 
-    source = lampdist.RandomBatches(sample)
+    source: lampdist.RandomBatches[Any] = lampdist.RandomBatches(sample)
     draws = source(stream_context(0, 0, 1)(0))
     iterator = iter(draws)
     for _ in range(10):
