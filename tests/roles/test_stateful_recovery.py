@@ -22,16 +22,18 @@ from .test_recovery import NEVER, Job, assert_same_run, uninterrupted
 def test_a_killed_follower_with_a_stateful_source_recovers_bitwise(
     tmp_path: Path, kind: str
 ) -> None:
-    """Windows of 2 steps of 3 batches; rank 2 dies as it takes its 10th batch (the second
-    window of epoch 1); its replacement and the survivors load their sources' states."""
+    """Windows of 2 steps of 3 batches (6 a window); rank 2's loading thread, a few batches
+    ahead, kills its process as it draws its 16th batch (epoch 2 or the end of epoch 1,
+    after a snapshot with a place in the data); its replacement and the survivors go back by
+    loading their sources' states."""
     if kind != "random":
         pytest.importorskip("datasets")
-    args = ["--step-on", "every_rank", "--window", "2", "--data", kind, "--epochs", "3"]
+    args = ["--step-on", "every_rank", "--window", "2", "--data", kind, "--epochs", "4"]
     uninterrupted(tmp_path / "want", args)
     job = Job(
         tmp_path / "got",
         [*args, "--recovery", "60"],
-        {0: ["--die-after", NEVER], 1: ["--die-after", NEVER], 2: ["--die-after", "10"]},
+        {0: ["--die-after", NEVER], 1: ["--die-after", NEVER], 2: ["--die-after", "16"]},
     )
     try:
         assert job.wait_for(2) == -signal.SIGKILL
