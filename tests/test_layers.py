@@ -32,7 +32,7 @@ LAYERS = [
         "_option_checks",
         "_step_schedules",
     },
-    {"_library_schedules"},
+    {"_library_schedules", "_random_batches"},
     {"_effects", "schedules", "_model", "_fsdp_options", "_timeouts", "_state_json"},
     {"_loss_model"},
     {"control", "clique", "_checkpoint", "_loop", "_step_options", "_model_with_data"},

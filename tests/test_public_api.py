@@ -62,6 +62,7 @@ PUBLIC_NAMES = {
         "PeerUnresponsive",
         "Precision",
         "ProtocolError",
+        "RandomBatches",
         "RankFailed",
         "Recovered",
         "Recovery",

@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     from ._options import Recovery as Recovery
     from ._options import StepOptions as StepOptions
     from ._options import Timeouts as Timeouts
+    from ._random_batches import RandomBatches as RandomBatches
     from ._roles import Evaluation as Evaluation
     from ._roles import drive_distributed_training as drive_distributed_training
     from ._roles import evaluate as evaluate
@@ -136,6 +137,7 @@ _FROM: dict[str, tuple[str, ...]] = {
         "run_until_signal",
         "train",
     ),
+    "._random_batches": ("RandomBatches",),
     "._source": ("PassContext",),
     "._state": (
         "CurvePoint",
@@ -217,6 +219,7 @@ __all__ = [
     "PeerUnresponsive",
     "Precision",
     "ProtocolError",
+    "RandomBatches",
     "RankFailed",
     "Recovered",
     "Recovery",

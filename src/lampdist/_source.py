@@ -6,7 +6,9 @@ the epoch, the kind of pass, the rank and a seed of its own, derived from
 ``generator=context.generator()`` draws the same order in every run with that seed, whatever
 the order in which the ranks' threads run, and a run resumed at epoch ``e`` draws what an
 uninterrupted one drew there: the seed is a function of the pass, so there is no generator
-state to save.
+state to save. An endless training stream (``steps_per_epoch``) sees one pass for the whole
+run, so a sampler that draws at random each step keeps its generator's place as a state:
+:class:`~lampdist.RandomBatches` does, from the context's seed.
 """
 
 from __future__ import annotations

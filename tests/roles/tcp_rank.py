@@ -3,6 +3,7 @@
     python -m tests.roles.tcp_rank --rank 0 --nranks 2 --out DIR [--port 0] [--shuffle] [--cuda]
         [--step-on root|every_rank|sharded|fsdp] [--metrics] [--accumulate N]
         [--optimizer sgd|adamw|adafactor] [--clip NORM] [--meta]
+        [--data random|hf-iterable|hf-loader]
 
 The root prints ``PORT <n>`` once it listens; followers take ``--port``. Each rank writes its
 final weights to ``DIR/rank<r>.pt`` and the root writes its learning curve to
@@ -15,7 +16,8 @@ metrics to ``DIR/metrics.json``.
 Under ``--step-on fsdp`` each rank writes its own shards (``DIR/rank<r>.pt``, each parameter's
 local part, in rank order along dimension 0); with ``--meta`` the model is built on the meta
 device (every rank from another seed: the root's weights must win). ``--nranks 3`` trains on
-:data:`SIZES_3`.
+:data:`SIZES_3`. ``--data KIND`` trains on dict batches of the rank's rows from a source that
+keeps its own state (:mod:`.data_sources`), ``--die-after`` wrapping it with its state.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 import lampdist
 from lampdist import checkpoint, control
 
+from . import data_sources
 from .reference import make_model, make_shards, mse, shuffled
 
 SIZES = [[5, 7, 3, 9, 2], [6, 6, 0, 4]]
@@ -267,6 +270,7 @@ async def main(argv: list[str]) -> None:
     parser.add_argument(
         "--signal", default="SIGKILL", choices=["SIGKILL", "SIGSTOP"], help="--die-after's"
     )
+    parser.add_argument("--data", default=None, choices=data_sources.KINDS)
     parser.add_argument(
         "--die-after",
         type=int,
@@ -317,7 +321,15 @@ async def main(argv: list[str]) -> None:
         ]
     if args.stall_at is not None and args.rank == 1:
         train = stalling(train, args.stall_at)
-    if args.die_after is not None:
+    stateful = None
+    if args.data is not None:
+        stateful = data_sources.make_source(args.data, *data_sources.rows(train))
+        valid = [{"x": x, "y": y} for x, y in valid]  # dict batches
+    if args.die_after is not None and stateful is not None:
+        marker = args.out / f"died-{args.rank}"
+        signum = getattr(signal, args.signal)
+        stateful = data_sources.Dying(stateful, args.die_after, marker, signum)
+    elif args.die_after is not None:
         marker = args.out / f"died-{args.rank}"
         train = dying(train, args.die_after, marker, getattr(signal, args.signal))
     if args.concatenated:  # one rank, each batch the two ranks' batches of its step
@@ -333,9 +345,11 @@ async def main(argv: list[str]) -> None:
         module = module.to(device)
     if args.fp16:
         module = module.float()
-    model = lampdist.SupervisedModel(module, mse, metrics=metrics() if args.metrics else {})
+    model: Any = lampdist.SupervisedModel(module, mse, metrics=metrics() if args.metrics else {})
     train_source: Any
-    if callable(train):  # dying
+    if stateful is not None:
+        model, train_source = data_sources.loss_model(module), stateful
+    elif callable(train):  # dying
         train_source = train
     else:
         train_source = shuffled(train) if args.shuffle else unsized(train, args.unsized)

@@ -116,13 +116,21 @@ class PassRunner:
             ranks = shared["ranks"]
             if len(ranks) != self.clique.nranks:
                 # Places in the data exist with steps_per_epoch only: without, there is
-                # nothing to drop and so nothing to warn of.
-                if self.rank == 0 and any(rank["position"] is not None for rank in ranks):
+                # nothing to drop and so nothing to warn of. The root refused the places a
+                # source's state holds (but RandomBatches'): every rank starts the pass after
+                # the furthest one, so that seeded sources draw anew rather than repeat.
+                passes = [rank["position"]["data_pass"] for rank in ranks if rank["position"]]
+                if not passes:
+                    return
+                self._start = StreamPosition(data_pass=max(passes) + 1, batches=0)
+                self.kernel.position = self._start
+                if self.rank == 0:
                     logger.warning(
                         "the checkpoint was written by %s and this run has %d: every "
-                        "rank starts its training data afresh",
+                        "rank starts its training data afresh, at pass %d over it",
                         counted(len(ranks), "rank"),
                         self.clique.nranks,
+                        self._start.data_pass,
                         extra={"rank": 0},
                     )
                 return

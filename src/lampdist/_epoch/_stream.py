@@ -13,12 +13,17 @@ pass over the data, the batches drawn from it, and the source's ``state_dict()``
 iterable has one (torchdata's ``StatefulDataLoader``). A resumed stream starts from such a
 position: it calls the source for that pass and loads the state, or, for a source without
 state, draws and drops that many batches (exact when the source yields the same batches for
-the same context, as one that shuffles with ``context.generator()`` does).
+the same context, as one that shuffles with ``context.generator()`` does). Such a replay costs
+what reading those batches cost: one that runs past :data:`REPLAY_WARNING_SECONDS` is logged
+once, naming the source and the batches it replays (a source with state resumes at once:
+:class:`~lampdist.RandomBatches` for random draws, ``StatefulDataLoader`` for a loader).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -31,7 +36,12 @@ from .._model import BatchModel
 from .._source import PassContext, pass_seed
 from ._feed import AHEAD, BatchFeed, Loader, call_checked
 
-__all__ = ["StreamPosition", "TrainStream"]
+__all__ = ["REPLAY_WARNING_SECONDS", "StreamPosition", "TrainStream"]
+
+logger = logging.getLogger(__name__)
+
+REPLAY_WARNING_SECONDS = 2.0
+"""How long a resumed stream replays a source without state before it says so."""
 
 
 @attrs.frozen(kw_only=True)
@@ -147,15 +157,8 @@ def _load(
             iterable.load_state_dict(state)  # type: ignore[attr-defined]  # checked above
         iterator: Iterator[object] = iter(iterable)
         taken = skip
-        if state is None:
-            for _ in range(skip):
-                if next(iterator, _END) is _END:
-                    raise TrainingError(
-                        f"the training source ran out before the {skip} batches of pass "
-                        f"{data_pass} over the data that the checkpoint had drawn",
-                        rank=loader.rank,
-                        phase="resume",
-                    )
+        if state is None and skip:
+            _replay(iterator, skip, data_pass, source, iterable, loader.rank)
         state, skip = None, 0
         yielded = False
         while not feed.stopped:
@@ -182,6 +185,49 @@ def _load(
                 phase="train",
             )
         data_pass += 1
+
+
+def _replay(
+    iterator: Iterator[object],
+    skip: int,
+    data_pass: int,
+    source: object,
+    iterable: object,
+    rank: int,
+) -> None:
+    """Draw and drop the ``skip`` batches of pass ``data_pass`` that the checkpoint had drawn,
+    saying so once when that takes longer than :data:`REPLAY_WARNING_SECONDS`."""
+    started = time.monotonic()
+    warned = False
+    for _ in range(skip):
+        if next(iterator, _END) is _END:
+            raise TrainingError(
+                f"the training source ran out before the {skip} batches of pass "
+                f"{data_pass} over the data that the checkpoint had drawn",
+                rank=rank,
+                phase="resume",
+            )
+        if not warned and time.monotonic() - started > REPLAY_WARNING_SECONDS:
+            warned = True
+            logger.warning(
+                "rank %d: resuming its training data replays %d batches of the training "
+                "source %s (it returns a %s, without state_dict()): more than %g s so far; a "
+                "source whose iterable has state_dict() and load_state_dict() resumes at "
+                "once (lampdist.RandomBatches for random draws, torchdata's "
+                "StatefulDataLoader for a DataLoader)",
+                rank,
+                skip,
+                _name(source),
+                type(iterable).__name__,
+                REPLAY_WARNING_SECONDS,
+                extra={"rank": rank},
+            )
+
+
+def _name(source: object) -> str:
+    """How a log names a source: its qualified name, or its class's for an instance."""
+    name = getattr(source, "__qualname__", None)
+    return name if isinstance(name, str) else repr(source)
 
 
 def _call(

@@ -7,6 +7,14 @@ checkpoint of a compiled run loads into an eager one and the reverse; keys a com
 wrote (``_orig_mod.0.weight``) load too. A state that does not fit the run's model or
 optimizer is a :class:`CheckpointError` (rank 0, phase ``'resume'``) naming the checkpoint and
 what differs, not torch's raw error.
+
+A checkpoint resumed on another number of ranks (:func:`check_data_places`): the model,
+optimizer and schedule resume exactly, but no rank's place in its data carries over, since
+each rank's data is its own. Places that a replay or a :class:`~lampdist.RandomBatches`
+state keeps give way to a new pass over the data on every rank (a warning says so); the
+state of any other source (a ``StatefulDataLoader``'s, a ``datasets.IterableDataset``'s: how
+far each rank got in its own shard) cannot be split over another number of ranks and is
+refused with a :class:`ConfigError`, not dropped in silence.
 """
 
 from __future__ import annotations
@@ -23,10 +31,13 @@ from .._checkpoint import RngStates, restore_rng_states
 from .._epoch import Stepper
 from .._errors import CheckpointError, ConfigError
 from .._model import original_module
+from .._random_batches import is_random_state
+from .._words import counted
 from ..checkpoint import Resumed
 from ..schedules import LearningRateSchedule, state_from_json, state_to_json
 
 __all__ = [
+    "check_data_places",
     "check_schedule_state",
     "fitting_model_state",
     "load_model_state",
@@ -213,6 +224,29 @@ def check_schedule_state(schedule: LearningRateSchedule[Any], state: Any, *, epo
             rank=0,
             phase="checkpoint",
         )
+
+
+def check_data_places(resume: Resumed | None, nranks: int) -> None:
+    """Raise :class:`ConfigError` when ``resume`` was written by another number of ranks than
+    ``nranks`` and its ranks' places in their data hold a training source's state other than
+    :class:`~lampdist.RandomBatches`' (which cannot be split over other ranks)."""
+    ranks = resume.training_state.rank_states if resume is not None else None
+    if resume is None or ranks is None or len(ranks) == nranks:
+        return
+    states = [rank["position"]["state"] for rank in ranks if rank.get("position")]
+    kept = [state for state in states if state is not None and not is_random_state(state)]
+    if not kept:
+        return
+    raise ConfigError(
+        f"resume: {_where(resume.path)} was written by {counted(len(ranks), 'rank')}, each "
+        f"with its training source's state_dict() (a {type(kept[0]).__name__}: how far it "
+        f"got in its own data), and this run has {nranks}: a source's state cannot be split "
+        f"over another number of ranks. Resume on {len(ranks)} ranks, or start every rank's "
+        "data afresh with resume=attrs.evolve(resumed, training_state=attrs.evolve("
+        "resumed.training_state, rank_states=None)) (lampdist.RandomBatches' state gives way "
+        "to a new pass on its own)",
+        phase="resume",
+    )
 
 
 def restore_rng(states: RngStates) -> None:

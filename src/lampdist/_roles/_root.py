@@ -36,7 +36,7 @@ from ._failures import (
 )
 from ._generations import Generations, check_recovery
 from ._rank import RankContext, RunOptions, check_optimizer_factory, check_rank, open_rank
-from ._resume import resumed_schedule_state
+from ._resume import check_data_places, resumed_schedule_state
 from ._run_state import RunState
 from ._stopping import Stopping
 
@@ -141,6 +141,7 @@ async def drive(
     _check_design_loop(run.step, loop, storage)
     check_recovery(nranks, run, loop, control)
     lr_state = resumed_schedule_state(loop.learning_rate_schedule, resume)
+    check_data_places(resume, nranks)
     check_monitors(loop, data)
     if resume is not None and loop.max_epochs <= resume.epoch and not evaluating:
         logger.warning(
