@@ -422,8 +422,7 @@ def export_hf(
     transformers (``pip install "lampdist[hf]"``); CheckpointError when the checkpoint's model
     is not this model; and the errors of :func:`export`.
     """
-    from ._checkpoint import FORMATS, local_shards, read_whole
-    from ._checkpoint._hf_export import hf_model, write_hf
+    from ._checkpoint import FORMATS, hf_model, local_shards, read_whole, write_hf
 
     if format not in FORMATS:
         raise ConfigError(

@@ -196,7 +196,7 @@ async def _gpt2_run(out: Path, module: torch.nn.Module) -> None:
     batches = [(tokens[i : i + 2], tokens[i : i + 2]) for i in range(0, 6, 2)]
     await lampdist.train(
         data=lampdist.ModelWithData(
-            model=lampdist.SupervisedModel(module, loss),  # type: ignore[arg-type]
+            model=lampdist.SupervisedModel(module, loss),
             train_batches=lambda: batches,
         ),
         optimizer_factory=adamw,

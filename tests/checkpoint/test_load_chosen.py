@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import anyio
@@ -114,7 +114,7 @@ async def _write_to_url(url: str) -> None:
 def test_bad_choices_are_config_errors_saying_what_to_pass(tmp_path: Path) -> None:
     write_epochs(tmp_path / "run", 1, 3)
     (tmp_path / "empty").mkdir()
-    cases = [
+    cases: list[tuple[Callable[[], object], str]] = [
         (lambda: checkpoint.load(tmp_path / "run", epoch=2), r"epoch=2: .* epochs \[1, 3\]"),
         (lambda: checkpoint.load(tmp_path / "run"), "not one checkpoint: pass one of its"),
         (lambda: checkpoint.load(tmp_path / "empty"), "is no checkpoint .*manifest.json"),

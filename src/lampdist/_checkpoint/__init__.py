@@ -10,6 +10,8 @@ from ._export import whole_weights as whole_weights
 from ._export import write_weights as write_weights
 from ._format import FORMAT_VERSION as FORMAT_VERSION
 from ._format import FileRecord as FileRecord
+from ._hf_export import hf_model as hf_model
+from ._hf_export import write_hf as write_hf
 from ._inventory import Listed as Listed
 from ._inventory import list_checkpoints as list_checkpoints
 from ._object_store import check_store_writable as check_store_writable
@@ -72,6 +74,7 @@ __all__ = [
     "check_storage_options",
     "check_store_writable",
     "check_writable",
+    "hf_model",
     "is_url",
     "list_checkpoints",
     "load_rank_shards",
@@ -89,6 +92,7 @@ __all__ = [
     "upload_rank_shards",
     "whole_weights",
     "write_checkpoint",
+    "write_hf",
     "write_own_shards",
     "write_rank_shards",
     "write_to_store",

@@ -196,7 +196,7 @@ def _mapped(tensor: torch.Tensor, path: Path) -> torch.Tensor:
     if tensor.numel() == 0:
         return tensor
     with open(path, "wb") as file:
-        file.write(memoryview(_bytes_of(tensor).numpy()))
+        file.write(_bytes_of(tensor).numpy().data)
     flat = torch.from_file(str(path), shared=False, size=tensor.numel(), dtype=tensor.dtype)
     return flat.reshape(tensor.shape)
 
@@ -243,7 +243,7 @@ def _write_safetensors(weights: Weights, target: Path) -> None:
                     f"tensor {name!r} is not what the checkpoint's metadata says", phase="resume"
                 )
             if tensor.numel():
-                file.write(memoryview(_bytes_of(tensor).numpy()))
+                file.write(_bytes_of(tensor).numpy().data)
         file.flush()
         os.fsync(file.fileno())
 

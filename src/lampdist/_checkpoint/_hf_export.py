@@ -48,7 +48,7 @@ def hf_model(model: Any) -> Any:
             "PretrainedConfig, or the path of its config directory or config.json",
             phase="configure",
         )
-    return transformers.AutoModelForCausalLM.from_config(config)
+    return transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]  # transformers' own
 
 
 def write_hf(model: Any, state: Mapping[str, Any], out: Path, *, safe_serialization: bool) -> None:
