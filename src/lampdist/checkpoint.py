@@ -14,6 +14,10 @@ run)::
         resume=resumed,
     )
 
+:func:`load` reads one chosen checkpoint instead (a path, a URL, or an epoch of a run), and
+:func:`export` and :func:`export_hf` write a checkpoint's model for other tools (safetensors,
+``torch.save``, a Hugging Face model directory).
+
 A crash or cancellation at any moment leaves the checkpoints committed before it intact and
 loadable. Loading never runs code from the files: tensors are raw bytes described by a JSON
 header (or, for values that format cannot hold, ``torch.load(weights_only=True)``), and
