@@ -14,6 +14,10 @@ run)::
         resume=resumed,
     )
 
+:func:`load` reads one chosen checkpoint instead (a path, a URL, or an epoch of a run), and
+:func:`export` and :func:`export_hf` write a checkpoint's model for other tools (safetensors,
+``torch.save``, a Hugging Face model directory).
+
 A crash or cancellation at any moment leaves the checkpoints committed before it intact and
 loadable. Loading never runs code from the files: tensors are raw bytes described by a JSON
 header (or, for values that format cannot hold, ``torch.load(weights_only=True)``), and
@@ -33,12 +37,16 @@ from ._checkpoint import (
     FORMAT_VERSION,
     WRITE_TIMEOUT,
     DirectoryStorage,
+    ExportFormat,
+    Loaded,
     RngStates,
     UrlStorage,
     check_storage_options,
     is_url,
+    read_chosen,
     read_latest,
     read_latest_from_store,
+    read_location,
 )
 from ._effects import CheckpointState
 from ._errors import CheckpointError, ConfigError
@@ -49,6 +57,9 @@ __all__ = [
     "FORMAT_VERSION",
     "Resumed",
     "consolidate",
+    "export",
+    "export_hf",
+    "load",
     "load_latest",
     "to_directory",
     "to_url",
@@ -265,6 +276,35 @@ def load_latest(
         loaded = read_latest(Path(path), map_location=map_location)
     if loaded is None:
         return None
+    return _resumed(loaded, restore_rng=restore_rng, options=options)
+
+
+def load(
+    path: str | os.PathLike[str],
+    *,
+    epoch: int | None = None,
+    map_location: Any = None,
+    restore_rng: bool = False,
+    options: Mapping[str, str] | None = None,
+) -> Resumed:
+    """One chosen checkpoint as a :class:`Resumed`, to pass as ``resume=``: ``path`` is that
+    checkpoint's directory (``runs/a/epoch-000003``, or a copy of it or a symlink to it, under
+    any name) or URL (``s3://bucket/run/epoch-000003``, read with ``options``); with
+    ``epoch``, ``path`` is a run's directory or URL and the checkpoint of that epoch there is
+    read. ``map_location`` and ``restore_rng`` are :func:`load_latest`'s.
+
+    Unlike :func:`load_latest`, nothing is skipped: a damaged checkpoint is an error. This
+    call blocks (``lampdist.train(resume=path)`` calls it on a worker thread).
+
+    Raises ConfigError when ``path`` is no checkpoint (a run's directory: pass ``epoch``, or
+    use :func:`load_latest`) or holds no checkpoint of ``epoch``; CheckpointError when the
+    checkpoint is damaged or cannot be read, and CheckpointVersionError for a newer format.
+    """
+    loaded = read_chosen(path, epoch=epoch, map_location=map_location, options=options)
+    return _resumed(loaded, restore_rng=restore_rng, options=options)
+
+
+def _resumed(loaded: Loaded, *, restore_rng: bool, options: Mapping[str, str] | None) -> Resumed:
     shards = loaded.training_state.shards
     if shards is not None and options is not None:  # the ranks download the shards with them
         shards = attrs.evolve(shards, options=dict(options))
@@ -286,25 +326,26 @@ def consolidate(
     path: str | os.PathLike[str],
     out: str | os.PathLike[str],
     *,
+    epoch: int | None = None,
     options: Mapping[str, str] | None = None,
 ) -> Path | str:
-    """Write the model of the newest intact checkpoint in ``path`` (a directory, or an
-    object store URL read with ``options``, as by :func:`load_latest`) to ``out`` as one
-    plain ``state_dict`` (``torch.load(out, weights_only=True)`` reads it back; load it into
-    the model for inference), whether every rank wrote its own shards (``step_on="fsdp"``)
-    or the root the whole model. ``out`` appears complete or not at all. Returns the
-    checkpoint it was read from. This call blocks and holds the whole model in host memory.
+    """Write the model of a checkpoint to ``out`` as one plain ``state_dict``
+    (``torch.load(out, weights_only=True)`` reads it back; load it into the model for
+    inference), whether every rank wrote its own shards (``step_on="fsdp"``) or the root the
+    whole model. The checkpoint is ``path`` itself when it is one checkpoint's directory or
+    URL, the one of ``epoch`` with ``epoch``, else the newest intact one in ``path`` (a
+    directory, or an object store URL read with ``options``, as by :func:`load_latest`).
+    ``out`` appears complete or not at all. Returns the checkpoint it was read from. This
+    call blocks and holds the whole model in host memory (:func:`export` holds one tensor).
 
     Raises CheckpointError when ``path`` holds no checkpoint or none is intact, and the
-    errors of :func:`load_latest`.
+    errors of :func:`load` and :func:`load_latest`.
     """
     import torch
 
     from ._checkpoint import local_shards, read_whole
 
-    loaded = load_latest(path, map_location="cpu", options=options)
-    if loaded is None:
-        raise CheckpointError(f"{path} holds no checkpoint to consolidate", phase="resume")
+    loaded = _read_model(path, epoch, options)
     state = loaded.training_state
     model = dict(state.model_state)
     if state.shards is not None:
@@ -317,5 +358,114 @@ def consolidate(
         os.replace(scratch, target)
     finally:
         scratch.unlink(missing_ok=True)
-    assert loaded.path is not None
     return loaded.path
+
+
+def export(
+    path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    format: ExportFormat = "safetensors",  # the CLI's --format
+    best: bool = False,
+    epoch: int | None = None,
+    options: Mapping[str, str] | None = None,
+) -> Path | str:
+    """Write a checkpoint's model weights to the file ``out``: ``format="safetensors"``
+    (``safetensors.torch.load_file(out)`` reads it) or ``"torch"`` (a plain state dict,
+    ``torch.load(out, weights_only=True)``), equal to the model's ``state_dict``; the best
+    model's with ``best=True``. The checkpoint is chosen as by :func:`consolidate` (``path``
+    a checkpoint, a run's with ``epoch``, or its newest intact one).
+
+    A sharded checkpoint (``step_on="fsdp"``) is consolidated one tensor at a time: each is
+    read whole from every rank's shards and written out before the next is read, so memory
+    holds one tensor of the model, not the model. ``out`` appears complete or not at all.
+    Returns the checkpoint it was read from. This call blocks.
+
+    Raises ConfigError for an unknown ``format``, ``best=True`` without a best model in the
+    checkpoint (an fsdp run keeps none), or a state dict that safetensors cannot hold;
+    CheckpointError when there is no checkpoint, it is damaged or the write fails; and the
+    errors of :func:`load`.
+    """
+    from ._checkpoint import FORMATS, local_shards, sharded_weights, whole_weights, write_weights
+
+    if format not in FORMATS:
+        raise ConfigError(
+            f"format={format!r} is no export format: pass one of {', '.join(FORMATS)}",
+            phase="configure",
+        )
+    loaded = _read_model(path, epoch, options)
+    state = loaded.training_state
+    if state.shards is not None and not best:
+        with local_shards(state.shards.path, state.shards.options) as shards:
+            write_weights(sharded_weights(shards), Path(out), format)
+    else:
+        write_weights(whole_weights(_model_state(loaded, best=best)), Path(out), format)
+    return loaded.path
+
+
+def export_hf(
+    path: str | os.PathLike[str],
+    model: Any,
+    out: str | os.PathLike[str],
+    *,
+    format: ExportFormat = "safetensors",
+    best: bool = False,
+    epoch: int | None = None,
+    options: Mapping[str, str] | None = None,
+) -> Path | str:
+    """Write a checkpoint's model (a transformers ``PreTrainedModel``) as a new Hugging Face
+    model directory ``out``, which ``transformers.AutoModelForCausalLM.from_pretrained(out)``
+    (or the model's own class) loads. ``model`` is the model to load the weights into and
+    save (its weights are replaced), or its config: a ``PretrainedConfig``, a directory
+    holding its ``config.json``, or that file (the model is then built by
+    ``AutoModelForCausalLM.from_config``). ``format`` is that of the weights' files; the
+    checkpoint is chosen as by :func:`export`. The whole model is held in memory. Returns the
+    checkpoint it was read from. This call blocks.
+
+    Raises ConfigError for a ``model`` that is none of those, an existing ``out``, or without
+    transformers (``pip install "lampdist[hf]"``); CheckpointError when the checkpoint's model
+    is not this model; and the errors of :func:`export`.
+    """
+    from ._checkpoint import FORMATS, hf_model, local_shards, read_whole, write_hf
+
+    if format not in FORMATS:
+        raise ConfigError(
+            f"format={format!r} is no export format: pass one of {', '.join(FORMATS)}",
+            phase="configure",
+        )
+    target = hf_model(model)
+    loaded = _read_model(path, epoch, options)
+    state = loaded.training_state
+    weights: Mapping[str, Any]
+    if state.shards is not None and not best:
+        with local_shards(state.shards.path, state.shards.options) as shards:
+            weights, _ = read_whole(shards)
+    else:
+        weights = _model_state(loaded, best=best)
+    write_hf(target, weights, Path(out), safe_serialization=format == "safetensors")
+    return loaded.path
+
+
+def _read_model(
+    path: str | os.PathLike[str], epoch: int | None, options: Mapping[str, str] | None
+) -> Loaded:
+    """The checkpoint that :func:`consolidate` and :func:`export` read, its tensors on the
+    CPU; raises CheckpointError when there is none."""
+    loaded = read_location(path, epoch=epoch, map_location="cpu", options=options)
+    if loaded is None:
+        raise CheckpointError(f"{path} holds no checkpoint", phase="resume")
+    return loaded
+
+
+def _model_state(loaded: Loaded, *, best: bool) -> Mapping[str, Any]:
+    state = loaded.training_state
+    if not best:
+        return state.model_state
+    if state.best_model_state is None:
+        raise ConfigError(
+            f"best=True: checkpoint {loaded.path} holds no best model (a run keeps one with "
+            "LoopOptions(return_min_validation_loss_model=...), and not under "
+            "step_on='fsdp'): export the last model instead",
+            phase="configure",
+        )
+    return state.best_model_state

@@ -3,8 +3,15 @@ writers, readers (a local directory, an object store), the inventory."""
 
 from ._background import StageOn as StageOn
 from ._background import background_writes as background_writes
+from ._export import FORMATS as FORMATS
+from ._export import ExportFormat as ExportFormat
+from ._export import sharded_weights as sharded_weights
+from ._export import whole_weights as whole_weights
+from ._export import write_weights as write_weights
 from ._format import FORMAT_VERSION as FORMAT_VERSION
 from ._format import FileRecord as FileRecord
+from ._hf_export import hf_model as hf_model
+from ._hf_export import write_hf as write_hf
 from ._inventory import Listed as Listed
 from ._inventory import list_checkpoints as list_checkpoints
 from ._object_store import check_store_writable as check_store_writable
@@ -19,6 +26,8 @@ from ._read import read_latest as read_latest
 from ._rng import RngStates as RngStates
 from ._rng import capture_rng_states as capture_rng_states
 from ._rng import restore_rng_states as restore_rng_states
+from ._select import read_chosen as read_chosen
+from ._select import read_location as read_location
 from ._shards import SHARDS as SHARDS
 from ._shards import ShardedState as ShardedState
 from ._shards import by_index as by_index
@@ -41,11 +50,13 @@ from ._write import new_shards_directory as new_shards_directory
 from ._write import write_checkpoint as write_checkpoint
 
 __all__ = [
+    "FORMATS",
     "FORMAT_VERSION",
     "SHARDS",
     "WRITE_TIMEOUT",
     "DirectoryStorage",
     "EffectStorage",
+    "ExportFormat",
     "FileRecord",
     "FileStorage",
     "Listed",
@@ -63,20 +74,27 @@ __all__ = [
     "check_storage_options",
     "check_store_writable",
     "check_writable",
+    "hf_model",
     "is_url",
     "list_checkpoints",
     "load_rank_shards",
     "local_shards",
     "new_shards_directory",
     "new_store_shards",
+    "read_chosen",
     "read_latest",
     "read_latest_from_store",
+    "read_location",
     "read_whole",
     "restore_rng_states",
+    "sharded_weights",
     "storage_for",
     "upload_rank_shards",
+    "whole_weights",
     "write_checkpoint",
+    "write_hf",
     "write_own_shards",
     "write_rank_shards",
     "write_to_store",
+    "write_weights",
 ]

@@ -78,11 +78,12 @@ _WINDOW = 2 * _THREADS
 
 
 def committed_checkpoints(directory: Path) -> list[tuple[CheckpointName, Path]]:
-    """The committed checkpoints in ``directory``, newest first (scratch entries ignored)."""
+    """The committed checkpoints in ``directory``, newest first (scratch entries ignored); a
+    symlink to a checkpoint directory counts as one (pruning it removes the link alone)."""
     found = []
     for entry in os.scandir(directory):
         name = CheckpointName.parse(entry.name)
-        if name is not None and entry.is_dir(follow_symlinks=False):
+        if name is not None and entry.is_dir():
             found.append((name, Path(entry.path)))
     found.sort(reverse=True)
     return found
@@ -410,4 +411,7 @@ def _prune(directory: Path, written: CheckpointName, *, keep: int) -> None:
         removing.append(scratch)
     fsync_directory(directory)
     for scratch in removing:
-        shutil.rmtree(scratch, ignore_errors=True)
+        if scratch.is_symlink():  # a linked checkpoint: its target is not ours to remove
+            scratch.unlink()
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)

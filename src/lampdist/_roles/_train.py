@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import os
 import signal
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -21,7 +22,7 @@ from .._errors import ConfigError, Interrupted
 from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts
 from .._preload import preload
 from .._state import LoopState
-from ..checkpoint import Resumed
+from ..checkpoint import Resumed, load
 from ..clique import ProcessGroups
 from ..control import FollowerChannel, RootChannel
 from ..launch import LaunchEnv, from_env
@@ -220,7 +221,7 @@ async def train(
     loop: LoopOptions | None = None,
     step: StepOptions = StepOptions(),
     timeouts: Timeouts = Timeouts(),
-    resume: Resumed | None = None,
+    resume: Resumed | str | os.PathLike[str] | None = None,
     launch: LaunchEnv | None = None,
     ssl_context: ssl.SSLContext | None = None,
     stop_on_signals: bool = True,
@@ -236,7 +237,9 @@ async def train(
     ``loop`` and ``resume`` act on the root only: followers ignore them, so ``loop``'s
     ``on_event`` (a tracker, a progress bar) reports on the root only, and ``loop`` may be
     left out on the followers (the root needs it); give every rank the same model and
-    ``step``.
+    ``step``. ``resume`` is a :class:`~lampdist.checkpoint.Resumed`, or the path or URL of
+    one checkpoint (a ``str`` or ``os.PathLike``: ``"runs/a/epoch-000003"``), which the root
+    reads with :func:`lampdist.checkpoint.load` on a worker thread before training.
 
     Returns the final :class:`~lampdist.LoopState` on every rank: the root's own, which it
     sends the followers with its STOP (see :func:`follow_distributed_training`); every
@@ -266,6 +269,22 @@ async def train(
     return await run_this_rank(launch, stop_on_signals, work)
 
 
+async def resumed(resume: Resumed | str | os.PathLike[str] | None) -> Resumed | None:
+    """``resume`` as :func:`train` takes it: a path or URL is read with
+    :func:`lampdist.checkpoint.load` on a worker thread (the event loop goes on). Raises
+    ConfigError for any other type, and the errors of ``load``."""
+    if resume is None or isinstance(resume, Resumed):
+        return resume
+    if not isinstance(resume, str | os.PathLike):
+        raise ConfigError(
+            f"resume={type(resume).__name__}: pass a checkpoint.Resumed (load_latest's), "
+            "the path or URL of one checkpoint, or None for a new run",
+            rank=0,
+            phase="configure",
+        )
+    return await anyio.to_thread.run_sync(load, resume)
+
+
 async def run_this_rank(
     launch: LaunchEnv | None,
     stop_on_signals: bool,
@@ -291,7 +310,7 @@ async def train_rank(
     loop: LoopOptions | None,
     step: StepOptions,
     timeouts: Timeouts,
-    resume: Resumed | None,
+    resume: Resumed | str | os.PathLike[str] | None,
     ssl_context: ssl.SSLContext | None,
     signals: _Signals | None,
     *,
@@ -319,7 +338,7 @@ async def train_rank(
             data,
             run_options,
             loop,
-            resume,
+            chosen,
             stop,
             evaluating=evaluating,
         )
@@ -327,8 +346,13 @@ async def train_rank(
     async def run_follower(control: FollowerChannel, stop: anyio.Event | None) -> LoopState:
         return await follow(env.rank, env.nranks, env.device, control, data, run_options, stop)
 
+    chosen: Resumed | None = None
+
     async def run(stop: anyio.Event | None, guard: Guard | None) -> LoopState:
+        nonlocal chosen
         await preload()
+        if env.is_root:  # before the followers join: they wait for nothing while it reads
+            chosen = await resumed(resume)
         logger.info(
             "rank %d of %d on %s, root at %s:%s",
             env.rank,

@@ -19,8 +19,10 @@ import anyio
 from .._errors import ConfigError, LampdistError
 from ._checkpoint import (
     add_consolidate_action,
+    add_export_action,
     add_inventory_actions,
     run_consolidate,
+    run_export,
     run_ls,
     run_verify,
 )
@@ -86,7 +88,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
     saved = commands.add_parser(
         "checkpoint",
-        help="work with checkpoints: list, verify, consolidate",
+        help="work with checkpoints: list, verify, consolidate, export",
         description=(
             "Work with the checkpoints of checkpoint.to_directory (a directory) and\n"
             "checkpoint.to_url (an object store URL such as s3://bucket/run)."
@@ -95,6 +97,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
     actions = saved.add_subparsers(dest="action", metavar="ACTION")
     consolidate = add_consolidate_action(actions)
+    export = add_export_action(actions)
     inventory = add_inventory_actions(actions)
     demo.add_argument("-v", "--verbose", action="store_true", help="log lampdist's INFO lines")
     demo.add_argument("--ranks", type=int, help="ranks in this process (default: 2; GPUs)")
@@ -125,6 +128,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         "demo": demo,
         "checkpoint": saved,
         "checkpoint consolidate": consolidate,
+        "checkpoint export": export,
         **{f"checkpoint {name}": action for name, action in inventory.items()},
     }
 
@@ -138,6 +142,8 @@ def _checkpoint(args: argparse.Namespace, commands: dict[str, argparse.ArgumentP
         return run_verify(args, commands["checkpoint verify"])
     if args.action == "consolidate":
         return run_consolidate(args, commands["checkpoint consolidate"])
+    if args.action == "export":
+        return run_export(args, commands["checkpoint export"])
     parser.print_help()
     return 2
 

@@ -1,5 +1,6 @@
-"""``lampdist checkpoint ls``, ``verify`` and ``consolidate``: what a checkpoint directory or
-an object store's prefix holds, whether it is intact, and its model as one file."""
+"""``lampdist checkpoint ls``, ``verify``, ``consolidate`` and ``export``: what a checkpoint
+directory or an object store's prefix holds, whether it is intact, and its model as one file
+(a torch state dict, safetensors, or a Hugging Face model directory)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "add_consolidate_action",
+    "add_export_action",
     "add_inventory_actions",
     "run_consolidate",
+    "run_export",
     "run_ls",
     "run_verify",
 ]
@@ -57,8 +60,59 @@ def add_consolidate_action(
         "directory", metavar="LOCATION", help="a checkpoint directory or an object store URL"
     )
     consolidate.add_argument("out", metavar="OUT", type=Path, help="the state_dict file to write")
+    _add_epoch_option(consolidate)
     _add_store_options(consolidate)
     return consolidate
+
+
+def _add_epoch_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--epoch",
+        type=int,
+        metavar="N",
+        help="the checkpoint of epoch N there (default: the location itself when it is one "
+        "checkpoint, else the newest intact one)",
+    )
+
+
+def add_export_action(
+    actions: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    """Add ``export`` to ``lampdist checkpoint``'s actions; its parser."""
+    export = actions.add_parser(
+        "export",
+        help="write a checkpoint's model weights as safetensors, torch or a Hugging Face model",
+        description=(
+            "Write the model weights of a checkpoint in CKPT (one checkpoint's directory or\n"
+            "URL, or a run's: its newest intact checkpoint, or that of --epoch) to OUT:\n"
+            "a safetensors file, a torch.save state dict (--format torch), or with --hf a\n"
+            "Hugging Face model directory that from_pretrained loads. A sharded (fsdp)\n"
+            "checkpoint is consolidated one tensor at a time (--hf holds the whole model).\n"
+            "Exit status: 0 when written, 1 when reading or writing fails, 2 for bad\n"
+            "arguments or options."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    export.add_argument(
+        "location", metavar="CKPT", help="a checkpoint or run directory, or an object store URL"
+    )
+    export.add_argument("out", metavar="OUT", type=Path, help="the file (--hf: directory) to write")
+    export.add_argument(
+        "--format",
+        choices=["safetensors", "torch"],
+        default="safetensors",
+        help="the weights' file format (default: safetensors)",
+    )
+    export.add_argument("--best", action="store_true", help="the best model, not the last")
+    export.add_argument(
+        "--hf",
+        metavar="CONFIG",
+        help="the model's transformers config (its directory or config.json): write a "
+        "Hugging Face model directory",
+    )
+    _add_epoch_option(export)
+    _add_store_options(export)
+    return export
 
 
 def add_inventory_actions(
@@ -172,9 +226,27 @@ def run_consolidate(args: argparse.Namespace, parser: argparse.ArgumentParser) -
 
     options = _options(args.option, parser)
     try:
-        source = consolidate(args.directory, args.out, options=options)
+        source = consolidate(args.directory, args.out, epoch=args.epoch, options=options)
     except LampdistError as exc:
         return _failed("consolidate", exc)
+    print(f"wrote {args.out} from {source}")
+    return 0
+
+
+def run_export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``lampdist checkpoint export``: 0 once OUT is written, 1 when reading or writing
+    fails, 2 for bad arguments or options."""
+    from ..checkpoint import export, export_hf
+
+    options = _options(args.option, parser)
+    chosen = {"best": args.best, "epoch": args.epoch, "options": options}
+    try:
+        if args.hf is not None:
+            source = export_hf(args.location, args.hf, args.out, format=args.format, **chosen)
+        else:
+            source = export(args.location, args.out, format=args.format, **chosen)
+    except LampdistError as exc:
+        return _failed("export", exc)
     print(f"wrote {args.out} from {source}")
     return 0
 
