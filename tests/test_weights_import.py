@@ -120,7 +120,9 @@ def test_bad_paths_and_options_fail_naming_what_to_pass(tmp_path: Path) -> None:
     with pytest.raises(lampdist.ConfigError, match="does not exist"):
         lampdist.from_safetensors(tmp_path / "none.safetensors")
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
-    with pytest.raises(lampdist.ConfigError, match="holds neither model.safetensors.index.json"):
+    with pytest.raises(
+        lampdist.ConfigError, match=r"holds neither model\.safetensors\.index\.json"
+    ):
         lampdist.from_safetensors(tmp_path).files()
     index = tmp_path / "bad.index.json"
     index.write_text("{}")
