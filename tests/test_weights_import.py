@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -66,14 +67,15 @@ def test_a_transformers_directory_loads_with_its_tied_head(tmp_path: Path) -> No
     """``save_pretrained`` stores GPT2's head once (tied to the token embedding): it loads
     from the embedding, and stays tied."""
     pytest.importorskip("transformers")
-    from transformers import GPT2Config, GPT2LMHeadModel
+    import transformers
 
-    config = GPT2Config(vocab_size=32, n_positions=8, n_embd=8, n_layer=1, n_head=2)
+    hf: Any = transformers  # untyped
+    config = hf.GPT2Config(vocab_size=32, n_positions=8, n_embd=8, n_layer=1, n_head=2)
     torch.manual_seed(1)
-    source = GPT2LMHeadModel(config)
+    source = hf.GPT2LMHeadModel(config)
     source.save_pretrained(tmp_path)
     torch.manual_seed(2)
-    target = GPT2LMHeadModel(config)
+    target = hf.GPT2LMHeadModel(config)
     lampdist.from_safetensors(tmp_path).load_into(target)
     assert_same(target, source)
     assert target.lm_head.weight is target.transformer.wte.weight

@@ -32,7 +32,7 @@ from lampdist import control
 from .reference import make_model, make_shards, mse
 from .tcp_rank import SIZES, VALID_SIZES, local_parts, sgd
 
-GPT2 = {
+GPT2: dict[str, Any] = {
     "vocab_size": 64,
     "n_positions": 16,
     "n_embd": 16,
@@ -45,25 +45,35 @@ GPT2 = {
 """A tiny GPT2, without dropout (the runs compared must draw nothing)."""
 
 
-def gpt2(seed: int) -> torch.nn.Module:
+def gpt2(seed: int) -> Any:
     """A tiny float64 ``GPT2LMHeadModel`` initialized from ``seed`` (its head tied to its
     token embedding)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    import transformers
 
+    hf: Any = transformers  # untyped
     torch.manual_seed(seed)
-    return GPT2LMHeadModel(GPT2Config(**GPT2)).double()
+    return hf.GPT2LMHeadModel(hf.GPT2Config(**GPT2)).double()
 
 
-def gpt2_buffers(module: torch.nn.Module) -> None:
+def gpt2_buffers(module: Any) -> None:
     """An ``init_weights`` for a meta-device GPT2 whose stored weights fill every parameter:
     the attention's causal mask, a buffer that is not stored (``persistent=False``)."""
     from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 
     if not isinstance(module, GPT2Attention):  # the others are stored whole
         raise TypeError(f"{type(module).__name__} has stored weights: nothing to initialize")
-    size = module.bias.shape[-1]
-    module.bias.copy_(torch.tril(torch.ones(size, size, dtype=torch.bool)).view_as(module.bias))
-    module.masked_bias.fill_(-1e4)
+    attention: Any = module  # transformers' modules are untyped
+    size = attention.bias.shape[-1]
+    mask = torch.tril(torch.ones(size, size, dtype=torch.bool))
+    attention.bias.copy_(mask.view_as(attention.bias))
+    attention.masked_bias.fill_(-1e4)
+
+
+def gpt2_blocks() -> tuple[type[torch.nn.Module], ...]:
+    """GPT2's blocks, each an fsdp unit (the embeddings and the tied head in the root's)."""
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    return (GPT2Block,)
 
 
 def lm_batches(rank: int, sizes: list[int], seed: int) -> list[dict[str, torch.Tensor]]:
@@ -102,7 +112,7 @@ def count_reads() -> Counter[str]:
 
     class Counting:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            self.inner = real(*args, **kwargs)
+            self.inner: Any = real(*args, **kwargs)
 
         def __enter__(self) -> Counting:
             self.inner.__enter__()
@@ -122,7 +132,7 @@ def count_reads() -> Counter[str]:
         def get_slice(self, name: str) -> Slice:
             return Slice(self.inner.get_slice(name), name)
 
-    safetensors.safe_open = Counting
+    setattr(safetensors, "safe_open", Counting)  # noqa: B010  # a class for a class
     return counted
 
 
@@ -163,7 +173,9 @@ async def main(argv: list[str]) -> None:
         accumulate_gradient_over_n_batches=3,
         step_on="fsdp",
         fsdp=lampdist.FsdpPolicy(
-            initial_weights=weights, init_weights=gpt2_buffers if args.model == "gpt2" else None
+            shard_modules=gpt2_blocks() if args.model == "gpt2" else (),
+            initial_weights=weights,
+            init_weights=gpt2_buffers if args.model == "gpt2" else None,
         ),
     )
     data = lampdist.ModelWithData(

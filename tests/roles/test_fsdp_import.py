@@ -105,16 +105,12 @@ def test_an_fsdp_run_from_safetensors_equals_one_from_the_same_weights_in_memory
     for source, name in ((single, "file"), (index, "index")):
         out = run(tmp_path / name, "--meta", "--weights", str(source), "--count-reads")
         assert_same_run(out, memory)
-        for rank in range(2):
-            read = json.loads((out / f"read{rank}.json").read_text())
-            start = run_parts(out, rank)
-            kept = {n: t.nbytes for n, t in start.items() if t.nbytes}
-            assert read == kept, (name, rank)
+        reads = [json.loads((out / f"read{rank}.json").read_text()) for rank in range(2)]
+        for rank, read in enumerate(reads):
+            kept = {n: t.nbytes for n, t in run_parts(out, rank).items() if t.nbytes}
+            assert read == kept, (name, rank)  # the bytes of its own shards, no more
         whole = sum(t.nbytes for t in state.values())
-        assert (
-            sum(sum(json.loads((out / f"read{r}.json").read_text()).values()) for r in (0, 1))
-            == whole
-        )
+        assert sum(sum(read.values()) for read in reads) == whole  # each byte read once
 
 
 def run_parts(out: Path, rank: int) -> dict[str, torch.Tensor]:
@@ -125,9 +121,10 @@ def run_parts(out: Path, rank: int) -> dict[str, torch.Tensor]:
 
 def test_a_transformers_gpt2_starts_from_its_directory(tmp_path: Path) -> None:
     """A tiny GPT2 (its head tied to its token embedding, which ``save_pretrained`` stores
-    once) built on the meta device on every rank starts from its ``save_pretrained``
-    directory; only its attention's causal mask, a buffer it does not store, is initialized.
-    The run equals, bitwise, one whose root holds the module's own weights in memory."""
+    once) built on the meta device on every rank, each block an fsdp unit, starts from its
+    ``save_pretrained`` directory; only its attention's causal mask, a buffer it does not
+    store, is initialized. The run equals, bitwise, one whose root holds the module's own
+    weights in memory."""
     pytest.importorskip("transformers")
     from .import_rank import gpt2
 
