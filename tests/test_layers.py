@@ -31,6 +31,7 @@ LAYERS = [
         "_stateless_schedules",
         "_option_checks",
         "_step_schedules",
+        "_weights_import",
     },
     {"_library_schedules", "_random_batches"},
     {"_effects", "schedules", "_model", "_fsdp_options", "_timeouts", "_state_json"},

@@ -80,6 +80,8 @@ if TYPE_CHECKING:
     from ._state import Recovered as Recovered
     from ._state import StepSplit as StepSplit
     from ._state import TrainingState as TrainingState
+    from ._weights_import import StoredWeights as StoredWeights
+    from ._weights_import import from_safetensors as from_safetensors
     from .checkpoint import Resumed as Resumed
     from .clique import Clique as Clique
     from .clique import open_clique as open_clique
@@ -148,6 +150,7 @@ _FROM: dict[str, tuple[str, ...]] = {
         "StepSplit",
         "TrainingState",
     ),
+    "._weights_import": ("StoredWeights", "from_safetensors"),
     ".checkpoint": ("Resumed",),
     ".clique": ("Clique", "open_clique"),
 }
@@ -227,6 +230,7 @@ __all__ = [
     "SaveBestModel",
     "StepOptions",
     "StepSplit",
+    "StoredWeights",
     "SupervisedModel",
     "Timeouts",
     "TrainEpoch",
@@ -240,6 +244,7 @@ __all__ = [
     "evaluate",
     "evaluate_locally",
     "follow_distributed_training",
+    "from_safetensors",
     "launch",
     "local_data_parallel_training_loop",
     "open_clique",

@@ -12,6 +12,7 @@ import attrs
 import torch
 
 from ._errors import ConfigError
+from ._weights_import import StoredWeights
 
 __all__ = ["FsdpPolicy", "Parallelize", "Precision", "describe_callable"]
 
@@ -128,7 +129,15 @@ class FsdpPolicy:
     ``init_weights(module)`` initializes one module's own parameters and buffers when the
     model was built on the meta device (default: the module's ``reset_parameters()``); see
     docs/howto-big-models.md. ``reshard_after_forward`` frees each unit's gathered
-    parameters after its forward (less memory, one more all-gather in backward)."""
+    parameters after its forward (less memory, one more all-gather in backward).
+
+    ``initial_weights`` (:func:`~lampdist.from_safetensors`) starts the run from stored
+    weights: after sharding each rank reads the slices of its own shards from the files, so
+    no rank reads or holds the whole model (a model built on the meta device then needs no
+    initialization for the modules whose tensors are all stored). Every rank must reach the
+    files at the same path. A run that resumes from a checkpoint loads the checkpoint
+    instead. Only ``step_on="fsdp"`` reads it; under another design the root loads the
+    weights itself (:meth:`~lampdist.StoredWeights.load_into`) before the run."""
 
     shard_modules: tuple[type[torch.nn.Module], ...] = attrs.field(
         default=(), converter=_types, validator=_check_types
@@ -139,8 +148,15 @@ class FsdpPolicy:
         default=None, validator=_check_callable
     )
     reshard_after_forward: bool = True
+    initial_weights: StoredWeights | None = None
 
     def __attrs_post_init__(self) -> None:
+        if self.initial_weights is not None and not isinstance(self.initial_weights, StoredWeights):
+            raise ConfigError(
+                f"FsdpPolicy.initial_weights must be lampdist.from_safetensors(path) or None, "
+                f"got {self.initial_weights!r}",
+                phase="configure",
+            )
         if not isinstance(self.precision, Precision):
             raise ConfigError(
                 f"FsdpPolicy.precision must be a lampdist.Precision, got {self.precision!r}",
@@ -157,5 +173,6 @@ class FsdpPolicy:
             f"parallelize={describe_callable(self.parallelize) if self.parallelize else None}",
             f"init_weights={describe_callable(self.init_weights) if self.init_weights else None}",
             f"reshard_after_forward={self.reshard_after_forward}",
+            f"initial_weights={self.initial_weights!r}",
         ]
         return f"FsdpPolicy({', '.join(parts)})"

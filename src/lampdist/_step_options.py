@@ -231,6 +231,13 @@ class StepOptions:
                 "modules with FsdpPolicy.shard_modules); pass bucket_cap_mb=None",
                 phase="configure",
             )
+        if self.fsdp.initial_weights is not None and self.step_on != "fsdp":
+            raise ConfigError(
+                f"FsdpPolicy.initial_weights applies to step_on='fsdp', not {self.step_on!r}: "
+                "under another design load them on the root before the run "
+                "(weights.load_into(module); the root's weights reach every rank)",
+                phase="configure",
+            )
         if self.global_accumulation is not None and self.accumulate_gradient_over_n_batches != 1:
             raise ConfigError(
                 f"StepOptions got global_accumulation={self.global_accumulation} and "

@@ -48,6 +48,7 @@ from ..._fsdp_options import FsdpPolicy
 from ..._model import original_module
 from ..._options import StepOptions
 from ..._state import TrainingState
+from ..._weights_import import load_stored, plan_load
 from ..._words import counted
 from ...clique import PendingCollective
 from .._clock import DATA, EXCHANGE
@@ -166,6 +167,8 @@ class FsdpSteps(EveryRankSteps):
                 phase=_PHASE,
             )
         module = original_module(self.module)
+        weights = self.policy.initial_weights  # checked before any tensor is allocated
+        stored = None if weights is None else plan_load(weights, module, rank=self.rank)
         on_meta = any(t.is_meta for t in [*module.parameters(), *module.buffers()])
         template = copy.deepcopy(module) if on_meta else None
         if not on_meta:
@@ -185,6 +188,7 @@ class FsdpSteps(EveryRankSteps):
                 device=self.device,
                 init=self.policy.init_weights,
                 rank=self.rank,
+                stored=frozenset(stored or ()),
             )
         check_sharded(module, self.nranks, rank=self.rank)
         self._check_units(module)
@@ -192,7 +196,7 @@ class FsdpSteps(EveryRankSteps):
         self.flat.parameters = trainable
         self.flat.module_buffers = list(module.buffers())
         self.stepper = self._build_stepper(trainable)
-        self._resume(module, resume)
+        self._resume(module, resume, stored)
         if self.rank == 0:
             logger.info(
                 "fsdp over %s: %s, precision %s",
@@ -218,10 +222,16 @@ class FsdpSteps(EveryRankSteps):
         rows = gathered.view(self.nranks, len(sizes)).tolist()
         check_units(module, self._units, rows, rank=self.rank)
 
-    def _resume(self, module: torch.nn.Module, resume: TrainingState | None) -> None:
+    def _resume(
+        self,
+        module: torch.nn.Module,
+        resume: TrainingState | None,
+        stored: dict[str, str] | None,
+    ) -> None:
         """Load the checkpoint the root resumes from: a sharded one, each rank the parts its
         shards cover; one of whole state dicts (another design's), broadcast from the root,
-        each rank keeping its shards."""
+        each rank keeping its shards. Without one, load the policy's initial weights as
+        ``stored`` plans (each rank the slices of its shards)."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
@@ -238,6 +248,9 @@ class FsdpSteps(EveryRankSteps):
             )
         plan = broadcast_object(self.clique, plan, rank=self.rank)
         if plan is None:
+            if stored is not None:
+                assert self.policy.initial_weights is not None
+                load_stored(self.policy.initial_weights, module, stored, rank=self.rank)
             return
         assert self.stepper is not None
         optimizer = self.stepper.optimizer

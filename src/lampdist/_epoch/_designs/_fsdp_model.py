@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -94,17 +94,19 @@ def materialize(
     device: torch.device,
     init: Callable[[torch.nn.Module], None] | None,
     rank: int,
+    stored: Collection[str] = (),
 ) -> None:
     """Initialize each module's own parameters and buffers of the meta-device ``template``
     (one module's at a time, each seeded from ``seed`` and its index, so that every rank
     computes the same values) and copy this rank's part into the sharded ``module``, whose
-    storage ``to_empty`` allocated."""
+    storage ``to_empty`` allocated. A module whose own tensors are all ``stored`` (state
+    names that initial weights will fill) is left as allocated."""
     from torch.distributed.tensor import DTensor
 
     devices = [device] if device.type == "cuda" else []
     for index, (name, source) in enumerate(template.named_modules()):
         own = [*source.named_parameters(recurse=False), *source.named_buffers(recurse=False)]
-        if not own:
+        if all((f"{name}.{key}" if name else key) in stored for key, _ in own):
             continue
         if init is None and not callable(getattr(source, "reset_parameters", None)):
             raise ConfigError(
