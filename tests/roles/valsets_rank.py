@@ -42,7 +42,7 @@ async def main() -> None:
         evaluation = await lampdist.evaluate(
             data=data,
             optimizer_factory=sgd,
-            resume=args.out / "ckpt",
+            resume=max((args.out / "ckpt").glob("epoch-*")),  # the newest checkpoint
             launch=launch,
             timeouts=timeouts,
         )

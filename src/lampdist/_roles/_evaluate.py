@@ -7,19 +7,17 @@ import ssl
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import anyio
-import anyio.to_thread
 import attrs
 
 from .._effects import OnPassEvent, OptimizerFactory
 from .._epoch import PassResult
 from .._errors import ConfigError
 from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts
-from ..checkpoint import Resumed, load_latest
+from ..checkpoint import Resumed
 from ..launch import LaunchEnv
 from ._commands import EVALUATED
 from ._local import run_locally
-from ._train import run_this_rank, train_rank
+from ._train import resumed, run_this_rank, train_rank
 
 __all__ = ["Evaluation", "evaluate", "evaluate_locally"]
 
@@ -49,22 +47,6 @@ class Evaluation:
         )
 
 
-async def _resumed(resume: Resumed | str | os.PathLike[str] | None) -> Resumed | None:
-    """A checkpoint directory's newest checkpoint (read in a worker thread), or ``resume`` as
-    it is; raises :class:`ConfigError` for a directory without one (an evaluation needs the
-    model)."""
-    if resume is None or isinstance(resume, Resumed):
-        return resume
-    loaded = await anyio.to_thread.run_sync(load_latest, resume)
-    if loaded is None:
-        raise ConfigError(
-            f"evaluate(resume={os.fspath(resume)!r}): no checkpoint there; pass the directory "
-            "that checkpoint.to_directory wrote, or resume=None to evaluate the model as it is",
-            phase="configure",
-        )
-    return loaded
-
-
 def _check_validates(data: ModelWithData) -> None:
     if data.validation_batches is None:
         raise ConfigError(
@@ -91,10 +73,11 @@ async def evaluate(
 
     The launch and data arguments are :func:`lampdist.train`'s, and one script serves every
     rank alike. ``resume`` is the checkpoint whose model is evaluated: a
-    :class:`~lampdist.checkpoint.Resumed` (:func:`lampdist.checkpoint.load_latest`'s) or a
-    checkpoint directory, whose newest checkpoint the root loads (its model and optimizer
-    state, hence ``optimizer_factory``: the training run's; the followers ignore
-    ``resume``); ``None`` evaluates the model as given. The ranks join, agree and take the
+    :class:`~lampdist.checkpoint.Resumed` (:func:`lampdist.checkpoint.load_latest`'s or
+    :func:`lampdist.checkpoint.load`'s), or the path or URL of one checkpoint, as
+    :func:`lampdist.train` takes it, which the root loads (its model and optimizer state,
+    hence ``optimizer_factory``: the training run's; the followers ignore ``resume``);
+    ``None`` evaluates the model as given. The ranks join, agree and take the
     root's model as for training; then each set runs one validation pass in order (each
     rank over its own shard of it, the loss exact over every rank's examples), the root
     sends every rank its result, and the run stops.
@@ -109,7 +92,7 @@ async def evaluate(
     collected: dict[str | None, PassResult] = {}
 
     async def work(env: LaunchEnv, signals: Any) -> None:
-        loaded = await _resumed(resume) if env.is_root else None  # the root's to load
+        loaded = await resumed(resume) if env.is_root else None  # the root's to load
         args = (data, optimizer_factory, loop, step, timeouts, loaded, ssl_context)
         await train_rank(env, *args, signals, evaluating=True)
 
@@ -145,7 +128,7 @@ async def evaluate_locally(
             loop,
             step,
             timeouts,
-            await _resumed(resume),
+            await resumed(resume),
             None,
             evaluating=True,
         )
