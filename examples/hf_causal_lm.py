@@ -1,7 +1,7 @@
 """A small transformers GPT-2 trained with lampdist, one script on every rank:
 
     export LAMPDIST_SECRET=$(openssl rand -hex 16)
-    torchrun --nproc-per-node 2 examples/hf_causal_lm.py [--epochs 4]
+    torchrun --nproc-per-node 2 examples/hf_causal_lm.py [--epochs 4] [--out DIR]
 
 The model is built from a config (nothing is downloaded) and computes its own loss:
 ``model(**batch).loss``, the mean over the batch's tokens whose label is not -100. That is a
@@ -9,7 +9,10 @@ The model is built from a config (nothing is downloaded) and computes its own lo
 those tokens, over the accumulation window and every rank, so the ranks train exactly as one
 process on all their batches would, however many tokens each batch holds. The text is
 lampdist's own documentation, a byte a token (a vocabulary of 256: no tokenizer to train or
-download), cut into windows of random lengths padded with -100 labels.
+download), cut into windows of random lengths padded with -100 labels, held in a Hugging
+Face ``datasets.Dataset`` built in memory. Each rank reads its shard of the training windows
+through torchdata's ``StatefulDataLoader``, whose place the checkpoints keep: a resumed run
+goes on from the next batch, without drawing the earlier ones again.
 
 What a nanoGPT-style script's ``estimate_loss`` reports, the loss on held-out text and on
 training text, are two validation sets (``"val"`` drives the best model), evaluated once
@@ -17,7 +20,9 @@ before training too; transformers' cosine schedule with warm-up sets each step's
 rate; the accumulation is global (4 batches a step over all ranks, as a DDP script's
 ``gradient_accumulation_steps``); an event every 5 steps logs the mean loss of those steps.
 Every rank prints one JSON line: its rank, a checksum of its final weights and the last
-validation losses of both sets (the same on every rank).
+validation losses of both sets (the same on every rank). The checkpoints go to ``DIR/checkpoints``,
+and the root ends by exporting the best model as a Hugging Face directory, ``DIR/hf``, which
+``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 """
 
 from __future__ import annotations
@@ -29,11 +34,13 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import datasets
 import torch
 import transformers
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 import lampdist
-from lampdist import schedules
+from lampdist import checkpoint, schedules
 
 BLOCK = 64  # tokens a window
 BATCH = 8  # windows a batch, on each rank
@@ -50,11 +57,13 @@ def corpus() -> tuple[torch.Tensor, torch.Tensor]:
     return data[:split], data[split:]
 
 
-def batch_of(data: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """``BATCH`` windows at random places, of random lengths: labels past a window's end are
+def batch_of(
+    data: torch.Tensor, generator: torch.Generator, size: int = BATCH
+) -> dict[str, torch.Tensor]:
+    """``size`` windows at random places, of random lengths: labels past a window's end are
     -100 (no loss there), so the batches hold different numbers of tokens."""
-    starts = torch.randint(len(data) - BLOCK, (BATCH,), generator=generator)
-    lengths = torch.randint(BLOCK // 2, BLOCK + 1, (BATCH,), generator=generator)
+    starts = torch.randint(len(data) - BLOCK, (size,), generator=generator)
+    lengths = torch.randint(BLOCK // 2, BLOCK + 1, (size,), generator=generator)
     input_ids = torch.stack([data[s : s + BLOCK] for s in starts.tolist()])
     attention_mask = torch.arange(BLOCK)[None, :] < lengths[:, None]
     labels = input_ids.masked_fill(~attention_mask, -100)
@@ -71,21 +80,28 @@ def tokens(batch: dict[str, torch.Tensor]) -> int:
     return int((batch["labels"][:, 1:] != -100).sum())
 
 
-def build(rank: int, nranks: int) -> lampdist.ModelWithData:
-    train, held_out = corpus()
-    torch.manual_seed(0)  # any start: the root's weights reach every rank first
-    config = transformers.GPT2Config(
+def config() -> transformers.GPT2Config:
+    return transformers.GPT2Config(
         vocab_size=256, n_positions=BLOCK, n_embd=64, n_layer=2, n_head=4,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, loss_type="ForCausalLM",
     )  # fmt: skip
-    module = transformers.GPT2LMHeadModel(config)
+
+
+def build(rank: int, nranks: int) -> lampdist.ModelWithData:
+    train, held_out = corpus()
+    torch.manual_seed(0)  # any start: the root's weights reach every rank first
+    module = transformers.GPT2LMHeadModel(config())
+    # 4,096 training windows as a datasets table, the same on every rank; each rank its shard
+    windows = batch_of(train, torch.Generator().manual_seed(3), size=4096)
+    table = datasets.Dataset.from_dict({k: v.tolist() for k, v in windows.items()})
+    shard = table.shard(num_shards=nranks, index=rank).with_format("torch")
 
     def train_batches(context: lampdist.PassContext) -> Any:
-        # A random sample of the text each epoch, its own on each rank, the same again when
-        # the epoch is run again (a resumed run): seeded by the epoch and the rank.
-        generator = torch.Generator().manual_seed(1000 * context.epoch + rank)
-        per_rank = WINDOW * GLOBAL_ACCUMULATION // nranks
-        return [batch_of(train, generator) for _ in range(per_rank)]
+        # The rank's shard in an order drawn by the pass's seed (the same again when the pass
+        # is run again); its place is the loader's state, kept by the checkpoints.
+        return StatefulDataLoader(
+            shard, batch_size=BATCH, shuffle=True, generator=context.generator()
+        )
 
     def evaluation(data: torch.Tensor, seed: int) -> Any:
         generator = torch.Generator().manual_seed(seed)
@@ -110,7 +126,7 @@ async def report(event: lampdist.PassEvent) -> None:
     print(f"epoch {event.epoch}, {what}: loss {event.loss:.4f}", file=sys.stderr)
 
 
-async def main(epochs: int) -> None:
+async def main(epochs: int, out: Path) -> None:
     env = lampdist.launch.from_env()
     data = build(env.rank, env.nranks)
     state = await lampdist.train(
@@ -122,6 +138,8 @@ async def main(epochs: int) -> None:
             validate_before_training=True,
             log_every_n_steps=5,
             on_event=report,
+            checkpoint_state=checkpoint.to_directory(out / "checkpoints"),
+            return_min_validation_loss_model=range(epochs),  # keep the best model
         ),
         step=lampdist.StepOptions(
             steps_per_epoch=WINDOW,
@@ -142,13 +160,19 @@ async def main(epochs: int) -> None:
         "first_val_loss": state.learning_curve[0].metrics["validation_val_loss"],
     }
     print(json.dumps(result), flush=True)  # one write: the ranks share torchrun's stdout
+    if env.is_root:  # one file tree for the run: the best model, as transformers saves it
+        await anyio.to_thread.run_sync(
+            lambda: checkpoint.export_hf(out / "checkpoints", config(), out / "hf", best=True)
+        )
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=Path("hf-causal-lm"))
+    args = parser.parse_args()
     try:
-        anyio.run(main, parser.parse_args().epochs)
+        anyio.run(main, args.epochs, args.out)
     except lampdist.Interrupted as stopped:  # Ctrl-C or SIGTERM: stopped in order
         raise SystemExit(128 + stopped.signum) from None
     except lampdist.ConfigError as error:  # bad settings, or ranks that disagree

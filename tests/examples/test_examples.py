@@ -75,8 +75,9 @@ def test_torchrun_script_under_torchrun(tmp_path: Path) -> None:
 
 def test_hf_causal_lm_under_torchrun(tmp_path: Path) -> None:
     """The transformers GPT-2 of examples/hf_causal_lm.py, on two CPU ranks: both end with the
-    same weights and the same losses of both validation sets, and the held-out loss falls
-    from the validation before training."""
+    same weights and the same losses of both validation sets, the held-out loss falls from
+    the validation before training, and the exported model loads with ``from_pretrained``
+    holding those weights."""
     env = {
         **os.environ,
         "LAMPDIST_SECRET": "example-secret",
@@ -85,6 +86,7 @@ def test_hf_causal_lm_under_torchrun(tmp_path: Path) -> None:
     }
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc-per-node", "2", str(EXAMPLES / "hf_causal_lm.py"), "--epochs", "2"]
+    command += ["--out", str(tmp_path / "run")]
     done = subprocess.run(
         command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False
     )
@@ -94,6 +96,12 @@ def test_hf_causal_lm_under_torchrun(tmp_path: Path) -> None:
     assert results[0] == {**results[1], "rank": 0}  # the same weights and losses everywhere
     assert results[0]["val_loss"] < results[0]["first_val_loss"] - 1.0
     assert "training, the mean of steps 6-10" in done.stderr  # log_every_n_steps=5
+    # the root's export of the best model, which every rank holds, loads with transformers
+    import transformers
+
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf")
+    checksum = float(sum(t.double().sum() for t in exported.state_dict().values()))
+    assert checksum == pytest.approx(results[0]["checksum"], rel=1e-12)
 
 
 def _json_lines(text: str) -> list[str]:
