@@ -330,6 +330,11 @@ def _big_models_page(directory: Path) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(0)
     batches = [(torch.randn(4, 8, generator=generator), torch.randn(4, 1, generator=generator))]
     namespace["__given__"]["train_batches"] = lambda: batches
+    # "Start from stored weights": a tiny GPT2 saved where the page reads it (nothing fetched)
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)
+    transformers.GPT2LMHeadModel(config).save_pretrained(directory / "weights" / "gpt2")
     return namespace
 
 
@@ -431,6 +436,15 @@ def _bring_your_model_page(_: Path) -> dict[str, Any]:
     }
 
 
+def _token_file(directory: Path) -> dict[str, Any]:
+    """The tokenized text that the random-window sampler reads, and what it and the datasets
+    table need."""
+    tokens = torch.randint(16, (200,), generator=torch.Generator().manual_seed(0))
+    (directory / "train.bin").write_bytes(tokens.to(torch.int16).numpy().tobytes())
+    columns = {"x": torch.randn(8, 3).tolist(), "y": list(range(8))}
+    return {"model": regression(), "block": 4, "batch_size": 2, "columns": columns}
+
+
 def _given(*parts: Callable[[Path], dict[str, Any]]) -> Callable[[Path], dict[str, Any]]:
     def given(directory: Path) -> dict[str, Any]:
         namespace: dict[str, Any] = {}
@@ -452,7 +466,7 @@ PAGES: dict[str, Page] = {
     "docs/control.md": Page(),
     "docs/howto-big-models.md": Page(given=_big_models_page, then=then_big_models),
     "docs/howto-bring-your-model.md": Page(given=_bring_your_model_page),
-    "docs/howto-checkpoint-resume.md": Page(given=_shared),
+    "docs/howto-checkpoint-resume.md": Page(given=_given(_shared, _token_file)),
     "docs/howto-object-store.md": Page(
         given=_shared, then=then_object_store_main, s3_bucket="my-bucket"
     ),
