@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import importlib
 import inspect
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -331,8 +332,7 @@ def _big_models_page(directory: Path) -> dict[str, Any]:
     batches = [(torch.randn(4, 8, generator=generator), torch.randn(4, 1, generator=generator))]
     namespace["__given__"]["train_batches"] = lambda: batches
     # "Start from stored weights": a tiny GPT2 saved where the page reads it (nothing fetched)
-    import transformers
-
+    transformers: Any = importlib.import_module("transformers")  # untyped
     config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)
     transformers.GPT2LMHeadModel(config).save_pretrained(directory / "weights" / "gpt2")
     return namespace
