@@ -22,7 +22,7 @@ import torch
 from ._errors import ConfigError
 from ._source import PassContext
 
-__all__ = ["STATE_KIND", "RandomBatches", "RandomDraws", "is_random_state"]
+__all__ = ["STATE_KIND", "RandomBatches", "RandomDraws", "check_pass_ends", "is_random_state"]
 
 B = TypeVar("B")
 
@@ -114,3 +114,17 @@ class RandomDraws(Generic[B]):
 def is_random_state(state: object) -> bool:
     """Whether ``state`` is a :meth:`RandomDraws.state_dict`."""
     return isinstance(state, Mapping) and state.get("kind") == STATE_KIND
+
+
+def check_pass_ends(source: object, steps_per_epoch: int | None, *, rank: int) -> None:
+    """Raise :class:`ConfigError` for a training ``source`` whose pass would never end: an
+    endless :class:`RandomBatches` (no ``steps``) without ``steps_per_epoch``, which alone
+    ends an epoch of an endless stream."""
+    if isinstance(source, RandomBatches) and source.steps is None and steps_per_epoch is None:
+        raise ConfigError(
+            "train_batches=RandomBatches(sample) is endless and StepOptions.steps_per_epoch is "
+            "None, so its first pass would never end: pass StepOptions(steps_per_epoch=N) (an "
+            "epoch of N steps) or RandomBatches(sample, steps=N) (N batches a pass)",
+            rank=rank,
+            phase="configure",
+        )

@@ -194,6 +194,16 @@ async def test_random_batches_draw_other_batches_on_each_rank_and_in_each_pass()
     assert len({tuple(d) for d in draws[:4] + draws[8:]}) == 8  # ranks, passes, seeds differ
 
 
+async def test_an_endless_random_batches_without_steps_per_epoch_is_refused() -> None:
+    """Its pass would never end (without the refusal the run trains until ``_train``'s
+    deadline): refused before the run starts, naming both ways out."""
+    x, y = make_shards([[4]])[0][0]
+    batch = {"x": x, "y": y}
+    sources = [lampdist.RandomBatches(lambda generator: batch) for _ in range(2)]
+    with pytest.raises(lampdist.ConfigError, match=r"steps_per_epoch=N.*steps=N"):
+        await _train(sources, lampdist.StepOptions(), initial=make_model(seed=0))
+
+
 def test_random_batches_resume_from_their_state_at_once() -> None:
     """The state after k draws makes a new iterable draw batch k + 1, at any k."""
     source = lampdist.RandomBatches(lambda g: torch.rand(2, generator=g))

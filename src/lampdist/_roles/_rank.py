@@ -32,6 +32,7 @@ from .._epoch import (
 from .._errors import ConfigError
 from .._metric import metric_layout
 from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts
+from .._random_batches import check_pass_ends
 from ..checkpoint import Resumed
 from ..clique import CliqueFactory, CliqueId, ProcessGroups, in_process
 from ._agreement import agree
@@ -223,9 +224,11 @@ async def open_rank(
     clique of one rank (no process group, store or thread behind it), and a clique of
     several ranks process groups. ``options.step``'s ``global_accumulation`` is resolved
     into the per-rank count here, once (:meth:`StepOptions.per_rank`). Raises
-    :class:`ConfigError` as :func:`create_design` does, and for a ``global_accumulation``
-    that ``nranks`` does not divide."""
+    :class:`ConfigError` as :func:`create_design` does, for a ``global_accumulation``
+    that ``nranks`` does not divide, and for a training source whose pass would never end
+    (:func:`check_pass_ends`)."""
     options = attrs.evolve(options, step=options.step.per_rank(nranks, rank=rank))
+    check_pass_ends(data.train_batches, options.step.steps_per_epoch, rank=rank)
     cliques = _cliques(rank, nranks, device, options)
     async with open_compute_thread(rank, device) as compute:
         design = await compute.run(
