@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -20,6 +19,7 @@ import torch
 import lampdist
 
 from . import tcp_rank
+from ._launch import launch_ranks, spawn
 from .metrics_reference import metric_of, plain_outputs
 from .reference import make_model, make_shards, reference_training
 
@@ -30,41 +30,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def spawn(rank: int, nranks: int, out: Path, port: int, *extra: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "LAMPDIST_SECRET": "test-secret", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.roles.tcp_rank", "--rank", str(rank)]
-        + ["--nranks", str(nranks), "--port", str(port), "--out", str(out), *extra],
-        cwd=ROOT_DIR,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
 def launch(out: Path, nranks: int, *extra: str, step_on: str = "fsdp") -> list[tuple[int, str]]:
     """Every rank of :mod:`.tcp_rank` under ``step_on`` to its end: each one's exit code and
     stderr, by rank."""
-    extra = ("--step-on", step_on, *extra)
-    root = spawn(0, nranks, out, 0, *extra)
-    followers: list[subprocess.Popen[str]] = []
-    try:
-        assert root.stdout is not None
-        line = root.stdout.readline()
-        assert line.startswith("PORT "), line + (root.stderr.read() if root.stderr else "")
-        port = int(line.split()[1])
-        followers = [spawn(rank, nranks, out, port, *extra) for rank in range(1, nranks)]
-        errors = [process.communicate(timeout=120)[1] for process in [root, *followers]]
-    finally:
-        for process in [root, *followers]:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    return [
-        (process.returncode, error)
-        for process, error in zip([root, *followers], errors, strict=True)
-    ]
+    return launch_ranks("tcp_rank", out, nranks, "--step-on", step_on, *extra)
 
 
 def run_ranks(out: Path, nranks: int, *extra: str, step_on: str = "fsdp") -> list[str]:
@@ -556,12 +525,14 @@ def test_fsdp_alone_matches_one_process(tmp_path: Path, accumulate: int) -> None
 def test_a_killed_follower_ends_the_run_naming_it(tmp_path: Path) -> None:
     """A follower killed mid-run (its FSDP2 collectives gone with it): the root fails within
     seconds, naming rank 1 and the phase, and exits."""
-    root = spawn(0, 2, tmp_path, 0, "--step-on", "fsdp", "--epochs", "100000")
+    root = spawn("tcp_rank", 0, 2, tmp_path, 0, "--step-on", "fsdp", "--epochs", "100000")
     follower = None
     try:
         assert root.stdout is not None
         port = int(root.stdout.readline().split()[1])
-        follower = spawn(1, 2, tmp_path, port, "--step-on", "fsdp", "--epochs", "100000")
+        follower = spawn(
+            "tcp_rank", 1, 2, tmp_path, port, "--step-on", "fsdp", "--epochs", "100000"
+        )
         deadline = time.monotonic() + 120  # a training pass done: well into training
         while not (tmp_path / "trained").exists():
             assert root.poll() is None and follower.poll() is None

@@ -6,18 +6,14 @@ that starts from the same weights in memory."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from ._launch import launch_ranks
 from .reference import make_model
 from .test_fsdp import assembled
-
-ROOT_DIR = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(
     not hasattr(torch.distributed, "init_process_group"), reason="torch without distributed"
@@ -25,37 +21,10 @@ pytestmark = pytest.mark.skipif(
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 
-def spawn(rank: int, nranks: int, out: Path, port: int, *extra: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "LAMPDIST_SECRET": "test-secret", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.roles.import_rank", "--rank", str(rank)]
-        + ["--nranks", str(nranks), "--port", str(port), "--out", str(out), *extra],
-        cwd=ROOT_DIR,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
 def launch(out: Path, *extra: str, nranks: int = 2) -> list[tuple[int, str]]:
     """Every rank of :mod:`.import_rank` to its end: each one's exit code and stderr."""
     out.mkdir(exist_ok=True)
-    root = spawn(0, nranks, out, 0, *extra)
-    followers: list[subprocess.Popen[str]] = []
-    try:
-        assert root.stdout is not None
-        line = root.stdout.readline()
-        assert line.startswith("PORT "), line + (root.stderr.read() if root.stderr else "")
-        port = int(line.split()[1])
-        followers = [spawn(rank, nranks, out, port, *extra) for rank in range(1, nranks)]
-        errors = [process.communicate(timeout=120)[1] for process in [root, *followers]]
-    finally:
-        for process in [root, *followers]:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    return [(p.returncode, e) for p, e in zip([root, *followers], errors, strict=True)]
+    return launch_ranks("import_rank", out, nranks, *extra)
 
 
 def run(out: Path, *extra: str) -> Path:

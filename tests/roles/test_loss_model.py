@@ -5,9 +5,6 @@ process on the concatenated batches, its loss weighted by what it averages over 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,9 +16,8 @@ import torch
 import lampdist
 
 from . import lm_reference as lm
+from ._launch import launch_ranks
 from .reference import make_model, make_shards, mse
-
-ROOT_DIR = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -351,36 +347,9 @@ def test_batches_of_attrs_instances_are_counted_and_moved() -> None:
 # -- several processes over TCP ---------------------------------------------------------------
 
 
-def spawn(rank: int, nranks: int, out: Path, port: int, *extra: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "LAMPDIST_SECRET": "test-secret", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.roles.lm_rank", "--rank", str(rank)]
-        + ["--nranks", str(nranks), "--port", str(port), "--out", str(out), *extra],
-        cwd=ROOT_DIR,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
 def launch(out: Path, nranks: int, *extra: str) -> None:
     """Every rank of :mod:`.lm_rank` to its end; each must exit 0."""
-    root = spawn(0, nranks, out, 0, *extra)
-    followers: list[subprocess.Popen[str]] = []
-    try:
-        assert root.stdout is not None
-        line = root.stdout.readline()
-        assert line.startswith("PORT "), line + (root.stderr.read() if root.stderr else "")
-        port = int(line.split()[1])
-        followers = [spawn(rank, nranks, out, port, *extra) for rank in range(1, nranks)]
-        results = [(p.communicate(timeout=120)[1], p.returncode) for p in [root, *followers]]
-    finally:
-        for process in [root, *followers]:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    for rank, (stderr, code) in enumerate(results):
+    for rank, (code, stderr) in enumerate(launch_ranks("lm_rank", out, nranks, *extra)):
         assert code == 0, f"rank {rank}: {stderr}"
 
 
