@@ -31,6 +31,7 @@ SOURCE = HERE.parent / "src"
 SOURCE_KEY = "source"  # a variant key of the launcher's own: the lampdist source tree to run
 POLL_INTERVAL = 0.05
 LOG_TAIL = 4000
+PORT_ATTEMPTS = 3
 
 
 class BenchmarkError(RuntimeError):
@@ -146,9 +147,30 @@ def _listening(config: Config, root: _Rank, ready: Path) -> Callable[[], bool]:
 def launch(config: Config, settings: Settings, directory: Path) -> list[RankResult]:
     """Run ``config`` once in fresh processes and return each rank's result, rank 0 first.
 
+    The rendezvous port is one that was free a moment before the ranks start; when another
+    process took it in between (a rank fails with "address already in use"), the run starts
+    again on a new port, at most ``PORT_ATTEMPTS`` times, each in its own directory.
+
     Raises :class:`BenchmarkError` (with the failed rank's output) when a rank fails or the
     run takes longer than ``settings.timeout`` seconds.
     """
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        where = directory if attempt == 1 else directory.with_name(f"{directory.name}-{attempt}")
+        try:
+            return _launch_once(config, settings, where)
+        except BenchmarkError as error:
+            if attempt == PORT_ATTEMPTS or not _port_was_taken(str(error)):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _port_was_taken(output: str) -> bool:
+    """Whether a rank's output says its rendezvous port was in use when it bound it."""
+    return "eaddrinuse" in output.lower() or "address already in use" in output.lower()
+
+
+def _launch_once(config: Config, settings: Settings, directory: Path) -> list[RankResult]:
+    """One attempt of :func:`launch` in ``directory`` on a fresh port."""
     nranks = 1 if config.kind == "single" else settings.nranks
     directory.mkdir(parents=True)
     port = free_port()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -110,6 +111,50 @@ def test_a_failing_configuration_fails_the_run_with_its_output() -> None:
     assert result.returncode == 1
     assert "ddp-broken: rank 0 exited" in result.stderr
     assert "no_such_option" in result.stderr
+
+
+@pytest.fixture
+def launcher(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    return importlib.import_module("_launch")
+
+
+def test_a_rendezvous_port_taken_before_the_ranks_bind_it_is_tried_again_on_a_new_one(
+    launcher: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The port is free when chosen but another process may bind it before rank 0 does (CI
+    runs many tests at once): the launcher starts the configuration again on a new port."""
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    chosen = [taken.getsockname()[1]]
+    real_free_port = launcher.free_port
+
+    def first_the_taken_one() -> int:
+        return chosen.pop() if chosen else real_free_port()
+
+    monkeypatch.setattr(launcher, "free_port", first_the_taken_one)
+    settings = launcher.Settings(
+        device_type="cpu", model="small", nranks=1, steps=2, warmup=1, threads=1, timeout=60.0
+    )
+    config = launcher.Config(name="ddp", kind="ddp")
+    with taken:
+        results = launcher.launch(config, settings, tmp_path / "ddp")
+    assert [result.rank for result in results] == [0]
+    assert "EADDRINUSE" in (tmp_path / "ddp" / "rank0.log").read_text()
+    assert (tmp_path / "ddp-2" / "rank0.json").exists()
+
+
+def test_a_failure_other_than_a_taken_port_is_not_tried_again(
+    launcher: ModuleType, tmp_path: Path
+) -> None:
+    settings = launcher.Settings(
+        device_type="cpu", model="small", nranks=1, steps=2, warmup=1, threads=1, timeout=60.0
+    )
+    config = launcher.Config(name="ddp", kind="ddp", kwargs={"no_such_option": 1})
+    with pytest.raises(launcher.BenchmarkError, match="no_such_option"):
+        launcher.launch(config, settings, tmp_path / "ddp")
+    assert not (tmp_path / "ddp-2").exists()
 
 
 def test_configs_parse_names_and_variants(throughput: ModuleType) -> None:
