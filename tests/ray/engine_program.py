@@ -133,7 +133,7 @@ def report(out: Path, **facts: Any) -> None:
 
 def run_case(name: str, out: Path) -> None:
     """``clean`` from an async driver, the others through run_sync, as a script would."""
-    name = name.split(":")[0]  # follower:2, a second run of the case
+    name = name.split(":", maxsplit=1)[0]  # follower:2, a second run of the case
     case = attrs.evolve(CASES[name], out=str(out))
     main = functools.partial(rank_main, case)
     options = {"nranks": NRANKS, **OPTIONS.get(name, {})}
