@@ -142,6 +142,7 @@ PUBLIC_NAMES = {
         "first_slurm_host",
         "from_env",
     ],
+    "lampdist.ray": ["RunContext", "run", "run_context", "run_sync"],
     "lampdist.schedules": [
         "LearningRateSchedule",
         "RateSchedule",
