@@ -131,7 +131,7 @@ def test_a_rendezvous_port_taken_before_the_ranks_bind_it_is_tried_again_on_a_ne
     real_free_port = launcher.free_port
 
     def first_the_taken_one() -> int:
-        return chosen.pop() if chosen else real_free_port()
+        return chosen.pop() if chosen else int(real_free_port())
 
     monkeypatch.setattr(launcher, "free_port", first_the_taken_one)
     settings = launcher.Settings(
