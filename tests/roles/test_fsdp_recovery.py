@@ -117,7 +117,7 @@ def _flat(parts: dict[str, object], prefix: str = "") -> dict[str, torch.Tensor]
 @pytest.mark.parametrize(
     ("nranks", "lost", "die_after", "args"),
     [
-        (2, 1, "6", ["--optimizer", "adamw", "--clip", "0.05"]),
+        (2, 1, "forward:10", ["--optimizer", "adamw", "--clip", "0.05", "--accumulate", "1"]),
         (3, 2, "5", ["--optimizer", "adamw", "--meta"]),
         (3, 1, "5", ["--optimizer", "sgd", "--window", "1", "--accumulate", "2"]),
     ],
@@ -127,14 +127,17 @@ def test_a_killed_fsdp_follower_is_replaced_and_the_run_ends_as_if_nothing_happe
     tmp_path: Path, nranks: int, lost: int, die_after: str, args: list[str]
 ) -> None:
     """Rank ``lost`` is SIGKILLed as it takes a training batch in the middle of a pass (with
-    windows, of a later window); the same command started again joins, receives its shards
+    windows, of a later window), or (``forward:N``) as its model runs its Nth forward, the
+    third step of the second epoch, after the survivors stepped twice in the pass; the same
+    command started again joins, receives its shards
     of the model and the optimizer from the survivors' replicas, the survivors put theirs
     back, the pass is redone, and every rank's final shards and the learning curve equal an
     uninterrupted run's bitwise."""
     args = [*args, "--epochs", "3"]
     uninterrupted(tmp_path / "want", nranks, args)
     per_rank = {rank: ["--die-after", NEVER] for rank in range(nranks)}
-    per_rank[lost] = ["--die-after", die_after]
+    how, _, when = die_after.rpartition(":")
+    per_rank[lost] = ["--die-in-forward" if how else "--die-after", when]
     job = Job(tmp_path / "got", nranks, [*args, "--recovery", "60"], per_rank)
     try:
         assert job.ranks[lost].wait(timeout=60) == -signal.SIGKILL
