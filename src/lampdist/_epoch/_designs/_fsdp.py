@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
 from typing import Any, Self
 
 import attrs
@@ -50,14 +49,12 @@ from ..._options import StepOptions
 from ..._state import TrainingState
 from ..._weights_import import load_stored, plan_load
 from ..._words import counted
-from ...clique import PendingCollective
 from .._clock import DATA, EXCHANGE
 from .._device import host_to_device
 from .._flat import FlatParameters, flat_order
 from .._objects import broadcast_object
 from .._stepper import Combine, LossScale, Stepper
 from .._tally import Tally
-from .._values import write_meta
 from ._base import CheckOptimizer, StepBatches, build_optimizer
 from ._every_rank import EveryRankSteps
 from ._fsdp_model import (
@@ -71,6 +68,7 @@ from ._fsdp_model import (
     unit_sizes,
 )
 from ._fsdp_replica import IN_MEMORY, Kept, hand_over, keep, restore, ring
+from ._fsdp_sums import StepSums
 from ._solo import step_alone
 
 __all__ = ["FsdpSteps"]
@@ -390,7 +388,7 @@ class FsdpSteps(EveryRankSteps):
         if self.nranks == 1:
             return step_alone(self, batches, epoch=epoch, step=step, tally=tally)
         feed, accumulate = batches.feed, batches.accumulate
-        sums = _StepSums(self)
+        sums = StepSums(self)
         early = batches.counts is not None  # the meta values need no flag of more batches
         batch = feed.next()
         for index in range(accumulate):
@@ -492,54 +490,3 @@ class FsdpSteps(EveryRankSteps):
     def checkpoint_optimizer_state(self) -> dict[str, Any] | None:
         """Nothing whole: every rank writes its shards (:meth:`checkpoint_shards`)."""
         return {} if self.rank == 0 else None
-
-
-@attrs.define(eq=False)
-class _StepSums:
-    """One fsdp step's weight (``examples``: the batches' :attr:`LoadedBatch.weight`, examples
-    or tokens) and float64 loss sum on this rank, and the all-reduce of its
-    meta values: started before the step's last backward (:meth:`start`,
-    :meth:`add_and_start`) or after it (:meth:`exchanged`)."""
-
-    design: FsdpSteps
-    examples: int = 0
-    _loss: torch.Tensor | None = None
-    _meta: torch.Tensor | None = None
-    _pending: PendingCollective | None = None
-
-    def add(self, loss: torch.Tensor, examples: int) -> None:
-        """Add a batch's mean ``loss`` times its ``examples``."""
-        weighted = loss.to(torch.float64) * examples
-        self._loss = weighted if self._loss is None else self._loss + weighted
-        self.examples += examples
-
-    def loss(self) -> torch.Tensor:
-        """The loss sum (zero without examples)."""
-        if self._loss is None:
-            self._loss = torch.zeros((), dtype=torch.float64, device=self.design.device)
-        return self._loss
-
-    def start(self) -> None:
-        """Start the meta values' all-reduce (the flag of more batches set: the counts say)."""
-        meta = write_meta(self.design.flat, self.examples, self.loss(), True, tail=False)
-        assert meta is not None
-        self._meta, self._pending = meta, self.design.start_exchange([meta])
-
-    def add_and_start(self, examples: int) -> Callable[[torch.Tensor], None]:
-        """What the last backward calls with the batch's loss before it runs."""
-
-        def before_backward(loss: torch.Tensor) -> None:
-            self.add(loss, examples)
-            self.start()
-
-        return before_backward
-
-    def exchanged(self, more: bool) -> torch.Tensor:
-        """The meta values summed over the clique (the all-reduce started now if not yet)."""
-        if self._pending is None:
-            meta = write_meta(self.design.flat, self.examples, self.loss(), more, tail=False)
-            assert meta is not None
-            self._meta, self._pending = meta, self.design.start_exchange([meta])
-        self._pending.wait_blocking(None)
-        assert self._meta is not None
-        return self._meta

@@ -202,16 +202,14 @@ def _exchange(
             for size, (to, tag, _) in zip(sizes, payloads, strict=True)
         ]
         works += [dist.irecv(lengths[(src, tag)], src, tag=2 * tag) for src, tag in receives]
-        for work in works:
-            work.wait()
+        _wait(works)
         buffers = {
             key: torch.empty(int(n.item()), dtype=torch.uint8, device=device)
             for key, n in lengths.items()
         }
         works = [dist.isend(p, to, tag=2 * tag + 1) for to, tag, p in payloads]
         works += [dist.irecv(buffers[(src, tag)], src, tag=2 * tag + 1) for src, tag in receives]
-        for work in works:
-            work.wait()
+        _wait(works)
     except Exception as exc:
         failure = explain(exc, phase)
         if failure is not None:
@@ -221,6 +219,13 @@ def _exchange(
             phase=phase,
         ) from exc
     return {key: _decode(buffer) for key, buffer in buffers.items()}
+
+
+def _wait(works: list[Any]) -> None:
+    """Wait for each point-to-point operation (``None``: one that needed no wait)."""
+    for work in works:
+        if work is not None:
+            work.wait()
 
 
 def _encode(value: Plain) -> torch.Tensor:
