@@ -48,7 +48,7 @@ LAYER = {name: index for index, names in enumerate(LAYERS) for name in names}
 
 ROLES_LAYERS = [
     {"_agreement", "_failures"},
-    {"_resume", "_stopping", "_recovery"},
+    {"_resume", "_stopping", "_recovery", "_fsdp_recovery"},
     {"_rank", "_commands"},
     {"_run_state"},
     {"_generations"},

@@ -63,8 +63,14 @@ class Recovery:
     repeat). A replacement that fails the agreement check is refused (it raises
     :class:`~lampdist.MismatchError`) and the root goes on waiting.
 
-    Raises :class:`~lampdist.ConfigError` for a ``rejoin_timeout`` that is not > 0 and a
-    ``max_recoveries`` that is not an int >= 1.
+    Under ``step_on="fsdp"`` no rank holds another's shards, so each rank keeps its own and
+    its neighbour's in host memory after every pass (``fsdp_replica``, see
+    docs/howto-recovery.md): a replacement receives its shards from the survivor that holds
+    their replica; losing two neighbouring ranks at once loses a shard and ends the run
+    (:class:`~lampdist.CheckpointError` naming them).
+
+    Raises :class:`~lampdist.ConfigError` for a ``rejoin_timeout`` that is not > 0, a
+    ``max_recoveries`` that is not an int >= 1 and an ``fsdp_replica`` that is not a bool.
     """
 
     rejoin_timeout: float = attrs.field(
@@ -81,6 +87,15 @@ class Recovery:
         ),
     )
     """Recoveries allowed over the run; one more loss ends it."""
+    fsdp_replica: bool = attrs.field(
+        default=True,
+        validator=validator(
+            lambda value: isinstance(value, bool), "True or False", "pass fsdp_replica=True"
+        ),
+    )
+    """Under ``step_on="fsdp"``: after every snapshot each rank keeps its own shards in host
+    memory and a replica of rank ``(r + 1) % n``'s, from which a replacement receives its
+    shards (one extra shard of host memory per rank). ``False`` is refused for now."""
 
 
 @attrs.frozen(kw_only=True)

@@ -170,6 +170,20 @@ def dying(batches: list[Any], after: int, marker: Path, signum: int) -> Any:
     return source
 
 
+def dying_in_forward(module: torch.nn.Module, at: int, marker: Path) -> None:
+    """SIGKILL this process as ``module`` runs its ``at``-th forward (on the compute
+    thread, where the batches loaded ahead do not count), unless ``marker`` exists."""
+    count = [0]
+
+    def hook(*_: Any) -> None:
+        count[0] += 1
+        if count[0] == at and not marker.exists():
+            marker.write_text("killed\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    module.register_forward_pre_hook(hook)
+
+
 def unsized(batches: list[Any], really: bool) -> Any:
     """A source of ``batches``: the list, or with ``really`` a generator (no length)."""
     if really:
@@ -272,6 +286,12 @@ async def main(argv: list[str]) -> None:
     )
     parser.add_argument("--data", default=None, choices=data_sources.KINDS)
     parser.add_argument(
+        "--die-in-forward",
+        type=int,
+        default=None,
+        help="SIGKILL this process as its model runs its Nth forward, once per DIR/died-r",
+    )
+    parser.add_argument(
         "--die-after",
         type=int,
         default=None,
@@ -345,6 +365,8 @@ async def main(argv: list[str]) -> None:
         module = module.to(device)
     if args.fp16:
         module = module.float()
+    if args.die_in_forward is not None:
+        dying_in_forward(module, args.die_in_forward, args.out / f"died-{args.rank}")
     model: Any = lampdist.SupervisedModel(module, mse, metrics=metrics() if args.metrics else {})
     train_source: Any
     if stateful is not None:

@@ -376,13 +376,16 @@ def test_loop_options_take_a_recovery_only() -> None:
 @pytest.mark.parametrize(
     ("step_on", "cliques", "message"),
     [
-        ("fsdp", None, "does not support step_on='fsdp'"),
+        ("fsdp", None, r"Recovery\.fsdp_replica=False under step_on='fsdp'"),
         ("root", "in_process", "needs one process per rank over process groups"),
     ],
 )
 def test_recovery_is_refused_where_a_lost_rank_cannot_be_replaced(
     step_on: str, cliques: str | None, message: str
 ) -> None:
+    """In-process followers have no process to replace; under fsdp without its replica a
+    lost rank's shards are nowhere else in memory."""
+    recovery = lampdist.Recovery(fsdp_replica=step_on != "fsdp")
     from tests.roles.reference import make_model, mse
 
     async def main() -> None:
@@ -395,7 +398,7 @@ def test_recovery_is_refused_where_a_lost_rank_cannot_be_replaced(
                 control=root,
                 data=lampdist.ModelWithData(model=model, train_batches=list),
                 optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1),
-                loop=lampdist.LoopOptions(max_epochs=1, recovery=lampdist.Recovery()),
+                loop=lampdist.LoopOptions(max_epochs=1, recovery=recovery),
                 step=lampdist.StepOptions(step_on=step_on),  # type: ignore[arg-type]
                 cliques=(
                     lampdist.clique.in_process(["cpu", "cpu"]) if cliques == "in_process" else None

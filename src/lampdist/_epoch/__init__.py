@@ -9,8 +9,10 @@ training step by the rank's stepping design (:class:`Design`, see ``_designs``).
 from ._compute import ComputeThread as ComputeThread
 from ._compute import open_compute_thread as open_compute_thread
 from ._designs import DESIGNS as DESIGNS
+from ._designs import IN_MEMORY as IN_MEMORY
 from ._designs import Design as Design
 from ._designs import create_design as create_design
+from ._designs import replica_holder as replica_holder
 from ._device import host_to_device as host_to_device
 from ._feed import BatchFeed as BatchFeed
 from ._feed import LoadedBatch as LoadedBatch
@@ -28,6 +30,7 @@ from ._stepper import Stepper as Stepper
 
 __all__ = [
     "DESIGNS",
+    "IN_MEMORY",
     "BatchFeed",
     "CheckpointParts",
     "ComputeThread",
@@ -46,4 +49,5 @@ __all__ = [
     "host_to_device",
     "open_compute_thread",
     "open_feed",
+    "replica_holder",
 ]

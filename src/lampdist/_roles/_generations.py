@@ -44,6 +44,7 @@ from ._failures import (
     single_error,
     watch_peers,
 )
+from ._fsdp_recovery import check_fsdp_recovery, check_shards_kept
 from ._rank import RankContext, RunOptions
 from ._recovery import HOLD_MARGIN, is_consequence, is_lost
 from ._run_state import RunState
@@ -60,10 +61,12 @@ REFUSED_LEAVE_TIMEOUT = 2.0
 
 def check_recovery(nranks: int, run: RunOptions, loop: LoopOptions, control: RootChannel) -> None:
     """Raise :class:`ConfigError` for recovery where a lost rank's state is nowhere else
-    (``step_on="fsdp"``: each rank holds its own shards) or its process cannot be replaced
-    (followers in the root's process, over in-process cliques or channels)."""
+    (a design that does not recover; fsdp without its replica, see ``_fsdp_recovery``) or
+    its process cannot be replaced (followers in the root's process, over in-process
+    cliques or channels)."""
     if loop.recovery is None or nranks == 1:
         return
+    check_fsdp_recovery(run.step, loop)
     if not DESIGNS[run.step.step_on].recovers:
         raise ConfigError(
             f"LoopOptions.recovery does not support step_on={run.step.step_on!r} (each rank "
@@ -308,6 +311,7 @@ class Generations:
         while True:
             self.tracker.current = "recover"
             ranks |= await self.hold(ranks, reason)
+            check_shards_kept(self.context.options.step, ranks, self.context.nranks)
             try:
                 await self.regroup(deadline - time.monotonic())
             except MismatchError as refused:

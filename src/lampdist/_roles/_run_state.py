@@ -50,7 +50,7 @@ from .._checkpoint import (
     local_shards,
     read_whole,
 )
-from .._epoch import Design, PassRunner, RankState, flat_order
+from .._epoch import IN_MEMORY, Design, PassRunner, RankState, flat_order
 from .._errors import CheckpointError, LampdistError
 from .._model import original_module
 from .._options import LoopOptions
@@ -326,9 +326,13 @@ class RunState:
         return await anyio.to_thread.run_sync(new_shards)
 
     async def keep_snapshot(self, runner: PassRunner, *, epoch: int, pass_index: int) -> None:
-        """Recovery: capture the state and keep it in memory (what a recovery goes back to)."""
+        """Recovery: capture the state and keep it in memory (what a recovery goes back to);
+        where the design shards (fsdp), every rank keeps its own shards and a neighbour's."""
         assert self.memory is not None
-        captured = await self.capture(runner, epoch=epoch, pass_index=pass_index, shards=None)
+        shards = None
+        if self.context.design.loads_checkpoints:
+            shards = ShardedState(path=IN_MEMORY, nranks=self.context.nranks)
+        captured = await self.capture(runner, epoch=epoch, pass_index=pass_index, shards=shards)
         await self.memory.save(captured, None, stage_on=self.context.compute.run)
 
     # -- back ---------------------------------------------------------------------------------

@@ -56,12 +56,15 @@ from ._base import StepBatches as StepBatches
 from ._every_rank import EveryRankSteps as EveryRankSteps
 from ._exchanging import ExchangingDesign as ExchangingDesign
 from ._fsdp import FsdpSteps as FsdpSteps
+from ._fsdp_replica import IN_MEMORY as IN_MEMORY
+from ._fsdp_replica import replica_holder as replica_holder
 from ._root import RootSteps as RootSteps
 from ._sharded import ShardedSteps as ShardedSteps
 from ._solo import Solo as Solo
 
 __all__ = [
     "DESIGNS",
+    "IN_MEMORY",
     "Backward",
     "Design",
     "EveryRankSteps",
@@ -72,6 +75,7 @@ __all__ = [
     "Solo",
     "StepBatches",
     "create_design",
+    "replica_holder",
 ]
 
 DESIGNS: dict[StepOn, type[Design]] = {

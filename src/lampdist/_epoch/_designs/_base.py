@@ -132,7 +132,7 @@ class Design(abc.ABC):
     than the root loading and writing the whole state."""
     recovers: ClassVar[bool] = True
     """Whether a lost rank's state is elsewhere too, so that in-job recovery can replace it
-    (not where each rank holds shards no other rank has: fsdp)."""
+    (fsdp: each rank keeps a replica of its neighbour's shards, see ``_fsdp_replica``)."""
     keeps_best_model: ClassVar[bool] = True
     """Whether the root can keep the best model (it holds the whole model; not fsdp)."""
 

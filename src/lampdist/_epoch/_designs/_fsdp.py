@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
 from typing import Any, Self
 
 import attrs
@@ -50,14 +49,12 @@ from ..._options import StepOptions
 from ..._state import TrainingState
 from ..._weights_import import load_stored, plan_load
 from ..._words import counted
-from ...clique import PendingCollective
 from .._clock import DATA, EXCHANGE
 from .._device import host_to_device
 from .._flat import FlatParameters, flat_order
 from .._objects import broadcast_object
 from .._stepper import Combine, LossScale, Stepper
 from .._tally import Tally
-from .._values import write_meta
 from ._base import CheckOptimizer, StepBatches, build_optimizer
 from ._every_rank import EveryRankSteps
 from ._fsdp_model import (
@@ -66,9 +63,12 @@ from ._fsdp_model import (
     ignore_root_output_view_warning,
     local,
     materialize,
+    reset_after_loss,
     shard,
     unit_sizes,
 )
+from ._fsdp_replica import IN_MEMORY, Kept, hand_over, keep, restore, ring
+from ._fsdp_sums import StepSums
 from ._solo import step_alone
 
 __all__ = ["FsdpSteps"]
@@ -92,11 +92,13 @@ class FsdpSteps(EveryRankSteps):
     """Every module that ``fully_shard`` made an FSDP unit, the root module last."""
     _gradient_sync: bool = attrs.field(default=True, init=False)
     """Whether the units reduce their gradients in the next backward (FSDP2's default)."""
+    kept: Kept | None = attrs.field(default=None, init=False)
+    """This rank's shards and its neighbour's at recovery's last snapshot (``_fsdp_replica``)."""
 
     own_process = True
     lockstep = True
     loads_checkpoints = True
-    recovers = False
+    recovers = True
     keeps_best_model = False
 
     @property
@@ -143,13 +145,35 @@ class FsdpSteps(EveryRankSteps):
         """Shard the model over the default process group's mesh, materialize it when it was
         built on the meta device (the root's weights win), check the sharding, build the
         optimizer over the sharded parameters, and load the root's checkpoint ``resume``
-        (each rank its shards). Every rank calls it, in step."""
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
+        (each rank its shards). Every rank calls it, in step.
 
+        In a clique's later generation (recovery: the ranks that are not new, the survivors,
+        have a model set up already) the survivors drop what the lost pass left in FSDP2
+        and put their shards of the last snapshot back, and each new rank shards its model
+        and receives its shards from the survivors (see ``_fsdp_replica``)."""
         assert self.module is not None and self.optimizer_factory is not None
-        if self.stepper is not None:
+        self._check_default_group()
+        fresh = self._fresh_ranks()
+        if len(fresh) == self.nranks:
+            self._set_up(resume)
             return
+        module = original_module(self.module)
+        if self.stepper is None:  # a lost rank's replacement
+            on_meta = any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+            if not on_meta:
+                module.to(self.device)
+            self._shard(module, on_meta=on_meta)
+            check_sharded(module, self.nranks, rank=self.rank)
+            self._build(module)
+        else:
+            reset_after_loss(self._units)
+            self._gradient_sync = True
+        self._regroup(resume, fresh)
+
+    def _check_default_group(self) -> None:
+        """Raise unless torch's default group is the clique's."""
+        import torch.distributed as dist
+
         if not dist.is_initialized():
             raise ConfigError(
                 "step_on='fsdp' needs torch's default process group, which the clique opens "
@@ -166,6 +190,18 @@ class FsdpSteps(EveryRankSteps):
                 rank=self.rank,
                 phase=_PHASE,
             )
+
+    def _fresh_ranks(self) -> list[int]:
+        """The ranks whose model is not set up yet (every rank in a clique's first
+        generation; a lost rank's replacement later), from one all-gather."""
+        mine = host_to_device([int(self.stepper is None)], torch.int64, self.device)
+        gathered = torch.zeros(self.nranks, dtype=torch.int64, device=self.device)
+        self.all_gather(gathered, mine)
+        return [rank for rank, new in enumerate(gathered.tolist()) if new]
+
+    def _set_up(self, resume: TrainingState | None) -> None:
+        """:meth:`prepare` on every rank at once (the clique's first generation)."""
+        assert self.module is not None
         module = original_module(self.module)
         weights = self.policy.initial_weights  # checked before any tensor is allocated
         stored = None if weights is None else plan_load(weights, module, rank=self.rank)
@@ -176,11 +212,8 @@ class FsdpSteps(EveryRankSteps):
             tensors = [t.data for t in [*module.parameters(), *module.buffers()]]
             if tensors:  # the root's values, before each rank keeps its shard of them
                 self.clique.start_broadcast(tensors).wait_blocking(None)
-        mesh = init_device_mesh(self.device.type, (self.nranks,))
-        self._units = shard(module, self.policy, mesh, rank=self.rank)
-        ignore_root_output_view_warning(module)
+        self._shard(module, on_meta=on_meta)
         if template is not None:
-            module.to_empty(device=self.device)
             materialize(
                 module,
                 template,
@@ -192,10 +225,7 @@ class FsdpSteps(EveryRankSteps):
             )
         check_sharded(module, self.nranks, rank=self.rank)
         self._check_units(module)
-        trainable = [p for p in module.parameters() if p.requires_grad]
-        self.flat.parameters = trainable
-        self.flat.module_buffers = list(module.buffers())
-        self.stepper = self._build_stepper(trainable)
+        self._build(module)
         self._resume(module, resume, stored)
         if self.rank == 0:
             logger.info(
@@ -205,6 +235,48 @@ class FsdpSteps(EveryRankSteps):
                 self.policy.precision.describe(),
                 extra={"rank": 0},
             )
+
+    def _shard(self, module: torch.nn.Module, *, on_meta: bool) -> None:
+        """Shard ``module`` over the default group's mesh (its storage allocated where it
+        was on the meta device)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(self.device.type, (self.nranks,))
+        self._units = shard(module, self.policy, mesh, rank=self.rank)
+        ignore_root_output_view_warning(module)
+        if on_meta:
+            module.to_empty(device=self.device)
+
+    def _build(self, module: torch.nn.Module) -> None:
+        """The flat layout's parameters and buffers, and the optimizer over the shards."""
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        self.flat.parameters = trainable
+        self.flat.module_buffers = list(module.buffers())
+        self.stepper = self._build_stepper(trainable)
+
+    def _regroup(self, resume: TrainingState | None, fresh: list[int]) -> None:
+        """Every rank's shards back at recovery's last snapshot (the root's ``resume``),
+        the new ranks' received from the survivors that hold them."""
+        source = None if resume is None or resume.shards is None else str(resume.shards.path)
+        source = broadcast_object(self.clique, source, rank=self.rank)
+        if source != IN_MEMORY:
+            raise CheckpointError(
+                f"rank(s) {fresh} rejoined the run, which has no shards of them in memory to "
+                "go back to (the root's snapshot is not fsdp's): pass "
+                "Recovery(fsdp_replica=True)",
+                rank=self.rank,
+                phase="recover",
+            )
+        assert self.module is not None and self.stepper is not None
+        self.kept = hand_over(
+            self.kept,
+            fresh,
+            rank=self.rank,
+            nranks=self.nranks,
+            device=self.device,
+            explain=self.clique.explain,
+        )
+        restore(original_module(self.module), self.stepper.optimizer, self.kept.own)
 
     def _root_seed(self) -> int:
         """A seed drawn from the root's RNG, the same on every rank."""
@@ -316,7 +388,7 @@ class FsdpSteps(EveryRankSteps):
         if self.nranks == 1:
             return step_alone(self, batches, epoch=epoch, step=step, tally=tally)
         feed, accumulate = batches.feed, batches.accumulate
-        sums = _StepSums(self)
+        sums = StepSums(self)
         early = batches.counts is not None  # the meta values need no flag of more batches
         batch = feed.next()
         for index in range(accumulate):
@@ -391,7 +463,9 @@ class FsdpSteps(EveryRankSteps):
 
     def checkpoint_shards(self, shards: ShardedState | None) -> list[tuple[str, int, list[str]]]:
         """Write this rank's shards of the model and optimizer state into the root's
-        ``shards`` directory (every rank at once); its files and their checksums."""
+        ``shards`` directory (every rank at once); its files and their checksums. Recovery's
+        snapshot (``shards`` at :data:`IN_MEMORY`) keeps them in host memory instead, and a
+        replica with the rank before (see ``_fsdp_replica``): no files."""
         assert self.module is not None and self.stepper is not None
         where = broadcast_object(
             self.clique,
@@ -401,6 +475,14 @@ class FsdpSteps(EveryRankSteps):
         if where is None:
             raise AssertionError("the root gave no directory for the shards")
         module, optimizer = original_module(self.module), self.stepper.optimizer
+        if where["path"] == IN_MEMORY:  # recovery's snapshot: kept here and by a neighbour
+            own = keep(module, optimizer)
+            explain = self.clique.explain
+            neighbour = ring(
+                own, rank=self.rank, nranks=self.nranks, device=self.device, explain=explain
+            )
+            self.kept = Kept(own=own, neighbour=neighbour)
+            return []
         target = ShardedState(path=where["path"], nranks=self.nranks, options=where["options"])
         records = write_own_shards(target, module, optimizer, rank=self.rank)
         return [(r.name, r.size, list(r.digests)) for r in records]
@@ -408,54 +490,3 @@ class FsdpSteps(EveryRankSteps):
     def checkpoint_optimizer_state(self) -> dict[str, Any] | None:
         """Nothing whole: every rank writes its shards (:meth:`checkpoint_shards`)."""
         return {} if self.rank == 0 else None
-
-
-@attrs.define(eq=False)
-class _StepSums:
-    """One fsdp step's weight (``examples``: the batches' :attr:`LoadedBatch.weight`, examples
-    or tokens) and float64 loss sum on this rank, and the all-reduce of its
-    meta values: started before the step's last backward (:meth:`start`,
-    :meth:`add_and_start`) or after it (:meth:`exchanged`)."""
-
-    design: FsdpSteps
-    examples: int = 0
-    _loss: torch.Tensor | None = None
-    _meta: torch.Tensor | None = None
-    _pending: PendingCollective | None = None
-
-    def add(self, loss: torch.Tensor, examples: int) -> None:
-        """Add a batch's mean ``loss`` times its ``examples``."""
-        weighted = loss.to(torch.float64) * examples
-        self._loss = weighted if self._loss is None else self._loss + weighted
-        self.examples += examples
-
-    def loss(self) -> torch.Tensor:
-        """The loss sum (zero without examples)."""
-        if self._loss is None:
-            self._loss = torch.zeros((), dtype=torch.float64, device=self.design.device)
-        return self._loss
-
-    def start(self) -> None:
-        """Start the meta values' all-reduce (the flag of more batches set: the counts say)."""
-        meta = write_meta(self.design.flat, self.examples, self.loss(), True, tail=False)
-        assert meta is not None
-        self._meta, self._pending = meta, self.design.start_exchange([meta])
-
-    def add_and_start(self, examples: int) -> Callable[[torch.Tensor], None]:
-        """What the last backward calls with the batch's loss before it runs."""
-
-        def before_backward(loss: torch.Tensor) -> None:
-            self.add(loss, examples)
-            self.start()
-
-        return before_backward
-
-    def exchanged(self, more: bool) -> torch.Tensor:
-        """The meta values summed over the clique (the all-reduce started now if not yet)."""
-        if self._pending is None:
-            meta = write_meta(self.design.flat, self.examples, self.loss(), more, tail=False)
-            assert meta is not None
-            self._meta, self._pending = meta, self.design.start_exchange([meta])
-        self._pending.wait_blocking(None)
-        assert self._meta is not None
-        return self._meta

@@ -21,6 +21,7 @@ __all__ = [
     "ignore_root_output_view_warning",
     "local",
     "materialize",
+    "reset_after_loss",
     "shard",
     "unit_sizes",
 ]
@@ -59,6 +60,26 @@ def shard(module: torch.nn.Module, policy: FsdpPolicy, mesh: Any, *, rank: int) 
         unit.set_gradient_divide_factor(1.0)  # sums, never averages
         unit.set_force_sum_reduction_for_comms(True)
     return units
+
+
+def reset_after_loss(units: list[Any]) -> None:
+    """Drop what a pass cut short by a lost rank left in FSDP2's ``units`` (the root module
+    last): the all-gathers and reductions in flight, unsharded parameters and gradients
+    accumulated without a reduction; and point every unit at torch's default process group,
+    which the clique's new generation opened (FSDP2 holds the group it was sharded over)."""
+    import torch.distributed as dist
+
+    group = dist.distributed_c10d._get_default_group()
+    for unit in units:
+        for param_group in unit._get_fsdp_state()._fsdp_param_groups:
+            param_group._all_gather_result = None  # the aborted one's: nothing to wait for
+            for info in (param_group.mesh_info, param_group.post_forward_mesh_info):
+                if info is not None and hasattr(info, "shard_process_group"):
+                    info.shard_process_group = group
+            for fsdp_param in param_group.fsdp_params:
+                fsdp_param.unsharded_accumulated_grad = None
+    units[-1].reset_iter_state()
+    units[-1].set_requires_gradient_sync(True)
 
 
 def ignore_root_output_view_warning(module: torch.nn.Module) -> None:

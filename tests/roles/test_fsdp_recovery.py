@@ -1,0 +1,193 @@
+"""In-job recovery under ``step_on="fsdp"`` with real processes over Gloo and TCP: each rank
+keeps its shards and its neighbour's in host memory after every pass, a follower killed in
+the middle of a pass is replaced by the same command started again, the replacement
+receives its shards from the survivors, and the run ends bitwise where an uninterrupted run
+ends. Two neighbouring ranks lost at once lose a shard: the run ends naming them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+import lampdist
+
+from ._launch import spawn
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(torch.distributed, "init_process_group"), reason="torch without distributed"
+)
+
+NEVER = "1000000"
+"""A ``--die-after`` no rank reaches: the uninterrupted run reads its data the same way."""
+
+
+class Job:
+    """Every rank of :mod:`.tcp_rank` under fsdp, each rank's arguments its own;
+    :meth:`replace` starts a rank's command again (as a supervisor restarts a lost
+    process)."""
+
+    def __init__(
+        self, out: Path, nranks: int, args: Sequence[str], per_rank: dict[int, list[str]]
+    ) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.out, self.nranks = out, nranks
+        common = ["--step-on", "fsdp", *args]
+        self.per_rank = {rank: [*common, *per_rank.get(rank, [])] for rank in range(nranks)}
+        self.ended: list[subprocess.Popen[str]] = []
+        root = self._spawn(0, 0)
+        assert root.stdout is not None
+        line = root.stdout.readline()
+        assert line.startswith("PORT "), line + (root.stderr.read() if root.stderr else "")
+        self.port = int(line.split()[1])
+        self.ranks = {0: root}
+        for rank in range(1, nranks):
+            self.ranks[rank] = self._spawn(rank, self.port)
+
+    def _spawn(self, rank: int, port: int) -> subprocess.Popen[str]:
+        return spawn("tcp_rank", rank, self.nranks, self.out, port, *self.per_rank[rank])
+
+    def replace(self, rank: int) -> None:
+        """Start rank ``rank`` again (its process has ended)."""
+        old = self.ranks[rank]
+        assert old.poll() is not None
+        self.ended.append(old)
+        self.ranks[rank] = self._spawn(rank, self.port)
+
+    def finish(self, timeout: float = 120) -> dict[int, tuple[int, str]]:
+        """Every live rank's exit code and stderr, by rank."""
+        try:
+            return {
+                rank: (process.wait(timeout=timeout), _stderr(process))
+                for rank, process in self.ranks.items()
+            }
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        for process in [*self.ranks.values(), *self.ended]:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def _stderr(process: subprocess.Popen[str]) -> str:
+    assert process.stderr is not None
+    return process.stderr.read()
+
+
+def uninterrupted(out: Path, nranks: int, args: Sequence[str]) -> None:
+    """The same run without a loss (every rank exits 0)."""
+    job = Job(out, nranks, [*args, "--die-after", NEVER], {})
+    for rank, (code, error) in job.finish().items():
+        assert code == 0, f"rank {rank}: {error}"
+
+
+def assert_same_run(got: Path, want: Path, nranks: int) -> None:
+    """Every rank's final shards of the model and of the optimizer state, and the learning
+    curve, bitwise."""
+    for rank in range(nranks):
+        for name in (f"rank{rank}.pt", f"optim{rank}.pt"):
+            mine = torch.load(got / name, weights_only=True)
+            theirs = torch.load(want / name, weights_only=True)
+            assert _flat(mine).keys() == _flat(theirs).keys()
+            for key, tensor in _flat(mine).items():
+                assert torch.equal(tensor, _flat(theirs)[key]), f"rank {rank}: {name} {key}"
+    assert (got / "curve.json").read_text() == (want / "curve.json").read_text()
+
+
+def _flat(parts: dict[str, object], prefix: str = "") -> dict[str, torch.Tensor]:
+    flat: dict[str, torch.Tensor] = {}
+    for key, value in parts.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            assert isinstance(value, torch.Tensor)
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+@pytest.mark.parametrize(
+    ("nranks", "lost", "die_after", "args"),
+    [
+        (2, 1, "forward:10", ["--optimizer", "adamw", "--clip", "0.05", "--accumulate", "1"]),
+        (3, 2, "5", ["--optimizer", "adamw", "--meta"]),
+        (3, 1, "5", ["--optimizer", "sgd", "--window", "1", "--accumulate", "2"]),
+    ],
+    ids=["2-ranks-clip", "3-ranks-meta", "3-ranks-windows"],
+)
+def test_a_killed_fsdp_follower_is_replaced_and_the_run_ends_as_if_nothing_happened(
+    tmp_path: Path, nranks: int, lost: int, die_after: str, args: list[str]
+) -> None:
+    """Rank ``lost`` is SIGKILLed as it takes a training batch in the middle of a pass (with
+    windows, of a later window), or (``forward:N``) as its model runs its Nth forward, the
+    third step of the second epoch, after the survivors stepped twice in the pass; the same
+    command started again joins, receives its shards
+    of the model and the optimizer from the survivors' replicas, the survivors put theirs
+    back, the pass is redone, and every rank's final shards and the learning curve equal an
+    uninterrupted run's bitwise."""
+    args = [*args, "--epochs", "3"]
+    uninterrupted(tmp_path / "want", nranks, args)
+    per_rank = {rank: ["--die-after", NEVER] for rank in range(nranks)}
+    how, _, when = die_after.rpartition(":")
+    per_rank[lost] = ["--die-in-forward" if how else "--die-after", when]
+    job = Job(tmp_path / "got", nranks, [*args, "--recovery", "60"], per_rank)
+    try:
+        assert job.ranks[lost].wait(timeout=60) == -signal.SIGKILL
+        job.replace(lost)
+        ended = job.finish()
+    finally:
+        job.kill()
+    for rank, (code, error) in ended.items():
+        assert code == 0, f"rank {rank}: {error}"
+    assert f"recovered rank(s) [{lost}]" in ended[0][1]
+    (event,) = [json.loads(line) for line in (tmp_path / "got" / "recovered.jsonl").open()]
+    assert event["ranks"] == [lost] and event["phase"] == "train"
+    assert_same_run(tmp_path / "got", tmp_path / "want", nranks)
+
+
+def test_two_neighbouring_ranks_lost_at_once_end_the_run_naming_them(tmp_path: Path) -> None:
+    """Ranks 1 and 2 of 3 are killed together once training is well under way: rank 1 held
+    the only replica of rank 2's shards, so the root ends the run at once with a
+    CheckpointError naming both, rather than wait for replacements it could not make
+    whole."""
+    out = tmp_path / "run"
+    per_rank = {rank: ["--die-after", NEVER] for rank in range(3)}
+    job = Job(out, 3, ["--epochs", "50", "--recovery", "60"], per_rank)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "trained").exists():
+            assert time.monotonic() < deadline and job.ranks[0].poll() is None
+            time.sleep(0.05)
+        for rank in (1, 2):
+            os.kill(job.ranks[rank].pid, signal.SIGKILL)
+        started = time.monotonic()
+        code = job.ranks[0].wait(timeout=60)
+        waited = time.monotonic() - started
+        error = _stderr(job.ranks[0])
+    finally:
+        job.kill()
+    assert code != 0
+    assert "CheckpointError" in error and "ranks 1 and 2 were lost together" in error, error
+    assert waited < 30
+
+
+def test_fsdp_replica_off_is_refused() -> None:
+    """``Recovery(fsdp_replica=False)`` under fsdp is refused before anything runs (in-job
+    recovery from the newest checkpoint is not built); a value that is not a bool is refused
+    when built."""
+    from lampdist._roles._fsdp_recovery import check_fsdp_recovery
+
+    loop = lampdist.LoopOptions(max_epochs=1, recovery=lampdist.Recovery(fsdp_replica=False))
+    with pytest.raises(lampdist.ConfigError, match=r"Recovery.fsdp_replica=False under"):
+        check_fsdp_recovery(lampdist.StepOptions(step_on="fsdp"), loop)
+    check_fsdp_recovery(lampdist.StepOptions(step_on="every_rank"), loop)
+    with pytest.raises(lampdist.ConfigError, match=r"Recovery\.fsdp_replica must be True or False"):
+        lampdist.Recovery(fsdp_replica="yes")  # type: ignore[arg-type]
