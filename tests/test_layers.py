@@ -41,7 +41,7 @@ LAYERS = [
     {"launch", "checkpoint", "_options", "trackers"},
     {"_epoch"},
     {"_roles"},
-    {"cli"},
+    {"cli", "ray"},
     {"__init__", "__main__"},
 ]
 LAYER = {name: index for index, names in enumerate(LAYERS) for name in names}

@@ -142,6 +142,13 @@ PUBLIC_NAMES = {
         "first_slurm_host",
         "from_env",
     ],
+    "lampdist.ray": [
+        "TrainSecret",
+        "from_train_context",
+        "report",
+        "resume",
+        "storage_dir",
+    ],
     "lampdist.schedules": [
         "LearningRateSchedule",
         "RateSchedule",
