@@ -1,7 +1,8 @@
 """lampdist inside Ray Train's TorchTrainer: a run finishes, its Result.checkpoint resumes
-in a second run that ends bitwise where an uninterrupted run ends, Ray Train's default
-process group still works beside lampdist's, and the secret stays out of Ray Train's run
-state. One Ray instance runs it all (``train_program.py``, in a loopback-only namespace)."""
+in a second run, which Ray Train restarts after a worker exits and which ends bitwise where
+an uninterrupted run ends; Ray Train's default process group still works beside lampdist's,
+and the secret stays out of Ray Train's run state. One Ray instance runs it all
+(``train_program.py``, in a loopback-only namespace)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,14 @@ def _run(out: Path) -> dict[str, Any]:
     return dict(json.loads((out / "driver.json").read_text()))
 
 
-@pytest.mark.slow  # a Ray instance and two TorchTrainer runs: ~40-60 s on 2 cores
+@pytest.mark.slow  # a Ray instance, two TorchTrainer runs and a restart: ~60-100 s
 @needs_loopback_namespace
 def test_a_torch_trainer_run_checkpoints_and_resumes_bitwise(tmp_path: Path) -> None:
-    driver = _run(tmp_path)
+    check(tmp_path, _run(tmp_path))
+
+
+def check(tmp_path: Path, driver: dict[str, Any]) -> None:
+    """The assertions on ``train_program.py``'s output in ``tmp_path``."""
     assert driver["errors"] == {}
     storage = tmp_path / "storage"
     # the first run reported the newest of lampdist's own checkpoints, under its name
@@ -58,9 +63,22 @@ def test_a_torch_trainer_run_checkpoints_and_resumes_bitwise(tmp_path: Path) -> 
     assert [split0["rank"], split1["rank"]] == [0, 1]
     assert split0["epochs"] == [0, 1]
     assert split0["resumed_from"] is None
-    # the second run went on from the first's Result.checkpoint, on the root only
-    assert resumed0["resumed_from"] == driver["checkpoints"]["split"]
-    assert resumed0["resumed_epoch"] == 2
+    # the second run went on from the first's Result.checkpoint, on the root only; its
+    # rank 1 exited in epoch 3, and Ray Train's restart went on from lampdist's own store
+    starts = [
+        json.loads(line) for line in (tmp_path / "resumed-starts.jsonl").read_text().splitlines()
+    ]
+    assert (tmp_path / "fault").exists()
+    assert sorted((s["rank"], s["resumed_from"] or "") for s in starts) == sorted(
+        [
+            (0, driver["checkpoints"]["split"]),
+            (0, str(storage / "resumed" / "lampdist" / "epoch-000003")),
+            (1, ""),
+            (1, ""),
+        ]
+    )
+    assert resumed0["resumed_from"] == str(storage / "resumed" / "lampdist" / "epoch-000003")
+    assert resumed0["resumed_epoch"] == 3
     assert resumed1["resumed_from"] is None
     assert resumed0["epochs"] == resumed1["epochs"] == [0, 1, 2, 3]
     whole = torch.load(tmp_path / "whole.pt")

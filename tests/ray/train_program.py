@@ -10,10 +10,13 @@ from ``lampdist.ray.from_train_context``, checkpoints into ``lampdist.ray.storag
 
 - ``split``: 2 epochs; its ``Result.checkpoint`` is handed to ``resumed``;
 - ``resumed``: a new run given ``split``'s checkpoint in ``train_loop_config``; 4 epochs.
+  Its rank 1 exits in epoch 3 of its first attempt: Ray Train restarts both workers
+  (``FailureConfig(max_failures=1)``) and they go on from lampdist's own newest checkpoint.
 
 Each worker saves its final state dict to ``OUT/<run>-<rank>.pt`` and a summary to
 ``OUT/<run>-<rank>.json`` (what it resumed from, an all-reduce over Ray Train's default
-group after lampdist's run). The driver trains the uninterrupted reference, 4 epochs of the
+group after lampdist's run), and appends what it resumed from when it starts to
+``OUT/<run>-starts.jsonl``. The driver trains the uninterrupted reference, 4 epochs of the
 same 2 ranks without Ray (``local_data_parallel_training_loop``), into ``OUT/whole.pt``,
 and writes ``OUT/driver.json`` (the results' checkpoints and metrics, and Ray Train's stored
 run settings as text).
@@ -31,7 +34,7 @@ from typing import Any
 import anyio
 import ray.train
 import torch
-from ray.train import RunConfig, ScalingConfig
+from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 import lampdist
@@ -64,10 +67,18 @@ def adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=0.05)
 
 
-def rank_data(module: torch.nn.Module, rank: int) -> lampdist.ModelWithData:
+def rank_data(
+    module: torch.nn.Module, rank: int, fault: Path | None = None
+) -> lampdist.ModelWithData:
+    def train_batches(context: lampdist.PassContext) -> list[Any]:
+        if fault is not None and rank == 1 and context.epoch == 3 and not fault.exists():
+            fault.write_text("rank 1 exits in epoch 3")  # once: the restart trains on
+            os._exit(1)
+        return batches(rank, 3, 1)
+
     return lampdist.ModelWithData(
         model=lampdist.SupervisedModel(module, mse),
-        train_batches=functools.partial(batches, rank, 3, 1),
+        train_batches=train_batches,
         validation_batches=functools.partial(batches, rank, 1, 2),
     )
 
@@ -76,11 +87,16 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     launch = lampdist.ray.from_train_context(config["lampdist_secret"])
     directory = lampdist.ray.storage_dir()
     resumed = lampdist.ray.resume(directory, config.get("checkpoint"))
+    out = Path(config["out"])
+    with (out / f"{config['run']}-starts.jsonl").open("a") as starts:
+        where = None if resumed is None else str(resumed.path)
+        starts.write(json.dumps({"rank": launch.rank, "resumed_from": where}) + "\n")
     module = make_model()
+    fault = out / "fault" if config.get("fault") else None
     state = anyio.run(
         functools.partial(
             lampdist.train,
-            data=rank_data(module, launch.rank),
+            data=rank_data(module, launch.rank, fault),
             optimizer_factory=adamw,
             loop=lampdist.LoopOptions(
                 max_epochs=config["epochs"], checkpoint_state=checkpoint.to_directory(directory)
@@ -92,7 +108,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     )
     total = torch.tensor([float(launch.rank + 1)])
     torch.distributed.all_reduce(total)  # Ray Train's default group, after lampdist's
-    out = Path(config["out"])
     name = f"{config['run']}-{launch.rank}"
     torch.save(module.state_dict(), out / f"{name}.pt")
     summary = {
@@ -113,12 +128,16 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 def fit(out: Path, run: str, epochs: int, secret: Any, given: Any = None) -> Any:
     config = {"lampdist_secret": secret, "out": str(out), "run": run, "epochs": epochs}
     if given is not None:
-        config["checkpoint"] = given
+        config |= {"checkpoint": given, "fault": True}
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
-        run_config=RunConfig(name=run, storage_path=str(out / "storage")),
+        run_config=RunConfig(
+            name=run,
+            storage_path=str(out / "storage"),
+            failure_config=FailureConfig(max_failures=1),
+        ),
     )
     return trainer.fit()
 
