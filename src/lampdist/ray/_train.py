@@ -79,9 +79,9 @@ def from_train_context(
     :func:`lampdist.train`, on every worker. ``secret`` is the control channel's shared
     secret, the same on every worker: a :class:`TrainSecret` from ``train_loop_config``.
 
-    Raises :class:`~lampdist.ConfigError` outside a Ray Train worker, without
-    ``MASTER_ADDR``/``MASTER_PORT`` (``TorchConfig(init_method="env")``, the default, sets
-    them), or without a secret for several workers.
+    Raises :class:`~lampdist.ConfigError` outside a Ray Train worker and, for several
+    workers, without a secret or without ``MASTER_ADDR``/``MASTER_PORT``
+    (``TorchConfig(init_method="env")``, the default, sets them).
     """
     import ray.train.torch
 
@@ -98,9 +98,9 @@ def from_train_context(
             rank=rank,
             phase=_PHASE,
         )
-    host, store_port = _store_address(os.environ, rank)
-    exchange = None
+    host, exchange = "127.0.0.1", None  # a worker alone needs no channel
     if nranks > 1:
+        host, store_port = _store_address(os.environ, rank)
         key = f"lampdist/control-port/{context.get_experiment_name()}/{call}"
         exchange = PortExchange(host=host, port=store_port, key=key, timeout=timeout)
     return LaunchEnv(
