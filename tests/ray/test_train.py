@@ -137,3 +137,38 @@ def test_without_ray_trains_store_address_is_a_config_error(environ: dict[str, s
         "10.0.0.1",
         29500,
     )
+
+
+def test_fsdp_beside_an_existing_default_group_is_refused() -> None:
+    """A Ray Train worker has torch's default process group already, which step_on="fsdp"
+    needs to itself: refused, saying so (docs/howto-ray-train.md); the group stays the
+    worker's."""
+    import anyio
+
+    import lampdist
+    from lampdist.launch import LaunchEnv
+
+    store = torch.distributed.HashStore()
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        module = torch.nn.Linear(3, 1)
+        batch = (torch.randn(4, 3), torch.randn(4, 1))
+
+        async def run() -> None:
+            await lampdist.train(
+                launch=LaunchEnv(rank=0, nranks=1),
+                data=lampdist.ModelWithData(
+                    model=lampdist.SupervisedModel(module, torch.nn.functional.mse_loss),
+                    train_batches=lambda: [batch],
+                ),
+                optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1),
+                loop=lampdist.LoopOptions(max_epochs=1),
+                step=lampdist.StepOptions(step_on="fsdp"),
+                stop_on_signals=False,
+            )
+
+        with pytest.raises(lampdist.LampdistError, match="already has torch's default process"):
+            anyio.run(run)
+        assert torch.distributed.is_initialized()  # not lampdist's to destroy
+    finally:
+        torch.distributed.destroy_process_group()
