@@ -142,7 +142,17 @@ PUBLIC_NAMES = {
         "first_slurm_host",
         "from_env",
     ],
-    "lampdist.ray": ["RunContext", "run", "run_context", "run_sync"],
+    "lampdist.ray": [
+        "RunContext",
+        "TrainSecret",
+        "from_train_context",
+        "report",
+        "resume",
+        "run",
+        "run_context",
+        "run_sync",
+        "storage_dir",
+    ],
     "lampdist.schedules": [
         "LearningRateSchedule",
         "RateSchedule",

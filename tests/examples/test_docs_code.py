@@ -28,11 +28,13 @@ PAGES = [
     "docs/howto-service.md",
     "docs/howto-trackers.md",
     "docs/comparison.md",
+    "docs/howto-ray-train.md",
 ]
 BLOCK = re.compile(r"^( *)```python\n(.*?)^\1```", re.DOTALL | re.MULTILINE)
 MODULES = {"lampdist": "lampdist", "checkpoint": "lampdist.checkpoint"}
 MODULES |= {"schedules": "lampdist.schedules", "control": "lampdist.control"}
 MODULES |= {"trackers": "lampdist.trackers"}
+importlib.import_module("lampdist.ray")  # imports no Ray; lampdist.ray.NAME then resolves
 
 
 def blocks(page: str) -> list[str]:
