@@ -148,7 +148,7 @@ def test_fsdp_beside_an_existing_default_group_is_refused() -> None:
     import lampdist
     from lampdist.launch import LaunchEnv
 
-    store = torch.distributed.HashStore()
+    store = torch.distributed.HashStore()  # type: ignore[attr-defined]
     torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         module = torch.nn.Linear(3, 1)
