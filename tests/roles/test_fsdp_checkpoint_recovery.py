@@ -25,34 +25,43 @@ pytestmark = pytest.mark.skipif(
 @pytest.mark.parametrize(
     ("nranks", "lost", "die_after", "back_to", "args"),
     [
-        (2, 1, "10", 1, ["--optimizer", "adamw", "--clip", "0.05", "--accumulate", "1"]),
+        (2, (1,), "10", 1, ["--optimizer", "adamw", "--clip", "0.05", "--accumulate", "1"]),
         # Mid-step (between the backwards of an accumulation), the newest checkpoint gone:
         # back to epoch 0's, two passes and a half.
-        (3, 2, "forward:17", 0, ["--optimizer", "sgd", "--meta", "--drop-newest"]),
+        (3, (2,), "forward:17", 0, ["--optimizer", "sgd", "--meta", "--drop-newest"]),
+        # Two neighbouring ranks at once (no replica to lose: both load the checkpoint).
+        (3, (1, 2), "forward:17", 1, ["--optimizer", "adamw"]),
     ],
-    ids=["2-ranks", "3-ranks-meta-two-epochs-back"],
+    ids=["2-ranks", "3-ranks-meta-two-epochs-back", "3-ranks-two-lost"],
 )
 def test_a_killed_fsdp_follower_goes_back_to_the_newest_checkpoint_in_job(
-    tmp_path: Path, nranks: int, lost: int, die_after: str, back_to: int, args: list[str]
+    tmp_path: Path,
+    nranks: int,
+    lost: tuple[int, ...],
+    die_after: str,
+    back_to: int,
+    args: list[str],
 ) -> None:
-    """Rank ``lost`` is SIGKILLed as it takes a training batch (or runs a forward) in the
-    middle of epoch 2 (having removed the newest checkpoint, with ``--drop-newest``); the same
-    command started again joins, every rank loads its shards of the checkpoint of epoch
-    ``back_to``, the epochs after it run again, and every rank's final
-    shards, its optimizer state and the learning curve equal an uninterrupted run's bitwise;
-    the root and the survivors are the processes that started the run."""
+    """The ranks ``lost`` are SIGKILLed as they take a training batch (or run a forward) in
+    the middle of epoch 2 (having removed the newest checkpoint, with ``--drop-newest``); the
+    same commands started again join, every rank loads its shards of the checkpoint of epoch
+    ``back_to``, the epochs after it run again, and every rank's final shards, its optimizer
+    state and the learning curve equal an uninterrupted run's bitwise; the root and the
+    survivors are the processes that started the run."""
     args = [*args, "--epochs", "4"]
     uninterrupted(tmp_path / "want", nranks, [*args, "--checkpoint", str(tmp_path / "ck-want")])
     per_rank = {rank: ["--die-after", NEVER] for rank in range(nranks)}
     how, _, when = die_after.rpartition(":")
-    per_rank[lost] = ["--die-in-forward" if how else "--die-after", when]
+    for rank in lost:
+        per_rank[rank] = ["--die-in-forward" if how else "--die-after", when]
     got = tmp_path / "got"
     run = [*args, "--recovery", "60", "--no-replica", "--checkpoint", str(tmp_path / "ck")]
     job = Job(got, nranks, run, per_rank)
     started = {rank: process.pid for rank, process in job.ranks.items()}
     try:
-        assert job.ranks[lost].wait(timeout=60) == -signal.SIGKILL
-        job.replace(lost)
+        for rank in lost:
+            assert job.ranks[rank].wait(timeout=60) == -signal.SIGKILL
+            job.replace(rank)
         ended = job.finish()
     finally:
         job.kill()
@@ -60,11 +69,11 @@ def test_a_killed_fsdp_follower_goes_back_to_the_newest_checkpoint_in_job(
         assert code == 0, f"rank {rank}: {error}"
     assert f"the run goes back to the checkpoint of epoch {back_to}" in ended[0][1]
     (event,) = [json.loads(line) for line in (got / "recovered.jsonl").open()]
-    assert event["ranks"] == [lost] and event["checkpoint_epoch"] == back_to
+    assert event["ranks"] == list(lost) and event["checkpoint_epoch"] == back_to
     assert event["epoch"] == 2
     for rank in range(nranks):
         pid = int((got / f"pid{rank}").read_text())
-        assert (pid == started[rank]) == (rank != lost), rank
+        assert (pid == started[rank]) == (rank not in lost), rank
     assert_same_run(got, tmp_path / "want", nranks)
 
 

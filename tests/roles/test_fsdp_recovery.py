@@ -181,9 +181,9 @@ def test_two_neighbouring_ranks_lost_at_once_end_the_run_naming_them(tmp_path: P
 
 
 def test_fsdp_replica_off_is_refused() -> None:
-    """``Recovery(fsdp_replica=False)`` under fsdp is refused before anything runs (in-job
-    recovery from the newest checkpoint is not built); a value that is not a bool is refused
-    when built."""
+    """``Recovery(fsdp_replica=False)`` under fsdp without ``checkpoint_state`` is refused
+    before anything runs (it goes back to the newest checkpoint); a value that is not a bool
+    is refused when built."""
     from lampdist._roles._fsdp_recovery import check_fsdp_recovery
 
     loop = lampdist.LoopOptions(max_epochs=1, recovery=lampdist.Recovery(fsdp_replica=False))
