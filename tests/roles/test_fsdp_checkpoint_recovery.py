@@ -70,7 +70,7 @@ def test_a_killed_fsdp_follower_goes_back_to_the_newest_checkpoint_in_job(
     assert f"the run goes back to the checkpoint of epoch {back_to}" in ended[0][1]
     (event,) = [json.loads(line) for line in (got / "recovered.jsonl").open()]
     assert event["ranks"] == list(lost) and event["checkpoint_epoch"] == back_to
-    assert event["epoch"] == 2
+    assert event["epoch"] == 2 and event["pass_index"] == 2 * (back_to + 1)  # train, valid
     for rank in range(nranks):
         pid = int((got / f"pid{rank}").read_text())
         assert (pid == started[rank]) == (rank not in lost), rank

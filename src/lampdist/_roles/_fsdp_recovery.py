@@ -34,11 +34,12 @@ __all__ = [
 
 class GoneBack(Exception):
     """Every rank went back to the newest checkpoint, ``resume``: the root's epochs start
-    again from its loop state (raised by the recovery, caught by the root's epoch loop)."""
+    again from its loop state, at pass ``pass_index`` (raised by the recovery, caught by the
+    root's epoch loop)."""
 
-    def __init__(self, resume: Resumed) -> None:
+    def __init__(self, resume: Resumed, pass_index: int) -> None:
         super().__init__(f"back to the checkpoint of epoch {resume.epoch - 1}")
-        self.resume = resume
+        self.resume, self.pass_index = resume, pass_index
 
 
 def recovers_from_checkpoint(step: StepOptions, loop: LoopOptions) -> bool:

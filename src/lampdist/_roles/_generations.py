@@ -278,6 +278,7 @@ class Generations:
             back = await self.state.newest_checkpoint()
             if back is None:
                 raise no_checkpoint_yet(ranks, self.state.checkpoints, phase, epoch) from error
+            pass_index = self.state.saved_passes.get(back.epoch - 1, 0)  # the first run again
         deadline = started + recovery.rejoin_timeout
         ranks = await self._rejoin(ranks, reason, deadline, error, back)
         seconds = time.monotonic() - started
@@ -308,7 +309,7 @@ class Generations:
                 )
             )
         if back is not None:
-            raise GoneBack(back)
+            raise GoneBack(back, pass_index)
 
     def _count_recovery(self, lost: dict[int, LampdistError], error: BaseException) -> None:
         """Count this recovery; raise the first lost rank's error (chained to ``error``) when

@@ -427,6 +427,7 @@ class _Root:
                     schedule = self.loop.learning_rate_schedule
                     lr_state = resumed_schedule_state(schedule, back.resume)
                     self.epoch, state.unsaved = loop_state.epoch - 1, None
+                    self.pass_index = back.pass_index
                 else:
                     return final
 

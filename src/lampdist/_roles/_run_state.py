@@ -210,6 +210,8 @@ class RunState:
     """The checkpoints' storage, open while the epochs run."""
     unsaved: tuple[LoopState, Any] | None = None
     """The last epoch's state and schedule state, if the rule skipped it."""
+    saved_passes: dict[int, int] = attrs.field(factory=dict)
+    """The root's pass index at each checkpoint this process captured, by epoch."""
 
     @classmethod
     def create(
@@ -303,6 +305,7 @@ class RunState:
             )
 
         captured = await self.guarded(attempt)
+        self.saved_passes[epoch] = self.where()[1]
         training_state = attrs.evolve(captured, loop_state=state, best_model_state=self.best_model)
         self.rule.restart()
         try:
