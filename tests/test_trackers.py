@@ -648,3 +648,31 @@ def test_a_recovery_takes_back_the_steps_of_the_pass_it_redoes() -> None:
     assert again == first == [1, 2, 3]
     assert clock.advance(event(1, 1)) == 4
     assert event_scalars(recovered) == {"recovery/seconds": 1.5, "recovery/recoveries": 1.0}
+
+
+def test_going_back_to_a_checkpoint_takes_back_the_steps_of_every_pass_after_it() -> None:
+    """fsdp without its replica: epochs 0 to 2 trained, a loss in epoch 3 went back to the
+    checkpoint of epoch 0 (the recovery's pass_index, 2, is the first pass run again): the
+    steps of epochs 1 and 2 are taken back and their redone events keep their steps."""
+    from lampdist.trackers._base import StepClock
+
+    clock = StepClock()
+    first = [
+        clock.advance(event(epoch, step, done=step == 2)) for epoch in (0, 1, 2) for step in (1, 2)
+    ]
+    recovered = lampdist.Recovered(
+        ranks=(1,),
+        phase="train",
+        epoch=3,
+        pass_index=2,
+        seconds=1.0,
+        rejoin_seconds=1.0,
+        recoveries=1,
+        reason="rank 1: PeerDisconnected",
+        checkpoint_epoch=0,
+    )
+    assert clock.advance(lampdist._state.as_pass_event(recovered)) == 2
+    again = [
+        clock.advance(event(epoch, step, done=step == 2)) for epoch in (1, 2) for step in (1, 2)
+    ]
+    assert again == first[2:] == [3, 4, 5, 6]

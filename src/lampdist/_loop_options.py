@@ -67,7 +67,9 @@ class Recovery:
     its neighbour's in host memory after every pass (``fsdp_replica``, see
     docs/howto-recovery.md): a replacement receives its shards from the survivor that holds
     their replica; losing two neighbouring ranks at once loses a shard and ends the run
-    (:class:`~lampdist.CheckpointError` naming them).
+    (:class:`~lampdist.CheckpointError` naming them). With ``fsdp_replica=False`` nothing is
+    kept: a loss sends every rank back to the newest checkpoint in ``checkpoint_state``
+    (required), in-job, and the epochs after it run again.
 
     Raises :class:`~lampdist.ConfigError` for a ``rejoin_timeout`` that is not > 0, a
     ``max_recoveries`` that is not an int >= 1 and an ``fsdp_replica`` that is not a bool.
@@ -95,7 +97,14 @@ class Recovery:
     )
     """Under ``step_on="fsdp"``: after every snapshot each rank keeps its own shards in host
     memory and a replica of rank ``(r + 1) % n``'s, from which a replacement receives its
-    shards (one extra shard of host memory per rank). ``False`` is refused for now."""
+    shards (one extra shard of host memory per rank). ``False``: no snapshot is kept; after a
+    loss every rank, the replacement included, loads its shards of the newest checkpoint in
+    ``LoopOptions.checkpoint_state`` (a :class:`~lampdist.ConfigError` without one), the
+    ranks' places in their data and RNG states come from it too, and the root's epochs start
+    again from its loop state and schedule state, as a run resumed from it
+    (:attr:`Recovered.checkpoint_epoch` names it); the survivors' processes go on. A loss
+    before the first checkpoint ends the run (:class:`~lampdist.CheckpointError` naming the
+    rank, phase ``'recover'``)."""
 
 
 @attrs.frozen(kw_only=True)

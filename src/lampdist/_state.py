@@ -127,6 +127,10 @@ class Recovered:
     rejoin_seconds: float
     recoveries: int
     reason: str
+    checkpoint_epoch: int | None = None
+    """The epoch of the checkpoint the run went back to instead (``step_on="fsdp"`` with
+    ``Recovery(fsdp_replica=False)``: the passes from ``pass_index``, the first after it, are
+    run again); ``None`` when the pass in flight is redone from the snapshot."""
 
     def __getattr__(self, name: str) -> Any:
         # Before a recovery was an event of its own, it came as a PassEvent whose

@@ -170,15 +170,20 @@ def dying(batches: list[Any], after: int, marker: Path, signum: int) -> Any:
     return source
 
 
-def dying_in_forward(module: torch.nn.Module, at: int, marker: Path) -> None:
+def dying_in_forward(module: torch.nn.Module, at: int, marker: Path, drop: Path | None) -> None:
     """SIGKILL this process as ``module`` runs its ``at``-th forward (on the compute
-    thread, where the batches loaded ahead do not count), unless ``marker`` exists."""
+    thread, where the batches loaded ahead do not count), unless ``marker`` exists; with
+    ``drop``, the newest checkpoint in that directory is removed first."""
     count = [0]
 
     def hook(*_: Any) -> None:
         count[0] += 1
         if count[0] == at and not marker.exists():
             marker.write_text("killed\n")
+            if drop is not None:
+                import shutil
+
+                shutil.rmtree(max(drop.glob("epoch-*")))
             os.kill(os.getpid(), signal.SIGKILL)
 
     module.register_forward_pre_hook(hook)
@@ -279,6 +284,12 @@ async def main(argv: list[str]) -> None:
     parser.add_argument("--shard-linear", action="store_true", help="fsdp: each Linear a unit")
     parser.add_argument("--recovery", type=float, default=None, help="Recovery(rejoin_timeout)")
     parser.add_argument("--max-recoveries", type=int, default=3)
+    parser.add_argument(
+        "--drop-newest", action="store_true", help="--die-in-forward removes the newest checkpoint"
+    )
+    parser.add_argument(
+        "--no-replica", action="store_true", help="Recovery(fsdp_replica=False): from checkpoints"
+    )
     parser.add_argument("--window", type=int, default=None, help="steps_per_epoch")
     parser.add_argument("--heartbeat", type=float, default=None, help="heartbeat_timeout (s)")
     parser.add_argument(
@@ -366,7 +377,8 @@ async def main(argv: list[str]) -> None:
     if args.fp16:
         module = module.float()
     if args.die_in_forward is not None:
-        dying_in_forward(module, args.die_in_forward, args.out / f"died-{args.rank}")
+        drop = Path(args.checkpoint) if args.drop_newest else None
+        dying_in_forward(module, args.die_in_forward, args.out / f"died-{args.rank}", drop)
     model: Any = lampdist.SupervisedModel(module, mse, metrics=metrics() if args.metrics else {})
     train_source: Any
     if stateful is not None:
@@ -387,7 +399,9 @@ async def main(argv: list[str]) -> None:
     recovery = None
     if args.recovery is not None:
         recovery = lampdist.Recovery(
-            rejoin_timeout=args.recovery, max_recoveries=args.max_recoveries
+            rejoin_timeout=args.recovery,
+            max_recoveries=args.max_recoveries,
+            fsdp_replica=not args.no_replica,
         )
     liveness: dict[str, Any] = {}
     if args.heartbeat is not None:
@@ -455,6 +469,7 @@ async def main(argv: list[str]) -> None:
                 timeouts=timeouts,
             )
     torch.save(local_parts(module), args.out / f"rank{args.rank}.pt")
+    (args.out / f"pid{args.rank}").write_text(f"{os.getpid()}\n")  # the process that ended it
     if reduces is not None:
         (args.out / f"reduces{args.rank}.json").write_text(json.dumps(reduces))
     if built:

@@ -120,8 +120,9 @@ def _flat(parts: dict[str, object], prefix: str = "") -> dict[str, torch.Tensor]
         (2, 1, "forward:10", ["--optimizer", "adamw", "--clip", "0.05", "--accumulate", "1"]),
         (3, 2, "5", ["--optimizer", "adamw", "--meta"]),
         (3, 1, "5", ["--optimizer", "sgd", "--window", "1", "--accumulate", "2"]),
+        (2, 1, "forward:10", ["--optimizer", "sgd"]),  # lost between a step's backwards
     ],
-    ids=["2-ranks-clip", "3-ranks-meta", "3-ranks-windows"],
+    ids=["2-ranks-clip", "3-ranks-meta", "3-ranks-windows", "2-ranks-mid-step"],
 )
 def test_a_killed_fsdp_follower_is_replaced_and_the_run_ends_as_if_nothing_happened(
     tmp_path: Path, nranks: int, lost: int, die_after: str, args: list[str]
@@ -180,9 +181,9 @@ def test_two_neighbouring_ranks_lost_at_once_end_the_run_naming_them(tmp_path: P
 
 
 def test_fsdp_replica_off_is_refused() -> None:
-    """``Recovery(fsdp_replica=False)`` under fsdp is refused before anything runs (in-job
-    recovery from the newest checkpoint is not built); a value that is not a bool is refused
-    when built."""
+    """``Recovery(fsdp_replica=False)`` under fsdp without ``checkpoint_state`` is refused
+    before anything runs (it goes back to the newest checkpoint); a value that is not a bool
+    is refused when built."""
     from lampdist._roles._fsdp_recovery import check_fsdp_recovery
 
     loop = lampdist.LoopOptions(max_epochs=1, recovery=lampdist.Recovery(fsdp_replica=False))

@@ -383,8 +383,8 @@ def test_loop_options_take_a_recovery_only() -> None:
 def test_recovery_is_refused_where_a_lost_rank_cannot_be_replaced(
     step_on: str, cliques: str | None, message: str
 ) -> None:
-    """In-process followers have no process to replace; under fsdp without its replica a
-    lost rank's shards are nowhere else in memory."""
+    """In-process followers have no process to replace; under fsdp without its replica and
+    without a checkpoint_state a lost rank's shards are nowhere."""
     recovery = lampdist.Recovery(fsdp_replica=step_on != "fsdp")
     from tests.roles.reference import make_model, mse
 

@@ -7,31 +7,75 @@ replica of its neighbour's (rank ``r`` holds rank ``(r + 1) % n``'s) in host mem
 rank's replacement receives its shards from the survivor that holds their replica: losing
 two neighbouring ranks at once loses a shard, and the root says so at once rather than wait
 for replacements it could not make whole.
+
+With ``Recovery(fsdp_replica=False)`` nothing is kept: after a loss every rank, the
+replacement included, loads its shards of the newest checkpoint in the run's storage, and
+the root's epoch loop starts again from that checkpoint's loop state (:class:`GoneBack`,
+which the root's epochs catch), as a run resumed from it would.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from .._epoch import DESIGNS, replica_holder
 from .._errors import CheckpointError, ConfigError
 from .._options import LoopOptions, StepOptions
+from ..checkpoint import Resumed
 
-__all__ = ["check_fsdp_recovery", "check_shards_kept"]
+__all__ = [
+    "GoneBack",
+    "check_fsdp_recovery",
+    "check_shards_kept",
+    "no_checkpoint_yet",
+    "recovers_from_checkpoint",
+]
+
+
+class GoneBack(Exception):
+    """Every rank went back to the newest checkpoint, ``resume``: the root's epochs start
+    again from its loop state, at pass ``pass_index`` (raised by the recovery, caught by the
+    root's epoch loop)."""
+
+    def __init__(self, resume: Resumed, pass_index: int) -> None:
+        super().__init__(f"back to the checkpoint of epoch {resume.epoch - 1}")
+        self.resume, self.pass_index = resume, pass_index
+
+
+def recovers_from_checkpoint(step: StepOptions, loop: LoopOptions) -> bool:
+    """Whether a loss goes back to the newest checkpoint (fsdp without its replica)."""
+    recovery = loop.recovery
+    return (
+        recovery is not None
+        and not recovery.fsdp_replica
+        and DESIGNS[step.step_on].loads_checkpoints
+    )
 
 
 def check_fsdp_recovery(step: StepOptions, loop: LoopOptions) -> None:
-    """Raise :class:`ConfigError` for ``Recovery(fsdp_replica=False)`` under fsdp (a lost
-    rank's shards would then be nowhere but in a checkpoint, which in-job recovery does not
-    load yet)."""
-    recovery = loop.recovery
-    if recovery is None or recovery.fsdp_replica or not DESIGNS[step.step_on].loads_checkpoints:
+    """Raise :class:`ConfigError` for ``Recovery(fsdp_replica=False)`` under fsdp without a
+    ``checkpoint_state`` (a lost rank's shards would be nowhere)."""
+    if not recovers_from_checkpoint(step, loop) or loop.checkpoint_state is not None:
         return
     raise ConfigError(
-        f"Recovery.fsdp_replica=False under step_on={step.step_on!r}: a lost rank's shards "
-        "would be in no other rank's memory, and in-job recovery from the newest checkpoint "
-        "is not supported: pass Recovery(fsdp_replica=True) (one extra shard of host memory "
-        "per rank), or recovery=None and resume from the checkpoint after a loss",
+        f"Recovery.fsdp_replica=False under step_on={step.step_on!r} goes back to the newest "
+        "checkpoint after a loss, and LoopOptions.checkpoint_state is None: pass "
+        "checkpoint_state=checkpoint.to_directory(path) (or to_url(...)), or "
+        "Recovery(fsdp_replica=True) (one extra shard of host memory per rank)",
         rank=0,
         phase="configure",
+    )
+
+
+def no_checkpoint_yet(lost: set[int], where: Any, phase: str, epoch: int) -> CheckpointError:
+    """The error that ends a run under ``fsdp_replica=False`` when ranks are lost before the
+    run's storage ``where`` holds a checkpoint to go back to."""
+    return CheckpointError(
+        f"rank(s) {sorted(lost)} were lost in phase {phase!r} of epoch {epoch} before "
+        f"{where} held a checkpoint: Recovery(fsdp_replica=False) goes back to the newest "
+        "one; start the run again (or pass Recovery(fsdp_replica=True))",
+        rank=min(lost),
+        phase="recover",
     )
 
 

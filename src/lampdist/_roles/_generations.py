@@ -33,6 +33,7 @@ from .._errors import (
 )
 from .._options import LoopOptions
 from .._state import Recovered
+from ..checkpoint import Resumed
 from ..clique import Clique, ProcessGroups
 from ..control import Command, CommandKind, RecoverableRootChannel, RootChannel
 from ._failures import (
@@ -44,7 +45,13 @@ from ._failures import (
     single_error,
     watch_peers,
 )
-from ._fsdp_recovery import check_fsdp_recovery, check_shards_kept
+from ._fsdp_recovery import (
+    GoneBack,
+    check_fsdp_recovery,
+    check_shards_kept,
+    no_checkpoint_yet,
+    recovers_from_checkpoint,
+)
 from ._rank import RankContext, RunOptions
 from ._recovery import HOLD_MARGIN, is_consequence, is_lost
 from ._run_state import RunState
@@ -211,9 +218,17 @@ class Generations:
             else:
                 return result
 
+    @property
+    def from_checkpoint(self) -> bool:
+        """Whether a recovery goes back to the newest checkpoint (fsdp without its
+        replica): then no snapshot is kept."""
+        return recovers_from_checkpoint(self.context.options.step, self.loop)
+
     async def take_snapshot(self) -> None:
         """Every rank hands the root its part of the state, which the root keeps in memory
         with a copy of its model and optimizer state: what a recovery goes back to."""
+        if self.from_checkpoint:
+            return
         await self.state.keep_snapshot(self.current(), epoch=self.epoch, pass_index=self.pass_index)
 
     async def lost(self, error: BaseException) -> dict[int, LampdistError]:
@@ -236,7 +251,9 @@ class Generations:
     async def recover(self, lost: dict[int, LampdistError], error: BaseException) -> None:
         """Take the lost followers' replacements in and put every rank back at the last
         snapshot, within ``recovery.rejoin_timeout`` of the loss. Raises when recoveries
-        are used up, a rank is not back in time, or the recovery itself fails."""
+        are used up, a rank is not back in time, or the recovery itself fails; with
+        :attr:`from_checkpoint`, every rank goes back to the newest checkpoint instead and
+        :class:`GoneBack` is raised (a :class:`CheckpointError` before the first one)."""
         recovery = self.loop.recovery
         assert recovery is not None
         phase, epoch, pass_index = self.tracker.current, self.epoch, self.pass_index
@@ -256,17 +273,24 @@ class Generations:
             recovery.rejoin_timeout,
             extra={"rank": 0, "epoch": epoch},
         )
-        ranks = await self._rejoin(ranks, reason, started + recovery.rejoin_timeout, error)
+        back = None
+        if self.from_checkpoint:
+            back = await self.state.newest_checkpoint()
+            if back is None:
+                raise no_checkpoint_yet(ranks, self.state.checkpoints, phase, epoch) from error
+            pass_index = self.state.saved_passes.get(back.epoch - 1, 0)  # the first run again
+        deadline = started + recovery.rejoin_timeout
+        ranks = await self._rejoin(ranks, reason, deadline, error, back)
         seconds = time.monotonic() - started
         waited = self.rejoined - started
         logger.warning(
-            "recovered rank(s) %s in %.2f s (%.2f s of it until they rejoined): pass %d "
-            "(epoch %d) is redone from its start",
+            "recovered rank(s) %s in %.2f s (%.2f s of it until they rejoined): %s",
             sorted(ranks),
             seconds,
             waited,
-            pass_index,
-            epoch,
+            f"pass {pass_index} (epoch {epoch}) is redone from its start"
+            if back is None
+            else f"the run goes back to the checkpoint of epoch {back.epoch - 1}",
             extra={"rank": 0, "epoch": epoch},
         )
         if self.loop.on_event is not None:
@@ -281,8 +305,11 @@ class Generations:
                     rejoin_seconds=waited,
                     recoveries=self.recoveries,
                     reason=reason,
+                    checkpoint_epoch=None if back is None else back.epoch - 1,
                 )
             )
+        if back is not None:
+            raise GoneBack(back, pass_index)
 
     def _count_recovery(self, lost: dict[int, LampdistError], error: BaseException) -> None:
         """Count this recovery; raise the first lost rank's error (chained to ``error``) when
@@ -300,20 +327,27 @@ class Generations:
             ) from error
 
     async def _rejoin(
-        self, ranks: set[int], reason: str, deadline: float, error: BaseException
+        self,
+        ranks: set[int],
+        reason: str,
+        deadline: float,
+        error: BaseException,
+        back: Resumed | None,
     ) -> set[int]:
         """Hold, then regroup with the replacements of ``ranks`` by ``deadline``
         (``time.monotonic()``), refusing a replacement that does not match and taking in
-        the followers lost meanwhile; every rank lost, once regrouped."""
+        the followers lost meanwhile; every rank lost, once regrouped (at the snapshot, or
+        at the checkpoint ``back``)."""
         recovery = self.loop.recovery
         assert recovery is not None
         phase, epoch = self.tracker.current, self.epoch
         while True:
             self.tracker.current = "recover"
             ranks |= await self.hold(ranks, reason)
-            check_shards_kept(self.context.options.step, ranks, self.context.nranks)
+            if back is None:
+                check_shards_kept(self.context.options.step, ranks, self.context.nranks)
             try:
-                await self.regroup(deadline - time.monotonic())
+                await self.regroup(deadline - time.monotonic(), back)
             except MismatchError as refused:
                 logger.warning(
                     "refused the process that joined as rank(s) %s: %s; waiting for another",
@@ -383,9 +417,10 @@ class Generations:
             return None
         return recovery.rejoin_timeout + setup + HOLD_MARGIN
 
-    async def regroup(self, join_within: float) -> None:
+    async def regroup(self, join_within: float, back: Resumed | None = None) -> None:
         """The clique's next generation with the lost ranks' replacements (joined within
-        ``join_within`` s), every rank put back at the last snapshot."""
+        ``join_within`` s), every rank put back at the last snapshot (or the checkpoint
+        ``back``, each rank loading its shards of it)."""
         await self.open(max(join_within, 0.0), rejoin=True)
-        resume = await self.state.load_snapshot()
+        resume = await (self.state.load_snapshot() if back is None else self.state.load(back))
         await self.watched(partial(self.state.settle, self.current(), resume))

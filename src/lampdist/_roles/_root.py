@@ -34,6 +34,7 @@ from ._failures import (
     reported_config_error,
     watch_peers,
 )
+from ._fsdp_recovery import GoneBack
 from ._generations import Generations, check_recovery
 from ._rank import RankContext, RunOptions, check_optimizer_factory, check_rank, open_rank
 from ._resume import check_data_places, resumed_schedule_state
@@ -402,7 +403,9 @@ class _Root:
 
     async def _epochs(self, loop_state: LoopState | None) -> LoopState:
         """The epochs (see :func:`lampdist.epochs`), with the checkpoints' storage open around
-        them, until the last or a stop; the last epoch saved if the save rule skipped it."""
+        them, until the last or a stop; the last epoch saved if the save rule skipped it.
+        A recovery that went back to a checkpoint (:class:`GoneBack`) starts them again from
+        its loop state and schedule state, as a run resumed from it."""
         state = self.state
         validates = self.data.validation_batches is not None
         effects = EpochEffects(
@@ -411,16 +414,22 @@ class _Root:
             save_min_validation_loss_model=state.save_best,
             checkpoint_state=state.epoch_ended if state.checkpoints is not None else None,
         )
+        lr_state, stop = self.lr_state, self.context.stopping.requested
         async with state.opened():
-            final = await run_epochs(
-                self.loop,
-                effects,
-                init_state=loop_state,
-                lr_state=self.lr_state,
-                stop=self.context.stopping.requested,
-            )
-            await state.finish()
-        return final
+            while True:
+                try:
+                    final = await run_epochs(
+                        self.loop, effects, init_state=loop_state, lr_state=lr_state, stop=stop
+                    )
+                    await state.finish()
+                except GoneBack as back:
+                    loop_state = back.resume.training_state.loop_state
+                    schedule = self.loop.learning_rate_schedule
+                    lr_state = resumed_schedule_state(schedule, back.resume)
+                    self.epoch, state.unsaved = loop_state.epoch - 1, None
+                    self.pass_index = back.pass_index
+                else:
+                    return final
 
     async def _evaluate(self, loop_state: LoopState | None) -> LoopState:
         """Every validation set once, each result shared with every rank."""

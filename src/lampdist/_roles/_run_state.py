@@ -42,10 +42,12 @@ import attrs
 import torch
 
 from .._checkpoint import (
+    FileStorage,
     Saver,
     ShardedState,
     StageOn,
     Storage,
+    UrlStorage,
     by_index,
     local_shards,
     read_whole,
@@ -55,7 +57,7 @@ from .._errors import CheckpointError, LampdistError
 from .._model import original_module
 from .._options import LoopOptions
 from .._state import LoopState, TrainingState
-from ..checkpoint import Resumed
+from ..checkpoint import Resumed, load_latest
 from ..control import Command, CommandKind, RootChannel
 from ._commands import order
 from ._rank import RankContext
@@ -208,6 +210,8 @@ class RunState:
     """The checkpoints' storage, open while the epochs run."""
     unsaved: tuple[LoopState, Any] | None = None
     """The last epoch's state and schedule state, if the rule skipped it."""
+    saved_passes: dict[int, int] = attrs.field(factory=dict)
+    """The root's pass index at each checkpoint this process captured, by epoch."""
 
     @classmethod
     def create(
@@ -301,6 +305,7 @@ class RunState:
             )
 
         captured = await self.guarded(attempt)
+        self.saved_passes[epoch] = self.where()[1]
         training_state = attrs.evolve(captured, loop_state=state, best_model_state=self.best_model)
         self.rule.restart()
         try:
@@ -346,6 +351,18 @@ class RunState:
         if best is not None:
             self.best_model = best
         return resume
+
+    async def newest_checkpoint(self) -> Resumed | None:
+        """Recovery under fsdp without its replica: the newest checkpoint in the checkpoints'
+        storage (a write in flight finished first), its RNG states with it, as
+        :func:`lampdist.checkpoint.load_latest` reads it for a resumed run; ``None`` before
+        the first."""
+        storage = self.checkpoints
+        assert isinstance(storage, FileStorage) and self.saver is not None  # fsdp's are
+        await self.saver.finish()
+        options = storage.options if isinstance(storage, UrlStorage) else None
+        read = partial(load_latest, storage.where(), restore_rng=True, options=options)
+        return await anyio.to_thread.run_sync(read)
 
     async def load_snapshot(self) -> Resumed:
         """Recovery: load the newest snapshot (see :meth:`load`)."""

@@ -233,9 +233,11 @@ class StepClock:
 
     def advance(self, event: PassEvent) -> int:
         """The global step of ``event``; a training pass's last event ends its pass. A
-        recovery's event takes back the steps of the pass it redoes, if that had ended."""
+        recovery's event takes back the steps of the pass it redoes, if that had ended (of
+        every pass from it, when the run went back to a checkpoint)."""
         if event.recovered is not None:
-            self._finished -= self._passes.pop(event.pass_index, 0)
+            for index in [i for i in self._passes if i >= event.pass_index]:
+                self._finished -= self._passes.pop(index)
             return self.step
         if event.kind != "train":
             return self.step

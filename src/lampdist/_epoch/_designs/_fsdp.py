@@ -256,10 +256,18 @@ class FsdpSteps(EveryRankSteps):
 
     def _regroup(self, resume: TrainingState | None, fresh: list[int]) -> None:
         """Every rank's shards back at recovery's last snapshot (the root's ``resume``),
-        the new ranks' received from the survivors that hold them."""
+        the new ranks' received from the survivors that hold them; or, without the replica,
+        every rank's loaded from the newest checkpoint (``resume``'s shards)."""
         source = None if resume is None or resume.shards is None else str(resume.shards.path)
         source = broadcast_object(self.clique, source, rank=self.rank)
-        if source != IN_MEMORY:
+        assert self.module is not None and self.stepper is not None
+        if source is not None and source != IN_MEMORY:  # Recovery(fsdp_replica=False)
+            module, self.kept = original_module(self.module), None
+            self._resume(module, resume, None)
+            for parameter in module.parameters():
+                parameter.grad = None
+            return
+        if source is None:
             raise CheckpointError(
                 f"rank(s) {fresh} rejoined the run, which has no shards of them in memory to "
                 "go back to (the root's snapshot is not fsdp's): pass "
@@ -267,7 +275,6 @@ class FsdpSteps(EveryRankSteps):
                 rank=self.rank,
                 phase="recover",
             )
-        assert self.module is not None and self.stepper is not None
         self.kept = hand_over(
             self.kept,
             fresh,

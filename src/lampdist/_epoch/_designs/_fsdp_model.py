@@ -65,8 +65,9 @@ def shard(module: torch.nn.Module, policy: FsdpPolicy, mesh: Any, *, rank: int) 
 def reset_after_loss(units: list[Any]) -> None:
     """Drop what a pass cut short by a lost rank left in FSDP2's ``units`` (the root module
     last): the all-gathers and reductions in flight, unsharded parameters and gradients
-    accumulated without a reduction; and point every unit at torch's default process group,
-    which the clique's new generation opened (FSDP2 holds the group it was sharded over)."""
+    accumulated without a reduction (the unsharded parameters' own, too); and point every
+    unit at torch's default process group, which the clique's new generation opened (FSDP2
+    holds the group it was sharded over)."""
     import torch.distributed as dist
 
     group = dist.distributed_c10d._get_default_group()
@@ -78,6 +79,9 @@ def reset_after_loss(units: list[Any]) -> None:
                     info.shard_process_group = group
             for fsdp_param in param_group.fsdp_params:
                 fsdp_param.unsharded_accumulated_grad = None
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:  # a step's backward without a reduction left it
+                    unsharded.grad = None
     units[-1].reset_iter_state()
     units[-1].set_requires_gradient_sync(True)
 
