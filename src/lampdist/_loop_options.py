@@ -63,8 +63,9 @@ class Recovery:
     repeat). A replacement that fails the agreement check is refused (it raises
     :class:`~lampdist.MismatchError`) and the root goes on waiting.
 
-    Raises :class:`~lampdist.ConfigError` for a ``rejoin_timeout`` that is not > 0 and a
-    ``max_recoveries`` that is not an int >= 1.
+    Raises :class:`~lampdist.ConfigError` for a ``rejoin_timeout`` that is not > 0, a
+    ``max_recoveries`` that is not an int >= 1 and a ``snapshot_every_steps`` that is not an
+    int >= 1 or ``None`` (the root also refuses it without ``StepOptions.steps_per_epoch``).
     """
 
     rejoin_timeout: float = attrs.field(
@@ -81,6 +82,17 @@ class Recovery:
         ),
     )
     """Recoveries allowed over the run; one more loss ends it."""
+    snapshot_every_steps: int | None = attrs.field(
+        default=None,
+        validator=validator(
+            optional(lambda value: is_int(value) and value >= 1),
+            "an int >= 1 or None",
+            "pass None to snapshot after each pass only",
+        ),
+    )
+    """Also snapshot every this many optimizer steps within a training pass (windows of
+    ``StepOptions.steps_per_epoch``), so that a loss redoes at most this many steps, not the
+    whole pass; ``None``: after each pass only. See ``docs/howto-recovery.md``."""
 
 
 @attrs.frozen(kw_only=True)

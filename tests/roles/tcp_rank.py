@@ -265,6 +265,7 @@ async def main(argv: list[str]) -> None:
     parser.add_argument("--shard-linear", action="store_true", help="fsdp: each Linear a unit")
     parser.add_argument("--recovery", type=float, default=None, help="Recovery(rejoin_timeout)")
     parser.add_argument("--max-recoveries", type=int, default=3)
+    parser.add_argument("--snapshot-every", type=int, default=None, help="snapshot_every_steps")
     parser.add_argument("--window", type=int, default=None, help="steps_per_epoch")
     parser.add_argument("--heartbeat", type=float, default=None, help="heartbeat_timeout (s)")
     parser.add_argument(
@@ -365,7 +366,9 @@ async def main(argv: list[str]) -> None:
     recovery = None
     if args.recovery is not None:
         recovery = lampdist.Recovery(
-            rejoin_timeout=args.recovery, max_recoveries=args.max_recoveries
+            rejoin_timeout=args.recovery,
+            max_recoveries=args.max_recoveries,
+            snapshot_every_steps=args.snapshot_every,
         )
     liveness: dict[str, Any] = {}
     if args.heartbeat is not None:

@@ -24,6 +24,7 @@ from ._progress import Progress as Progress
 from ._rank_state import RankState as RankState
 from ._result import CheckpointParts as CheckpointParts
 from ._result import PassResult as PassResult
+from ._segments import segments as segments
 from ._stepper import Stepper as Stepper
 
 __all__ = [
@@ -46,4 +47,5 @@ __all__ = [
     "host_to_device",
     "open_compute_thread",
     "open_feed",
+    "segments",
 ]

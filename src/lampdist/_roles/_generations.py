@@ -100,6 +100,9 @@ class Generations:
     stack: AsyncExitStack | None = None
     """The current generation's rendezvous and clique, open."""
     recoveries: int = 0
+    from_step: int = 0
+    """The step of the pass in flight at which its last snapshot was kept (a pass run as
+    segments, ``Recovery.snapshot_every_steps``), from which a loss redoes it; else 0."""
     rejoined: float = 0.0
     """When every follower had last joined (``time.monotonic()``)."""
 
@@ -258,12 +261,13 @@ class Generations:
         waited = self.rejoined - started
         logger.warning(
             "recovered rank(s) %s in %.2f s (%.2f s of it until they rejoined): pass %d "
-            "(epoch %d) is redone from its start",
+            "(epoch %d) is redone from %s",
             sorted(ranks),
             seconds,
             waited,
             pass_index,
             epoch,
+            f"step {self.from_step}" if self.from_step else "its start",
             extra={"rank": 0, "epoch": epoch},
         )
         if self.loop.on_event is not None:
@@ -278,6 +282,7 @@ class Generations:
                     rejoin_seconds=waited,
                     recoveries=self.recoveries,
                     reason=reason,
+                    from_step=self.from_step,
                 )
             )
 
