@@ -47,8 +47,8 @@ from ._objects import gather_objects
 from ._peers import Peers, peers_of
 from ._progress import Progress
 from ._rank_state import RankState
-from ._segments import carried, carry_on
 from ._result import CheckpointParts, PassResult
+from ._segments import carried, carry_on
 from ._stream import StreamPosition
 from ._tally import ReadBack, Tally
 from ._watch import PassWatch, TrainTelemetry

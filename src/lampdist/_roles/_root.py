@@ -210,16 +210,15 @@ def _check_design_loop(step: StepOptions, loop: LoopOptions, storage: Storage | 
 def _check_segments(step: StepOptions, loop: LoopOptions) -> None:
     """Raise :class:`ConfigError` for ``Recovery.snapshot_every_steps`` without windows: a
     pass over the whole data has no place in it that a rank can go back to."""
-    recovery = loop.recovery
-    if recovery is not None and recovery.snapshot_every_steps is not None:
-        if step.steps_per_epoch is None:
-            raise ConfigError(
-                f"Recovery.snapshot_every_steps={recovery.snapshot_every_steps!r} needs "
-                "StepOptions.steps_per_epoch (a snapshot within a pass goes back to a place in "
-                "the training stream): pass steps_per_epoch=N, or snapshot_every_steps=None",
-                rank=0,
-                phase="configure",
-            )
+    every = None if loop.recovery is None else loop.recovery.snapshot_every_steps
+    if every is not None and step.steps_per_epoch is None:
+        raise ConfigError(
+            f"Recovery.snapshot_every_steps={every!r} needs StepOptions.steps_per_epoch (a "
+            "snapshot within a pass goes back to a place in the training stream): pass "
+            "steps_per_epoch=N, or snapshot_every_steps=None",
+            rank=0,
+            phase="configure",
+        )
 
 
 async def _let_exit_first(
