@@ -3,6 +3,8 @@
     python benchmarks/recovery_cost.py                       # CPU, the small model
     python benchmarks/recovery_cost.py --device cuda --model gpt --windows 10 --window-steps 100 \\
         --repeats 3 --json out.json
+    python benchmarks/recovery_cost.py --snapshot-every-steps 1 5 20   # also with snapshots
+                                                                        # every K steps
 
 The root (alone, over its TCP channel as ``drive_distributed_training`` runs it) trains
 ``--windows`` windows of ``--window-steps`` steps (``StepOptions(steps_per_epoch=...)``)
@@ -12,7 +14,9 @@ gather) and a copy of the model and the optimizer state. The run is timed from t
 window's first step to the end of the last window; the table gives each configuration's
 median, and recovery's time over the time without it. ``--windows-only`` times only the
 windows themselves (the sum of the passes' own times), which the snapshot leaves alone: the
-steps cost the same either way.
+steps cost the same either way. With ``--snapshot-every-steps K ...`` each K is one more
+configuration, ``Recovery(snapshot_every_steps=K)``: a snapshot every K steps within the
+windows too (named ``K<k>`` in the table).
 """
 
 from __future__ import annotations
@@ -34,7 +38,12 @@ from lampdist import control
 
 
 async def run_once(
-    model_name: str, device: torch.device, windows: int, steps: int, recovery: bool
+    model_name: str,
+    device: torch.device,
+    windows: int,
+    steps: int,
+    recovery: bool,
+    every: int | None = None,
 ) -> dict[str, float]:
     """One run of ``windows`` windows: its seconds from the first step to the end, and the
     passes' own seconds summed."""
@@ -53,7 +62,7 @@ async def run_once(
     loop = lampdist.LoopOptions(
         max_epochs=windows,
         on_event=on_event,
-        recovery=lampdist.Recovery() if recovery else None,
+        recovery=lampdist.Recovery(snapshot_every_steps=every) if recovery else None,
     )
     async with control.tcp_root("127.0.0.1", 0, nranks=1, secret="bench") as root:
         await lampdist.drive_distributed_training(
@@ -85,17 +94,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--window-steps", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--snapshot-every-steps",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time Recovery(snapshot_every_steps=K) for each K",
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
         device = torch.device("cuda", device.index or 0)
         torch.cuda.set_device(device)
-    results: dict[str, list[dict[str, float]]] = {"off": [], "recovery": []}
+    configs: dict[str, int | None] = {"off": None, "recovery": None}
+    configs |= {f"K{every}": every for every in args.snapshot_every_steps}
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
     for repeat in range(args.repeats):
-        order = ["off", "recovery"] if repeat % 2 == 0 else ["recovery", "off"]
+        order = list(configs) if repeat % 2 == 0 else list(reversed(configs))
         for name in order:
             measured = anyio.run(
-                run_once, args.model, device, args.windows, args.window_steps, name == "recovery"
+                run_once,
+                args.model,
+                device,
+                args.windows,
+                args.window_steps,
+                name != "off",
+                configs[name],
             )
             results[name].append(measured)
             print(f"repeat {repeat} {name:8} run {measured['run']:.3f} s", flush=True)
@@ -112,6 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, row in summary.items():
         print(f"{name:10} {row['run_median_s']:9.3f} {row['windows_median_s']:10.3f}")
     print(f"recovery / off: {ratio:.4f} (about {per_snapshot * 1e3:.1f} ms a window)")
+    ratios = {name: row["run_median_s"] / off["run_median_s"] for name, row in summary.items()}
+    for name in configs:
+        if name.startswith("K"):
+            print(f"{name} / off: {ratios[name]:.4f}")
     if args.json:
         meta = {
             "device": str(device),
@@ -129,6 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "runs": results,
                     "summary": summary,
                     "ratio": ratio,
+                    "ratios": ratios,
                     "per_window_s": per_snapshot,
                 },
                 file,

@@ -72,7 +72,9 @@ class Recovery:
     (required), in-job, and the epochs after it run again.
 
     Raises :class:`~lampdist.ConfigError` for a ``rejoin_timeout`` that is not > 0, a
-    ``max_recoveries`` that is not an int >= 1 and an ``fsdp_replica`` that is not a bool.
+    ``max_recoveries`` that is not an int >= 1, an ``fsdp_replica`` that is not a bool and a
+    ``snapshot_every_steps`` that is not an int >= 1 or ``None`` (the root also refuses it
+    without ``StepOptions.steps_per_epoch``).
     """
 
     rejoin_timeout: float = attrs.field(
@@ -105,6 +107,17 @@ class Recovery:
     (:attr:`Recovered.checkpoint_epoch` names it); the survivors' processes go on. A loss
     before the first checkpoint ends the run (:class:`~lampdist.CheckpointError` naming the
     rank, phase ``'recover'``)."""
+    snapshot_every_steps: int | None = attrs.field(
+        default=None,
+        validator=validator(
+            optional(lambda value: is_int(value) and value >= 1),
+            "an int >= 1 or None",
+            "pass None to snapshot after each pass only",
+        ),
+    )
+    """Also snapshot every this many optimizer steps within a training pass (windows of
+    ``StepOptions.steps_per_epoch``), so that a loss redoes at most this many steps, not the
+    whole pass; ``None``: after each pass only. See ``docs/howto-recovery.md``."""
 
 
 @attrs.frozen(kw_only=True)

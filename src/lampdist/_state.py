@@ -113,7 +113,8 @@ class Recovered:
     flight is redone.
 
     ``ranks`` were lost in ``phase`` of ``epoch`` (pass ``pass_index``, which is redone from
-    its start); ``seconds`` ran from the moment the root learned of the loss to the moment
+    its step ``from_step``: 0, its start, unless ``Recovery.snapshot_every_steps`` kept a
+    snapshot within it); ``seconds`` ran from the moment the root learned of the loss to the moment
     every rank was back in step, ``rejoin_seconds`` of them until the lost ranks' replacements
     had joined (their start-up, mostly); ``recoveries`` counts the run's recoveries, this one
     included.
@@ -131,6 +132,7 @@ class Recovered:
     """The epoch of the checkpoint the run went back to instead (``step_on="fsdp"`` with
     ``Recovery(fsdp_replica=False)``: the passes from ``pass_index``, the first after it, are
     run again); ``None`` when the pass in flight is redone from the snapshot."""
+    from_step: int = 0
 
     def __getattr__(self, name: str) -> Any:
         # Before a recovery was an event of its own, it came as a PassEvent whose

@@ -290,6 +290,7 @@ async def main(argv: list[str]) -> None:
     parser.add_argument(
         "--no-replica", action="store_true", help="Recovery(fsdp_replica=False): from checkpoints"
     )
+    parser.add_argument("--snapshot-every", type=int, default=None, help="snapshot_every_steps")
     parser.add_argument("--window", type=int, default=None, help="steps_per_epoch")
     parser.add_argument("--heartbeat", type=float, default=None, help="heartbeat_timeout (s)")
     parser.add_argument(
@@ -402,6 +403,7 @@ async def main(argv: list[str]) -> None:
             rejoin_timeout=args.recovery,
             max_recoveries=args.max_recoveries,
             fsdp_replica=not args.no_replica,
+            snapshot_every_steps=args.snapshot_every,
         )
     liveness: dict[str, Any] = {}
     if args.heartbeat is not None:

@@ -109,3 +109,22 @@ def test_fsdp_replica_off_needs_a_checkpoint_store() -> None:
         fsdp, lampdist.LoopOptions(max_epochs=1, recovery=recovery, checkpoint_state=store)
     )
     check_fsdp_recovery(lampdist.StepOptions(step_on="every_rank"), loop)
+
+
+def test_fsdp_replica_off_refuses_snapshots_within_a_pass() -> None:
+    """Without the replica no snapshot is kept (a loss goes back to the checkpoint), so
+    ``snapshot_every_steps`` would bound nothing: refused, naming both options; with the
+    replica, or under another design, it is taken."""
+    from lampdist._roles._fsdp_recovery import check_fsdp_recovery
+
+    store = lampdist.checkpoint.to_directory("unused")
+    fsdp = lampdist.StepOptions(step_on="fsdp", steps_per_epoch=4)
+
+    def loop(**recovery: object) -> lampdist.LoopOptions:
+        settings = lampdist.Recovery(snapshot_every_steps=2, **recovery)  # type: ignore[arg-type]
+        return lampdist.LoopOptions(max_epochs=1, recovery=settings, checkpoint_state=store)
+
+    with pytest.raises(lampdist.ConfigError, match=r"fsdp_replica=False, snapshot_every_steps=2"):
+        check_fsdp_recovery(fsdp, loop(fsdp_replica=False))
+    check_fsdp_recovery(fsdp, loop(fsdp_replica=True))
+    check_fsdp_recovery(lampdist.StepOptions(step_on="every_rank"), loop(fsdp_replica=False))

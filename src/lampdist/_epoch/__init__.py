@@ -26,6 +26,7 @@ from ._progress import Progress as Progress
 from ._rank_state import RankState as RankState
 from ._result import CheckpointParts as CheckpointParts
 from ._result import PassResult as PassResult
+from ._segments import segments as segments
 from ._stepper import Stepper as Stepper
 
 __all__ = [
@@ -50,4 +51,5 @@ __all__ = [
     "open_compute_thread",
     "open_feed",
     "replica_holder",
+    "segments",
 ]

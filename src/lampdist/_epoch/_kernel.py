@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import torch
@@ -47,6 +48,7 @@ from ._peers import Peers, peers_of
 from ._progress import Progress
 from ._rank_state import RankState
 from ._result import CheckpointParts, PassResult
+from ._segments import carried, carry_on
 from ._stream import StreamPosition
 from ._tally import ReadBack, Tally
 from ._watch import PassWatch, TrainTelemetry
@@ -90,7 +92,13 @@ class StepKernel:
     """The tallies' ring and buffers on CUDA, reused from pass to pass."""
     position: StreamPosition | None = attrs.field(default=None, init=False)
     """With ``steps_per_epoch``: the rank's place in its training stream after the last
-    window (what a checkpoint stores)."""
+    window or segment (what a checkpoint stores)."""
+    _open: tuple[_TrainRun, int] | None = attrs.field(default=None, init=False)
+    """A pass run as segments (see ``_segments``) whose last segment has not run, and the
+    step it goes on from."""
+    carried: dict[str, Any] | None = attrs.field(default=None, init=False)
+    """The running sums of the pass that the next segment goes on from, after a recovery
+    within it (the snapshot's; see :meth:`PassRunner.resume_ranks`)."""
 
     def __attrs_post_init__(self) -> None:
         self.design.connect(self.clique)
@@ -164,7 +172,7 @@ class StepKernel:
         self._check_thread()
         optimizer_state = self.design.checkpoint_optimizer_state()
         records = self.design.checkpoint_shards(shards)
-        mine = RankState.capture(self.position).to_plain()
+        mine = RankState.capture(self.position, self._carried()).to_plain()
         ranks = gather_objects(self.clique, [mine, records], rank=self.rank)
         if ranks is None:
             return None
@@ -189,22 +197,63 @@ class StepKernel:
         pass_index: int,
         lr_factor: float,
         progress: Progress | None,
-    ) -> PassResult:
+        segment: tuple[int, int, int] | None = None,
+    ) -> PassResult | None:
         """One training pass over ``feed``; the result covers the whole clique where this
         rank steps. ``progress`` (the root's) gets an event after every step. With
         ``steps_per_epoch`` the pass is that many steps over the rank's training stream, and
-        ``learning_rate_per_step`` scales each step's learning rate. Raises
+        ``learning_rate_per_step`` scales each step's learning rate. With ``segment``
+        (``(first, stop, length)``, see ``_segments``) only the pass's steps ``[first, stop)``,
+        going on from the segment before: ``None`` until the last. Raises
         :class:`PassStopped` between steps once the feed is stopped."""
         self._check_thread()
-        run = self._start_pass(feed, epoch, pass_index, lr_factor, progress)
+        first, stop = (0, None) if segment is None else segment[:2]
+        run = self._resumed(first, progress)
+        if run is None:
+            run = self._start_pass(feed, epoch, pass_index, lr_factor, progress)
+            if first:
+                self._carry_on(run, first)
         one_step, watch = run.step, run.watch
         with self.design.attached():
-            step, more = 0, True
-            while more:
+            step, more = first, True
+            while more and step != stop:
                 more = one_step(step)
                 step += 1
                 watch.stepped(more)
+        if more:  # a segment's end: the pass goes on with the next
+            self.design.settle()
+            run.tally.drain()
+            self.position = run.feed.position
+            self._open = (run, step)
+            return None
         return self._finish_pass(run, steps=step)
+
+    def _resumed(self, first: int, progress: Progress | None) -> _TrainRun | None:
+        """The open pass that a segment from step ``first`` goes on with, if any."""
+        opened, self._open = self._open, None
+        if opened is None or first == 0:
+            return None
+        run, step = opened
+        if step != first:
+            raise AssertionError(f"a segment from step {first} after one that ended at {step}")
+        run.watch.progress = progress  # the segment's
+        self.design.clock = run.watch.clock
+        return run
+
+    def _carried(self) -> dict[str, Any] | None:
+        """The open pass's running sums (a segment's end), else ``None``."""
+        if self._open is None:
+            return None
+        run, step = self._open
+        return carried(step, run.tally, run.metrics, run.watch, self.design.stepper)
+
+    def _carry_on(self, run: _TrainRun, first: int) -> None:
+        """Have ``run``, a pass started at step ``first`` after a recovery, go on from the
+        snapshot's running sums."""
+        sums, self.carried = self.carried, None
+        if sums is None:
+            raise AssertionError(f"a segment from step {first} without the pass before it")
+        carry_on(sums, first, run.tally, run.metrics, run.watch, self._code, self.design.stepper)
 
     def _start_pass(
         self,

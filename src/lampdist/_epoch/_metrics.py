@@ -146,6 +146,36 @@ class MetricTally:
                 ]
         return torch.cat(parts)
 
+    def carried(self) -> dict[str, list[Any]]:
+        """The sums, counts and states so far, on the host, to go on from (a segment's end)."""
+
+        def host(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor.detach().to("cpu", copy=True)
+
+        carried: dict[str, list[Any]] = {}
+        for name, metric in self.metrics.items():
+            if isinstance(metric, Metric):
+                sums = self._sums[name]
+                carried[name] = [host(sums.sum), host(sums.count), sums.host_sum, sums.host_count]
+            else:
+                carried[name] = [host(getattr(metric, state)) for state in sum_states(metric)]
+        return carried
+
+    def carry_on(self, carried: dict[str, list[Any]]) -> None:
+        """Go on from :meth:`carried`'s sums (a new tally of the same pass)."""
+
+        def on_device(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor.to(self.device, copy=True)
+
+        for name, metric in self.metrics.items():
+            if isinstance(metric, Metric):
+                sums = self._sums[name]
+                total, count, sums.host_sum, sums.host_count = carried[name]
+                sums.sum, sums.count = on_device(total), on_device(count)
+            else:
+                for state, value in zip(sum_states(metric), carried[name], strict=True):
+                    setattr(metric, state, on_device(value))
+
     def values(self, summed: torch.Tensor) -> dict[str, MetricValue]:
         """The metrics' values from ``summed``, what :meth:`local` laid out summed over the
         clique (the root; one host sync). A torchmetrics metric takes the summed states and

@@ -135,6 +135,7 @@ class PassRunner:
                     )
                 return
             mine = RankState.from_plain(ranks[self.rank])
+            self.kernel.carried = mine.carried  # within a pass run as segments
             if mine.position is not None:
                 self._start = mine.position
                 self.kernel.position = self._start
@@ -161,11 +162,15 @@ class PassRunner:
         epoch: int,
         pass_index: int,
         lr_factor: float,
-    ) -> PassResult:
+        segment: tuple[int, int, int] | None = None,
+    ) -> PassResult | None:
         """One training pass; the result covers the whole clique where this rank steps.
-        With ``steps_per_epoch``, a window of the rank's training stream."""
+        With ``steps_per_epoch``, a window of the rank's training stream; with ``segment``,
+        only that segment of the window (see :meth:`StepKernel.train_pass`; ``None`` until
+        the last)."""
         if self.kernel.options.steps_per_epoch is not None:
-            return await self._train_window(source, epoch, pass_index, lr_factor)
+            return await self._train_window(source, epoch, pass_index, lr_factor, segment)
+        assert segment is None  # the root segments windows only
         async with self._feed(source, "train", epoch) as feed:
             return await self._train_on(feed, epoch, pass_index, lr_factor)
 
@@ -175,11 +180,13 @@ class PassRunner:
         epoch: int,
         pass_index: int,
         lr_factor: float,
-    ) -> PassResult:
+        segment: tuple[int, int, int] | None,
+    ) -> PassResult | None:
         release_team()
         if self._stream is None:
             options = self.kernel.options
             assert options.steps_per_epoch is not None
+            accumulate = options.accumulate_gradient_over_n_batches
             self._stream = TrainStream.open(
                 source,
                 model=self.kernel.model,
@@ -189,19 +196,26 @@ class PassRunner:
                 window=options.steps_per_epoch * options.accumulate_gradient_over_n_batches,
                 start=self._start,
                 context=stream_context(options.shuffle_seed, self.rank, self.clique.nranks),
+                every=None if segment is None else segment[2] * accumulate,
+                into=0 if segment is None else segment[0] * accumulate,
             )
-        return await self._train_on(self._stream.feed, epoch, pass_index, lr_factor)
+        return await self._train_on(self._stream.feed, epoch, pass_index, lr_factor, segment)
 
     async def _train_on(
-        self, feed: BatchFeed, epoch: int, pass_index: int, lr_factor: float
-    ) -> PassResult:
+        self,
+        feed: BatchFeed,
+        epoch: int,
+        pass_index: int,
+        lr_factor: float,
+        segment: tuple[int, int, int] | None = None,
+    ) -> PassResult | None:
         progress = None
         if self.loop is not None and self.on_event is not None and self.kernel.is_root:
             progress = Progress(
                 every_n_steps=self.loop.log_every_n_steps, peak_flops=self.loop.peak_flops
             )
 
-        async def run() -> PassResult:
+        async def run() -> PassResult | None:
             work = partial(
                 self.kernel.train_pass,
                 feed,
@@ -209,6 +223,7 @@ class PassRunner:
                 pass_index=pass_index,
                 lr_factor=lr_factor,
                 progress=progress,
+                segment=segment,
             )
             return await self.compute.run(work, on_cancel=lambda: self._stop(feed))
 
@@ -304,6 +319,7 @@ async def _with_delivery(
         async with anyio.create_task_group() as group:
             group.start_soon(progress.deliver, on_event)
             results.append(await run())
+            progress.end()  # a segment's end has no last event
     except BaseExceptionGroup as group_error:
         errors = [
             e for e in group_error.exceptions if not isinstance(e, anyio.get_cancelled_exc_class())

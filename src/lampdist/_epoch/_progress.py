@@ -104,6 +104,7 @@ class Progress:
     _wake_pending: bool = attrs.field(default=False, init=False)
     _next_wake: float = attrs.field(default=0.0, init=False)  # monotonic; 0: the first event
     _arrived: anyio.Event = attrs.field(factory=anyio.Event, init=False, repr=False)
+    _ended: bool = attrs.field(default=False, init=False)
     delivered: int = attrs.field(default=0, init=False)
     """How many events reached ``on_event`` (fewer than published when coalesced)."""
 
@@ -153,8 +154,16 @@ class Progress:
     def _wake(self) -> None:  # on the loop
         self._arrived.set()
 
+    def end(self) -> None:
+        """The compute thread published its last event (the loop): :meth:`deliver` returns
+        once it has delivered what is left, also without a last event (a pass run as
+        segments, whose segment ended)."""
+        self._ended = True
+        self._arrived.set()
+
     async def deliver(self, on_event: OnPassEvent) -> None:
-        """Deliver events to ``on_event`` until the pass's last one (the loop)."""
+        """Deliver events to ``on_event`` until the pass's last one, or until :meth:`end`
+        and nothing is left (the loop)."""
         while True:
             await self._arrived.wait()
             self._arrived = anyio.Event()
@@ -166,11 +175,13 @@ class Progress:
                     taken = self._windows.popleft()
                 else:
                     taken, self._latest = self._latest, None
-                if self._latest is not None or self._windows:
+                if self._latest is not None or self._windows or self._ended:
                     self._arrived.set()  # the rest follows at once
                 else:
                     self._wake_pending = False
             if taken is None:
+                if self._ended:
+                    return
                 continue
             if isinstance(taken, tuple):
                 fields, step, batches, examples, loss, seconds, tokens = taken

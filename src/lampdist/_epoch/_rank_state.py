@@ -25,23 +25,30 @@ __all__ = ["RankState"]
 @attrs.frozen
 class RankState:
     """A rank's place in its training data (``None`` without ``steps_per_epoch``) and its
-    global RNG states."""
+    global RNG states; within a pass run as segments, the pass's running sums so far
+    (``carried``, see ``_segments``; ``None`` between passes)."""
 
     position: StreamPosition | None
     rng: RngStates
+    carried: dict[str, Any] | None = None
 
     @classmethod
-    def capture(cls, position: StreamPosition | None) -> RankState:
+    def capture(
+        cls, position: StreamPosition | None, carried: dict[str, Any] | None = None
+    ) -> RankState:
         """This rank's state now (on its compute thread), at data ``position``."""
-        return cls(position=position, rng=capture_rng_states())
+        return cls(position=position, rng=capture_rng_states(), carried=carried)
 
     def to_plain(self) -> dict[str, Any]:
         """The stored form: plain values and the RNG's tensors."""
-        return {
+        plain = {
             "position": None if self.position is None else self.position.to_plain(),
             "rng_tensors": self.rng.tensors(),
             "rng_json": self.rng.to_json(),
         }
+        if self.carried is not None:
+            plain["carried"] = self.carried
+        return plain
 
     @classmethod
     def from_plain(cls, stored: Mapping[str, Any]) -> RankState:
@@ -50,6 +57,7 @@ class RankState:
         return cls(
             position=None if position is None else StreamPosition.from_plain(position),
             rng=RngStates.from_stored(stored["rng_tensors"], stored["rng_json"]),
+            carried=stored.get("carried"),
         )
 
     def restore_rng(self) -> None:

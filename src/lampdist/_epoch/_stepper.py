@@ -289,6 +289,22 @@ class Stepper:
             self._norm_sum.zero_()
             self._norm_max.zero_()
 
+    def carried_norms(self) -> list[Any]:
+        """The pass's gradient norms so far, on the host, to go on from (a segment's end)."""
+        return [
+            None if self._norm_sum is None else self._norm_sum.to("cpu", copy=True),
+            None if self._norm_max is None else self._norm_max.to("cpu", copy=True),
+            self._norm_steps,
+            self._norm_turn,
+        ]
+
+    def carry_norms_on(self, carried: list[Any]) -> None:
+        """Go on from :meth:`carried_norms` (the same pass, after a recovery)."""
+        total, largest, self._norm_steps, self._norm_turn = carried
+        device = self.flat_device
+        self._norm_sum = None if total is None else total.to(device, copy=True)
+        self._norm_max = None if largest is None else largest.to(device, copy=True)
+
     def take_norms(self) -> tuple[float, float] | None:
         """The mean and the largest gradient norm of the steps since the last call (before
         clipping, of the averaged gradients), or ``None`` without a step measured; reads the

@@ -8,7 +8,8 @@ over its data, then again for the next pass whenever one runs out (the
 every epoch takes exactly ``N * accumulate`` batches from it.
 
 Where a window ends, the thread notes the rank's place in its data (:class:`StreamPosition`)
-on the window's last batch, right after drawing it (batches loaded ahead do not count): the
+on the window's last batch, right after drawing it (batches loaded ahead do not count), and
+with ``every`` (``Recovery.snapshot_every_steps``) also every that many batches into a window: the
 pass over the data, the batches drawn from it, and the source's ``state_dict()`` when its
 iterable has one (torchdata's ``StatefulDataLoader``). A resumed stream starts from such a
 position: it calls the source for that pass and loads the state, or, for a source without
@@ -82,15 +83,24 @@ class TrainStream:
         window: int,
         start: StreamPosition | None,
         context: Callable[[int], PassContext],
+        every: int | None = None,
+        into: int = 0,
     ) -> TrainStream:
         """Start the loading thread of rank ``rank``, which puts ``model``'s batches on
         ``device``; ``window`` is the batches of one epoch, ``context(k)`` the context of pass
-        ``k`` over the data."""
+        ``k`` over the data; a position is also noted every ``every`` batches into a window;
+        ``start`` lies ``into`` batches into one (a recovery within a window)."""
         feed = BatchFeed(total=None, intra_op_threads=intra_op_threads, ahead=AHEAD)
         loader = Loader(feed, model, device, rank, "train")
         thread = threading.Thread(
             target=_run,
-            args=(source, loader, window, start or StreamPosition(data_pass=0, batches=0), context),
+            args=(
+                source,
+                loader,
+                _Marks(window, every, into),
+                start or StreamPosition(data_pass=0, batches=0),
+                context,
+            ),
             name=f"lampdist-load-{loader.rank}",
             daemon=True,
         )
@@ -112,10 +122,27 @@ def stream_context(shuffle_seed: int, rank: int, nranks: int) -> Callable[[int],
     return context
 
 
+@attrs.define
+class _Marks:
+    """Where the stream notes its position: at each window's end and, with ``every``, every
+    that many batches into a window; ``drawn`` counts the batches into the window."""
+
+    window: int
+    every: int | None
+    drawn: int
+
+    def next_marks(self) -> bool:
+        """Count one batch drawn: whether its position is noted."""
+        self.drawn = self.drawn % self.window + 1
+        return self.drawn == self.window or (
+            self.every is not None and self.drawn % self.every == 0
+        )
+
+
 def _run(
     source: BatchSource | PassAwareBatchSource,
     loader: Loader,
-    window: int,
+    marks: _Marks,
     start: StreamPosition,
     context: Callable[[int], PassContext],
 ) -> None:
@@ -124,7 +151,7 @@ def _run(
     if not feed.claim_loading_thread():
         return
     try:
-        _load(source, loader, window, start, context)
+        _load(source, loader, marks, start, context)
     except BaseException as exc:
         feed.finish(loader.translate(exc))
     else:
@@ -134,7 +161,7 @@ def _run(
 def _load(
     source: BatchSource | PassAwareBatchSource,
     loader: Loader,
-    window: int,
+    marks: _Marks,
     start: StreamPosition,
     context: Callable[[int], PassContext],
 ) -> None:
@@ -142,7 +169,6 @@ def _load(
     the feed is stopped."""
     feed = loader.feed
     data_pass, skip, state = start.data_pass, start.batches, start.state
-    drawn = 0  # batches drawn since the stream (re)started: windows are counted from here
     while not feed.stopped:
         iterable = _call(source, context(data_pass), loader)
         stateful = _has_state(iterable)
@@ -167,9 +193,8 @@ def _load(
                 break
             yielded = True
             taken += 1
-            drawn += 1
             position = None
-            if drawn % window == 0:
+            if marks.next_marks():
                 position = StreamPosition(
                     data_pass=data_pass,
                     batches=taken,

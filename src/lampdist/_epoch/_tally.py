@@ -147,6 +147,24 @@ class Tally:
                 self.steps_read, examples_in, sum_in / examples_in if examples_in else math.nan
             )
 
+    def carried(self) -> list[float]:
+        """The pass's sums so far, to go on from (a segment's end, every step counted: see
+        :meth:`drain`)."""
+        return [
+            self.examples,
+            self.loss_sum,
+            self.skipped,
+            self.steps_read,
+            self._window_examples,
+            self._window_loss_sum,
+        ]
+
+    def carry_on(self, carried: list[float]) -> None:
+        """Go on from :meth:`carried`'s sums (a new tally of the same pass)."""
+        examples, self.loss_sum, skipped, steps, window_examples, self._window_loss_sum = carried
+        self.examples, self.skipped, self.steps_read = int(examples), int(skipped), int(steps)
+        self._window_examples = int(window_examples)
+
     def submit(self, step: int, meta: torch.Tensor, *, own: torch.Tensor) -> None:
         """Count a step's reduced ``[examples, loss sum, ...]`` (it stepped), once it has
         reached the host; ``own`` is this rank's loss sum of the step."""

@@ -55,6 +55,7 @@ async def _train(
         epoch=command.epoch,
         pass_index=command.pass_index,
         lr_factor=command.lr_factor if command.lr_factor is not None else 1.0,
+        segment=command.segment,
     )
 
 

@@ -54,8 +54,22 @@ def recovers_from_checkpoint(step: StepOptions, loop: LoopOptions) -> bool:
 
 def check_fsdp_recovery(step: StepOptions, loop: LoopOptions) -> None:
     """Raise :class:`ConfigError` for ``Recovery(fsdp_replica=False)`` under fsdp without a
-    ``checkpoint_state`` (a lost rank's shards would be nowhere)."""
-    if not recovers_from_checkpoint(step, loop) or loop.checkpoint_state is not None:
+    ``checkpoint_state`` (a lost rank's shards would be nowhere) or with
+    ``snapshot_every_steps`` (no snapshot is kept: a loss goes back to the checkpoint)."""
+    if not recovers_from_checkpoint(step, loop):
+        return
+    assert loop.recovery is not None
+    every = loop.recovery.snapshot_every_steps
+    if every is not None:
+        raise ConfigError(
+            f"Recovery(fsdp_replica=False, snapshot_every_steps={every!r}) under "
+            f"step_on={step.step_on!r}: without the replica no snapshot is kept and a loss "
+            "goes back to the newest checkpoint, so there is no snapshot to take every "
+            f"{every} steps: pass snapshot_every_steps=None, or fsdp_replica=True",
+            rank=0,
+            phase="configure",
+        )
+    if loop.checkpoint_state is not None:
         return
     raise ConfigError(
         f"Recovery.fsdp_replica=False under step_on={step.step_on!r} goes back to the newest "

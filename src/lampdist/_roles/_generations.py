@@ -110,6 +110,9 @@ class Generations:
     stack: AsyncExitStack | None = None
     """The current generation's rendezvous and clique, open."""
     recoveries: int = 0
+    from_step: int = 0
+    """The step of the pass in flight at which its last snapshot was kept (a pass run as
+    segments, ``Recovery.snapshot_every_steps``), from which a loss redoes it; else 0."""
     rejoined: float = 0.0
     """When every follower had last joined (``time.monotonic()``)."""
 
@@ -288,7 +291,10 @@ class Generations:
             sorted(ranks),
             seconds,
             waited,
-            f"pass {pass_index} (epoch {epoch}) is redone from its start"
+            (
+                f"pass {pass_index} (epoch {epoch}) is redone from "
+                + (f"step {self.from_step}" if self.from_step else "its start")
+            )
             if back is None
             else f"the run goes back to the checkpoint of epoch {back.epoch - 1}",
             extra={"rank": 0, "epoch": epoch},
@@ -306,6 +312,7 @@ class Generations:
                     recoveries=self.recoveries,
                     reason=reason,
                     checkpoint_epoch=None if back is None else back.epoch - 1,
+                    from_step=self.from_step,
                 )
             )
         if back is not None:

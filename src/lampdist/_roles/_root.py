@@ -14,7 +14,7 @@ import torch
 from .._checkpoint import Storage, storage_for
 from .._device import resolve_device
 from .._effects import EpochOutcome, OptimizerFactory
-from .._epoch import DESIGNS, PassResult, PassRunner
+from .._epoch import DESIGNS, PassResult, PassRunner, segments
 from .._errors import CliqueError, CliqueTimeout, ConfigError, LampdistError, RankFailed
 from .._loop import EpochEffects, merge_sets, run_epochs
 from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts, check_monitors
@@ -140,6 +140,7 @@ async def drive(
     effect = loop.checkpoint_state
     storage = storage_for(effect) if effect is not None else None
     _check_design_loop(run.step, loop, storage)
+    _check_segments(run.step, loop)
     check_recovery(nranks, run, loop, control)
     lr_state = resumed_schedule_state(loop.learning_rate_schedule, resume)
     check_data_places(resume, nranks)
@@ -205,6 +206,20 @@ def _check_design_loop(step: StepOptions, loop: LoopOptions, storage: Storage | 
                 rank=0,
                 phase="configure",
             )
+
+
+def _check_segments(step: StepOptions, loop: LoopOptions) -> None:
+    """Raise :class:`ConfigError` for ``Recovery.snapshot_every_steps`` without windows: a
+    pass over the whole data has no place in it that a rank can go back to."""
+    every = None if loop.recovery is None else loop.recovery.snapshot_every_steps
+    if every is not None and step.steps_per_epoch is None:
+        raise ConfigError(
+            f"Recovery.snapshot_every_steps={every!r} needs StepOptions.steps_per_epoch (a "
+            "snapshot within a pass goes back to a place in the training stream): pass "
+            "steps_per_epoch=N, or snapshot_every_steps=None",
+            rank=0,
+            phase="configure",
+        )
 
 
 async def _let_exit_first(
@@ -449,9 +464,24 @@ class _Root:
         command = Command(
             kind=CommandKind.TRAIN, epoch=epoch, pass_index=pass_index, lr_factor=lr_factor
         )
-        result = await self.generations.guarded(partial(self._order, command), keep=True)
+        result = None
+        for segment in self._segments():  # each a guarded effect, its snapshot kept
+            self.generations.from_step = 0 if segment is None else segment[0]
+            ordered = partial(self._order, attrs.evolve(command, segment=segment))
+            result = await self.generations.guarded(ordered, keep=True)
+        self.generations.from_step = 0
         self.pass_index += 1
+        assert result is not None  # the last segment's
         return (result.loss, result.metrics) if result.metrics else result.loss
+
+    def _segments(self) -> list[tuple[int, int, int] | None]:
+        """How a training pass runs: whole (``[None]``), or under
+        ``Recovery(snapshot_every_steps=K)`` as the window's segments of K steps (see
+        ``_epoch._segments``)."""
+        recovery, window = self.loop.recovery, self.context.options.step.steps_per_epoch
+        if recovery is None or recovery.snapshot_every_steps is None or window is None:
+            return [None]
+        return list(segments(window, recovery.snapshot_every_steps))
 
     async def _validation_epoch(self) -> EpochOutcome:
         """Validate every set in order (one VALID each); the driving set's loss and the

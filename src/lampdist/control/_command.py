@@ -46,6 +46,22 @@ def _check_count(name: str, value: object) -> None:
         raise ConfigError(f"Command.{name} must be an integer >= 0, got {value!r}")
 
 
+def _check_segment(kind: CommandKind, segment: object) -> None:
+    if kind is not CommandKind.TRAIN:
+        raise ConfigError("only a TRAIN command carries a segment")
+    if (
+        not isinstance(segment, tuple)
+        or len(segment) != 3
+        or not all(isinstance(n, int) and not isinstance(n, bool) for n in segment)
+        or not 0 <= segment[0] < segment[1]
+        or segment[2] < 1
+    ):
+        raise ConfigError(
+            "Command.segment must be (first, stop, length) with 0 <= first < stop and "
+            f"length >= 1, got {segment!r}"
+        )
+
+
 @attrs.frozen(kw_only=True)
 class Command:
     """One instruction from the root to every follower.
@@ -69,6 +85,10 @@ class Command:
     and why. REJOIN carries the ``clique_id`` of the clique's next generation, which every
     rank opens before the root redoes the pass in flight.
 
+    ``segment`` (a TRAIN under ``Recovery(snapshot_every_steps=length)``): ``(first, stop,
+    length)``, the pass's steps ``[first, stop)`` only, one of its segments of ``length`` steps,
+    which goes on from the segment before it (``None``: the whole pass).
+
     Raises :class:`lampdist.ConfigError` for a negative count, a non-finite ``lr_factor``, an
     ``error`` on anything but STOP and HOLD, a ``validation_set`` or ``share_result`` on
     anything but VALID, a ``clique_id`` on anything but REJOIN (which needs one), a
@@ -86,6 +106,7 @@ class Command:
     state: LoopState | None = None
     validation_set: str | None = None
     share_result: bool = False
+    segment: tuple[int, int, int] | None = None
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.kind, CommandKind):
@@ -110,6 +131,8 @@ class Command:
                 raise ConfigError(
                     f"Command.validation_set must be a string, got {self.validation_set!r}"
                 )
+        if self.segment is not None:
+            _check_segment(self.kind, self.segment)
         if (self.clique_id is not None) != (self.kind is CommandKind.REJOIN):
             raise ConfigError("a REJOIN command, and only it, carries a clique_id")
         if self.timeout is not None:
@@ -149,6 +172,8 @@ class Command:
             data["validation_set"] = self.validation_set
         if self.share_result:
             data["share_result"] = True
+        if self.segment is not None:
+            data["segment"] = list(self.segment)
         return data
 
     @classmethod
@@ -181,6 +206,13 @@ class Command:
             raise ProtocolError("a command's 'validation_set' must be a string of bounded length")
         if not isinstance(share, bool):
             raise ProtocolError(f"a command's 'share_result' must be a boolean, got {share!r}")
+        segment = data.get("segment")
+        if segment is not None:
+            if not isinstance(segment, list) or len(segment) != 3:
+                raise ProtocolError(
+                    f"a command's 'segment' must be [first, stop, length], got {segment!r}"
+                )
+            segment = tuple(segment)
         try:
             return cls(
                 kind=kind,
@@ -193,6 +225,7 @@ class Command:
                 state=state,
                 validation_set=validation_set,
                 share_result=share,
+                segment=segment,
             )
         except ConfigError as exc:
             raise ProtocolError(f"invalid command: {exc.message}") from None
