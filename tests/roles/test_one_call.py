@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import socket
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -51,10 +52,11 @@ async def train_on_two_ranks(
     (told their rank: the tasks share one environment)."""
     port = free_port()
     results: dict[int, lampdist.LoopState] = {}
+    records = tracker_path or Path(tempfile.mkdtemp()) / "unused.jsonl"  # not in the checkout
 
     async def rank(r: int) -> None:
         loop = loop_of[r]
-        async with trackers.JsonLinesTracker(tracker_path or Path("unused"), rank=r) as tracker:
+        async with trackers.JsonLinesTracker(records, rank=r) as tracker:
             if tracker_path is not None and loop is not None:
                 loop = lampdist.LoopOptions(
                     max_epochs=loop.max_epochs, on_event=tracker, log_every_n_steps=2
