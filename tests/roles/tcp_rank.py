@@ -189,6 +189,25 @@ def dying_in_forward(module: torch.nn.Module, at: int, marker: Path, drop: Path 
     module.register_forward_pre_hook(hook)
 
 
+def dying_after_ring(at: int, marker: Path) -> None:
+    """SIGKILL this process as soon as its ``at``-th fsdp snapshot has been kept here and
+    exchanged with its neighbours (``_fsdp_replica.ring``), before the root has it, unless
+    ``marker`` exists: the others kept a snapshot that the root never commits."""
+    from lampdist._epoch._designs import _fsdp
+
+    count, real_ring = [0], _fsdp.ring
+
+    def ring(*args: Any, **kwargs: Any) -> Any:
+        received = real_ring(*args, **kwargs)
+        count[0] += 1
+        if count[0] == at and not marker.exists():
+            marker.write_text("killed\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return received
+
+    _fsdp.ring = ring  # type: ignore[assignment]
+
+
 def unsized(batches: list[Any], really: bool) -> Any:
     """A source of ``batches``: the list, or with ``really`` a generator (no length)."""
     if really:
@@ -304,6 +323,12 @@ async def main(argv: list[str]) -> None:
         help="SIGKILL this process as its model runs its Nth forward, once per DIR/died-r",
     )
     parser.add_argument(
+        "--die-after-ring",
+        type=int,
+        default=None,
+        help="fsdp: SIGKILL this process once its Nth snapshot is kept, once per DIR/died-r",
+    )
+    parser.add_argument(
         "--die-after",
         type=int,
         default=None,
@@ -377,6 +402,8 @@ async def main(argv: list[str]) -> None:
         module = module.to(device)
     if args.fp16:
         module = module.float()
+    if args.die_after_ring is not None:
+        dying_after_ring(args.die_after_ring, args.out / f"died-{args.rank}")
     if args.die_in_forward is not None:
         drop = Path(args.checkpoint) if args.drop_newest else None
         dying_in_forward(module, args.die_in_forward, args.out / f"died-{args.rank}", drop)

@@ -212,6 +212,8 @@ class RunState:
     """The last epoch's state and schedule state, if the rule skipped it."""
     saved_passes: dict[int, int] = attrs.field(factory=dict)
     """The root's pass index at each checkpoint this process captured, by epoch."""
+    snapshots: int = 0
+    """Recovery's snapshots begun: each one's name for the ranks that keep their shards."""
 
     @classmethod
     def create(
@@ -336,7 +338,8 @@ class RunState:
         assert self.memory is not None
         shards = None
         if self.context.design.loads_checkpoints:
-            shards = ShardedState(path=IN_MEMORY, nranks=self.context.nranks)
+            self.snapshots += 1  # the ranks keep it beside the last one until it is taken
+            shards = ShardedState(path=f"{IN_MEMORY}{self.snapshots}", nranks=self.context.nranks)
         captured = await self.capture(runner, epoch=epoch, pass_index=pass_index, shards=shards)
         await self.memory.save(captured, None, stage_on=self.context.compute.run)
 

@@ -92,8 +92,10 @@ class FsdpSteps(EveryRankSteps):
     """Every module that ``fully_shard`` made an FSDP unit, the root module last."""
     _gradient_sync: bool = attrs.field(default=True, init=False)
     """Whether the units reduce their gradients in the next backward (FSDP2's default)."""
-    kept: Kept | None = attrs.field(default=None, init=False)
-    """This rank's shards and its neighbour's at recovery's last snapshot (``_fsdp_replica``)."""
+    kept: dict[str, Kept] = attrs.field(factory=dict, init=False)
+    """This rank's shards and its neighbour's at recovery's last two snapshots, by the
+    root's name for each (``_fsdp_replica``): a snapshot that this rank kept but the root
+    did not commit (a rank lost during it) must not replace the one the root goes back to."""
 
     own_process = True
     lockstep = True
@@ -261,8 +263,8 @@ class FsdpSteps(EveryRankSteps):
         source = None if resume is None or resume.shards is None else str(resume.shards.path)
         source = broadcast_object(self.clique, source, rank=self.rank)
         assert self.module is not None and self.stepper is not None
-        if source is not None and source != IN_MEMORY:  # Recovery(fsdp_replica=False)
-            module, self.kept = original_module(self.module), None
+        if source is not None and not source.startswith(IN_MEMORY):  # fsdp_replica=False
+            module, self.kept = original_module(self.module), {}
             self._resume(module, resume, None)
             for parameter in module.parameters():
                 parameter.grad = None
@@ -275,15 +277,24 @@ class FsdpSteps(EveryRankSteps):
                 rank=self.rank,
                 phase="recover",
             )
-        self.kept = hand_over(
-            self.kept,
+        kept = self.kept.get(source)
+        if kept is None and self.rank not in fresh:
+            raise CheckpointError(
+                f"this rank holds no shards of recovery's snapshot {source!r} (it holds "
+                f"{sorted(self.kept)}): the ranks' snapshots disagree",
+                rank=self.rank,
+                phase="recover",
+            )
+        kept = hand_over(
+            kept,
             fresh,
             rank=self.rank,
             nranks=self.nranks,
             device=self.device,
             explain=self.clique.explain,
         )
-        restore(original_module(self.module), self.stepper.optimizer, self.kept.own)
+        self.kept = {source: kept}
+        restore(original_module(self.module), self.stepper.optimizer, kept.own)
 
     def _root_seed(self) -> int:
         """A seed drawn from the root's RNG, the same on every rank."""
@@ -482,13 +493,14 @@ class FsdpSteps(EveryRankSteps):
         if where is None:
             raise AssertionError("the root gave no directory for the shards")
         module, optimizer = original_module(self.module), self.stepper.optimizer
-        if where["path"] == IN_MEMORY:  # recovery's snapshot: kept here and by a neighbour
+        if where["path"].startswith(IN_MEMORY):  # recovery's snapshot: here and by a neighbour
             own = keep(module, optimizer)
             explain = self.clique.explain
             neighbour = ring(
                 own, rank=self.rank, nranks=self.nranks, device=self.device, explain=explain
             )
-            self.kept = Kept(own=own, neighbour=neighbour)
+            last = dict(list(self.kept.items())[-1:])  # until the root commits the new one
+            self.kept = {**last, where["path"]: Kept(own=own, neighbour=neighbour)}
             return []
         target = ShardedState(path=where["path"], nranks=self.nranks, options=where["options"])
         records = write_own_shards(target, module, optimizer, rank=self.rank)

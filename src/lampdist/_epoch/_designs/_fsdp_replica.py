@@ -34,8 +34,10 @@ from ..._errors import CliqueError, LampdistError, Phase
 __all__ = ["IN_MEMORY", "Kept", "hand_over", "keep", "replica_holder", "restore", "ring"]
 
 IN_MEMORY = "in-memory:"
-"""The path of the :class:`~lampdist._checkpoint.ShardedState` of recovery's snapshot under
-fsdp: every rank keeps its shards in memory (:func:`keep`) rather than writing them."""
+"""The start of the path of the :class:`~lampdist._checkpoint.ShardedState` of recovery's
+snapshot under fsdp, the snapshot's number after it: every rank keeps its shards in memory
+(:func:`keep`) rather than writing them, under that name, beside the last snapshot's until
+the root has taken the new one."""
 
 Plain = dict[str, Any]
 """A kept shard (see the module docstring)."""
