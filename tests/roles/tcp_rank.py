@@ -209,6 +209,25 @@ def dying_after_ring(at: int, marker: Path) -> None:
     design.ring = ring
 
 
+def dying_in_write(at: int, marker: Path) -> None:
+    """SIGKILL this process as it starts writing its shards of its ``at``-th fsdp checkpoint
+    (torch's distributed checkpoint, whose collectives the other ranks are in), unless
+    ``marker`` exists."""
+    from lampdist._epoch._designs import _fsdp
+
+    design: Any = _fsdp  # the module whose write_own_shards a checkpoint calls
+    count, real_write = [0], design.write_own_shards
+
+    def write(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        if count[0] == at and not marker.exists():
+            marker.write_text("killed\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_write(*args, **kwargs)
+
+    design.write_own_shards = write
+
+
 def unsized(batches: list[Any], really: bool) -> Any:
     """A source of ``batches``: the list, or with ``really`` a generator (no length)."""
     if really:
@@ -330,6 +349,12 @@ async def main(argv: list[str]) -> None:
         help="fsdp: SIGKILL this process once its Nth snapshot is kept, once per DIR/died-r",
     )
     parser.add_argument(
+        "--die-in-write",
+        type=int,
+        default=None,
+        help="fsdp: SIGKILL this process as it writes its Nth checkpoint, once per DIR/died-r",
+    )
+    parser.add_argument(
         "--die-after",
         type=int,
         default=None,
@@ -403,6 +428,8 @@ async def main(argv: list[str]) -> None:
         module = module.to(device)
     if args.fp16:
         module = module.float()
+    if args.die_in_write is not None:
+        dying_in_write(args.die_in_write, args.out / f"died-{args.rank}")
     if args.die_after_ring is not None:
         dying_after_ring(args.die_after_ring, args.out / f"died-{args.rank}")
     if args.die_in_forward is not None:

@@ -178,6 +178,31 @@ def test_a_snapshot_the_root_did_not_take_is_not_gone_back_to(tmp_path: Path) ->
     assert_same_run(tmp_path / "got", tmp_path / "want", 3)
 
 
+def test_a_rank_lost_while_the_checkpoint_is_written_is_recovered_in_job(tmp_path: Path) -> None:
+    """Rank 2 of 3 is SIGKILLed as it starts writing its shards of the second checkpoint,
+    while the others are in torch's distributed checkpoint's collectives with it: the root
+    recovers it in the job, the checkpoint is written again, and the run ends bitwise as an
+    uninterrupted one."""
+    args = ["--optimizer", "adamw", "--epochs", "3"]
+    uninterrupted(tmp_path / "want", 3, [*args, "--checkpoint", str(tmp_path / "ck-want")])
+    per_rank = {rank: ["--die-after", NEVER] for rank in range(3)}
+    per_rank[2] += ["--die-in-write", "2"]
+    run = [*args, "--recovery", "60", "--checkpoint", str(tmp_path / "ck")]
+    job = Job(tmp_path / "got", 3, run, per_rank)
+    try:
+        assert job.ranks[2].wait(timeout=60) == -signal.SIGKILL
+        job.replace(2)
+        ended = job.finish()
+    finally:
+        job.kill()
+    for rank, (code, error) in ended.items():
+        assert code == 0, f"rank {rank}: {error}"
+    assert "recovered rank(s) [2]" in ended[0][1]
+    (event,) = [json.loads(line) for line in (tmp_path / "got" / "recovered.jsonl").open()]
+    assert event["phase"] == "checkpoint", event
+    assert_same_run(tmp_path / "got", tmp_path / "want", 3)
+
+
 def test_two_neighbouring_ranks_lost_at_once_end_the_run_naming_them(tmp_path: Path) -> None:
     """Ranks 1 and 2 of 3 are killed together once training is well under way: rank 1 held
     the only replica of rank 2's shards, so the root ends the run at once with a

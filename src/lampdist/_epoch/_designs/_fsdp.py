@@ -503,7 +503,13 @@ class FsdpSteps(EveryRankSteps):
             self.kept = {**last, where["path"]: Kept(own=own, neighbour=neighbour)}
             return []
         target = ShardedState(path=where["path"], nranks=self.nranks, options=where["options"])
-        records = write_own_shards(target, module, optimizer, rank=self.rank)
+        try:  # torch's distributed checkpoint: collectives of the default group inside
+            records = write_own_shards(target, module, optimizer, rank=self.rank)
+        except Exception as exc:
+            failure = self.clique.explain(exc, "checkpoint")
+            if failure is not None:
+                raise failure from exc
+            raise
         return [(r.name, r.size, list(r.digests)) for r in records]
 
     def checkpoint_optimizer_state(self) -> dict[str, Any] | None:
