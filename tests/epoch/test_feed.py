@@ -86,6 +86,28 @@ async def test_every_batch_arrives_in_order_with_its_example_count() -> None:
     assert feed.batches_read == 50
 
 
+async def test_a_peek_at_the_next_weighted_batch_takes_nothing() -> None:
+    """What a rank without a batch so far pads with: the first batch ahead that is not
+    empty, past more batches than the feed loads ahead; every batch still comes in order."""
+    sizes = [0, 0, 0, 3, 0, 1]
+
+    def source() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for size in sizes:
+            yield torch.zeros(size, 2), torch.zeros(size, dtype=torch.int64)
+
+    def peek_then_read(feed: BatchFeed) -> tuple[int | None, list[int], bool]:
+        peeked = feed.peek_weighted()
+        first = None if peeked is None else peeked.examples
+        assert feed.batches_read == 0
+        seen = [loaded.examples for loaded in iter(feed.next, None)]
+        return first, seen, feed.peek_weighted() is None
+
+    async with open_compute_thread(0) as compute, feed_of(source, ahead=2) as feed:
+        first, seen, last = await compute.run(peek_then_read, feed)
+    assert (first, seen, last) == (3, sizes, True)
+    assert feed.batches_read == len(sizes)
+
+
 async def test_read_ahead_is_bounded_and_an_early_stop_ends_the_loading_thread() -> None:
     source = Counted(1000)
     async with open_compute_thread(0) as compute, feed_of(lambda: source, ahead=2) as feed:

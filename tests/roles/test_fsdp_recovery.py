@@ -121,8 +121,10 @@ def _flat(parts: dict[str, object], prefix: str = "") -> dict[str, torch.Tensor]
         (3, 2, "5", ["--optimizer", "adamw", "--meta"]),
         (3, 1, "5", ["--optimizer", "sgd", "--window", "1", "--accumulate", "2"]),
         (2, 1, "forward:10", ["--optimizer", "sgd"]),  # lost between a step's backwards
+        # windows of 6 steps snapshotted every 2 (the uninterrupted run has no recovery)
+        (3, 1, "forward:11", ["--optimizer", "adamw", "--window", "6", "--snapshot-every", "2"]),
     ],
-    ids=["2-ranks-clip", "3-ranks-meta", "3-ranks-windows", "2-ranks-mid-step"],
+    ids=["2-ranks-clip", "3-ranks-meta", "3-ranks-windows", "2-ranks-mid-step", "3-ranks-k2"],
 )
 def test_a_killed_fsdp_follower_is_replaced_and_the_run_ends_as_if_nothing_happened(
     tmp_path: Path, nranks: int, lost: int, die_after: str, args: list[str]
@@ -151,6 +153,8 @@ def test_a_killed_fsdp_follower_is_replaced_and_the_run_ends_as_if_nothing_happe
     assert f"recovered rank(s) [{lost}]" in ended[0][1]
     (event,) = [json.loads(line) for line in (tmp_path / "got" / "recovered.jsonl").open()]
     assert event["ranks"] == [lost] and event["phase"] == "train"
+    if "--snapshot-every" in args:  # redone from the last snapshot within the window
+        assert event["from_step"] > 0 and event["from_step"] % 2 == 0, event
     assert_same_run(tmp_path / "got", tmp_path / "want", nranks)
 
 

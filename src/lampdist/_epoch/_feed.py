@@ -100,7 +100,10 @@ class BatchFeed:
     _ended: bool = attrs.field(default=False, init=False)
     _error: BaseException | None = attrs.field(default=None, init=False, repr=False)
     _stopped: bool = attrs.field(default=False, init=False)
-    _peeked: LoadedBatch | None = attrs.field(default=None, init=False, repr=False)
+    _peeked: collections.deque[LoadedBatch] = attrs.field(
+        factory=collections.deque, init=False, repr=False
+    )
+    """Batches off ``_ready``, not handed out yet (:meth:`has_next`, :meth:`peek_weighted`)."""
     _room: Wakeup | None = attrs.field(default=None, init=False, repr=False)
     _lowered: bool = attrs.field(default=False, init=False, repr=False)
 
@@ -165,18 +168,31 @@ class BatchFeed:
     def next(self) -> LoadedBatch | None:
         """The next batch, or ``None`` once the source is exhausted; raises its error, or
         :class:`PassStopped`."""
-        if self._peeked is None and not self.has_next():
+        if not self.has_next():
             return None
-        batch, self._peeked = self._peeked, None
+        batch = self._peeked.popleft()
         self.batches_read += 1
-        if batch is not None and batch.position is not None:
+        if batch.position is not None:
             self.position = batch.position
         return batch
 
     def has_next(self) -> bool:
         """Whether another batch follows (waits for it to load)."""
-        if self._peeked is not None:
-            return True
+        return bool(self._peeked) or self._peek()
+
+    def peek_weighted(self) -> LoadedBatch | None:
+        """The first batch still to come whose weight is not 0, without taking it (those
+        before it are kept, in order), or ``None`` when the source ends first (waits for
+        them to load): what a rank without a batch so far can run a padding pass on."""
+        index = 0
+        while index < len(self._peeked) or self._peek():
+            if self._peeked[index].weight > 0:
+                return self._peeked[index]
+            index += 1
+        return None
+
+    def _peek(self) -> bool:
+        """Move the next loaded batch to ``_peeked``; False once the source is exhausted."""
         with self._changed:
             while not self._ready and not self._ended and not self._stopped:
                 self._changed.wait()
@@ -187,7 +203,7 @@ class BatchFeed:
                 if self._error is not None:
                     raise self._error
                 return False
-            self._peeked = self._ready.popleft()
+            self._peeked.append(self._ready.popleft())
             if len(self._ready) > self.ahead // 2:
                 return True  # the producer may sleep on: no wake-up every step
             self._changed.notify_all()

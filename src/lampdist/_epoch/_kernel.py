@@ -319,7 +319,7 @@ class StepKernel:
             return loss
 
         def pad() -> None:
-            code.padding_pass(epoch, phase="train")
+            code.padding_pass(epoch, phase="train", feed=feed)
 
         if window is not None:  # every rank's stream has the window's batches
             counts: list[int] | None = [window * accumulate] * self.clique.nranks
@@ -444,7 +444,7 @@ class StepKernel:
                 raise PassStopped
             if batch is None or batch.weight == 0:
                 if lockstep:
-                    code.padding_pass(epoch, phase="valid")
+                    code.padding_pass(epoch, phase="valid", feed=feed)
                 continue
             code.last_batch = batch
             loss = code.weighted_loss(batch, "valid", epoch, weight=None)

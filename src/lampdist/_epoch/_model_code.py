@@ -137,17 +137,22 @@ class ModelCode:
             return describe_batch(inputs, target)
         return describe_any_batch(batch.data)
 
-    def padding_pass(self, epoch: int, *, phase: PassKind) -> None:
+    def padding_pass(self, epoch: int, *, phase: PassKind, feed: BatchFeed) -> None:
         """A forward of the rank's last batch in eval mode with no metric (training: and its
         backward of weight 0), where this rank has no batch and a design that shards the model
-        needs the collectives inside the forward and backward to meet the other ranks'."""
-        batch = self.last_batch
+        needs the collectives inside the forward and backward to meet the other ranks'.
+
+        A rank that has run no batch yet (a run's first, or a lost rank's replacement that
+        resumes its data on an empty batch) runs its next batch of ``feed`` whose weight is
+        not 0 instead, without taking it: a padding pass adds nothing, whichever batch it
+        runs."""
+        batch = self.last_batch if self.last_batch is not None else feed.peek_weighted()
         if batch is None:
             raise TrainingError(
-                f"epoch {epoch}: this rank has no batch yet and the other ranks run a forward: "
+                f"epoch {epoch}: this rank has no batch and the other ranks run a forward: "
                 f"under step_on={self.design.options.step_on!r} every rank runs each forward "
-                "(a rank without a batch reruns its last one with weight 0); give every rank a "
-                "non-empty first batch",
+                "(a rank without a batch reruns its last one with weight 0); give every rank "
+                "a non-empty batch",
                 rank=self.rank,
                 phase=phase,
             )

@@ -15,8 +15,9 @@ gives, and clips by the global norm over every rank's shards.
 FSDP2's collectives run inside forward and backward, so every rank must run as many forward
 and backward passes in a step: before each of the step's batches the ranks all-reduce whether
 each has a batch for it and for the next one. A rank without a batch runs its last batch again
-with weight 0 (a padding pass: no gradient, no metric, in eval mode), and the gradients are
-reduced in the step's last backward only (``set_requires_gradient_sync``).
+(before its first: its next non-empty one) with weight 0 (a padding pass: no gradient, no
+metric, in eval mode), and the gradients are reduced in the step's last backward only
+(``set_requires_gradient_sync``).
 
 A model built on the meta device never exists whole: after sharding each rank allocates its
 shards (``to_empty``) and initializes them module by module from a meta copy of the module,
