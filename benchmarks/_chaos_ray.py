@@ -392,7 +392,6 @@ class RayHarness:
             "hang_details": self.hangs,
             "leftover_processes": self.leftovers,
             "finished_nonzero_exits": [],
-            "failed_attempts": {"count": len(self.failed), "named_within_10s": 0},
             "fault_log": [chaos.fault_record(fault) for fault in struck],
             "config": {
                 "seed": self.args.seed,

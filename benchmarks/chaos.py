@@ -2,7 +2,11 @@
 
     python benchmarks/chaos.py --faults 20 --seed 1 [--json PATH] [--followers 2|3]
         [--no-recovery] [--kinds follower_kill,root_kill,...] [--workdir DIR] [--keep]
-        [--batch-sleep 0.07] [--batch-compute]
+        [--batch-sleep 0.07] [--batch-compute] [--step-on root|every_rank|sharded|fsdp]
+        [--notes TEXT]
+
+    unshare -n sh -c 'ip link set lo up && python benchmarks/chaos.py --engine ray \
+        --faults 100 --seed 1 [--budget SECONDS] ...'
 
 A root and 2 or 3 followers of ``benchmarks/chaos_rank.py`` train a small CPU job in windows
 of steps (``StepOptions(steps_per_epoch=...)``), checkpointing every window; their batch
@@ -48,6 +52,21 @@ script prints ``DONE`` once it has written its final weights) must exit 0: any o
 counted as lost nor started again (a root's completes the run). ``--json PATH`` writes it
 all. The exit status is 1 when there was a hang, a lost checkpoint, a run whose weights
 differ or a non-zero exit after the work was done.
+
+``--step-on fsdp`` runs the job under ``StepOptions(step_on="fsdp")``: a lost follower's
+shards come back from its neighbour's replica in host memory, and each rank's final shards
+are compared with the same rank's in the reference run.
+
+``--engine ray`` runs each job through ``lampdist.ray.run`` on a local Ray instance (one
+actor per rank, ``chaos_rank.launched`` as the ranks' main) instead of supervising
+processes, with the faults of ``benchmarks/_chaos_ray.py`` (``actor_kill``, ``root_kill``,
+``actor_stall_short``, ``actor_stall_long``, ``actor_stall_never``): Ray starts a lost
+follower's actor again and a lost root's job again from its newest checkpoint. Ray's
+traffic must stay on the loopback, so the whole script runs in a network namespace whose
+only interface is ``lo`` (the ``unshare -n`` command above, as root); it refuses to start
+Ray elsewhere. ``--budget`` stops starting new runs after that many seconds (the faults
+that never struck are reported as planned but not struck). ``--notes`` goes into the JSON
+as is (say there how loaded the machine was).
 
 Logs of every process go to ``--workdir`` (a temporary directory by default, removed after a
 clean result unless ``--keep``).
@@ -1287,6 +1306,14 @@ def print_table(report: dict[str, Any]) -> None:
             f"{fmt(row['recovery_p50']) + ' / ' + fmt(row['recovery_max']):>16} "
             f"{fmt(row['restart_p50']) + ' / ' + fmt(row['restart_max']):>18}"
         )
+    if report.get("engine") == "ray":
+        print(
+            f"bitwise equal: {report['bitwise_equal']}; hangs: {report['hangs']}; "
+            f"unfinished runs: {report['unfinished_runs']}; jobs failed for good: "
+            f"{len(report['failed_jobs'])}; processes left behind: "
+            f"{len(report['leftover_processes'])}; wall {report['wall_seconds']} s"
+        )
+        return
     failed = report["failed_attempts"]
     print(
         f"bitwise equal: {report['bitwise_equal']}; hangs: {report['hangs']}; "

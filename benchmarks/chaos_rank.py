@@ -2,7 +2,8 @@
 windows of steps, checkpointed after every window, resumable, stopped gracefully by a signal.
 
     python benchmarks/chaos_rank.py --rank R --nranks N --out DIR [--port P]
-        [--checkpoint CKPT] [--resume CKPT] [--epochs 10] [--no-recovery] ...
+        [--checkpoint CKPT] [--resume CKPT] [--epochs 10] [--no-recovery]
+        [--step-on root|every_rank|sharded|fsdp] ...
 
 The root listens on 127.0.0.1 (``--port``, 0: a free one) and prints ``PORT <n>`` once it
 does; followers connect to ``--port``. The secret comes from ``LAMPDIST_SECRET``. Every epoch
@@ -22,6 +23,11 @@ prints ``DONE``: its work is done, and it must exit 0 (the harness lists any oth
 Without ``--no-recovery`` the root recovers a lost follower in the job
 (``LoopOptions(recovery=lampdist.Recovery(...))``): a follower started again with the same
 command line takes its place.
+
+``launched(args, env)`` is the same rank as an async function of a
+:class:`~lampdist.launch.LaunchEnv` (``lampdist.train(..., launch=env)``), for launchers that
+hand one: ``lampdist.ray.run`` (``chaos.py --engine ray``), torchrun and plain processes
+(``benchmarks/recovery_time.py``).
 
 Signals follow the README's convention (``lampdist.run_until_signal``): the first SIGTERM or
 SIGINT stops the run gracefully (the root finishes the window in progress, checkpoints it and
