@@ -183,7 +183,8 @@ def run_ray(out: Path, repeats: int) -> list[float]:
 
     async def both() -> None:
         async with anyio.create_task_group() as group:
-            group.start_soon(functools.partial(lampdist.ray.run, main, nranks=NRANKS))
+            run = functools.partial(lampdist.ray.run, main, nranks=NRANKS, max_restarts=repeats + 1)
+            group.start_soon(run)
             measured = functools.partial(measure, out, repeats, lambda _: None, restarts=False)
             times.extend(await anyio.to_thread.run_sync(measured))
             group.cancel_scope.cancel()  # releases the actors
