@@ -2,7 +2,11 @@
 
     python benchmarks/chaos.py --faults 20 --seed 1 [--json PATH] [--followers 2|3]
         [--no-recovery] [--kinds follower_kill,root_kill,...] [--workdir DIR] [--keep]
-        [--batch-sleep 0.07] [--batch-compute]
+        [--batch-sleep 0.07] [--batch-compute] [--step-on root|every_rank|sharded|fsdp]
+        [--notes TEXT]
+
+    unshare -n sh -c 'ip link set lo up && python benchmarks/chaos.py --engine ray \
+        --faults 100 --seed 1 [--budget SECONDS] ...'
 
 A root and 2 or 3 followers of ``benchmarks/chaos_rank.py`` train a small CPU job in windows
 of steps (``StepOptions(steps_per_epoch=...)``), checkpointing every window; their batch
@@ -49,6 +53,21 @@ counted as lost nor started again (a root's completes the run). ``--json PATH`` 
 all. The exit status is 1 when there was a hang, a lost checkpoint, a run whose weights
 differ or a non-zero exit after the work was done.
 
+``--step-on fsdp`` runs the job under ``StepOptions(step_on="fsdp")``: a lost follower's
+shards come back from its neighbour's replica in host memory, and each rank's final shards
+are compared with the same rank's in the reference run.
+
+``--engine ray`` runs each job through ``lampdist.ray.run`` on a local Ray instance (one
+actor per rank, ``chaos_rank.launched`` as the ranks' main) instead of supervising
+processes, with the faults of ``benchmarks/_chaos_ray.py`` (``actor_kill``, ``root_kill``,
+``actor_stall_short``, ``actor_stall_long``, ``actor_stall_never``): Ray starts a lost
+follower's actor again and a lost root's job again from its newest checkpoint. Ray's
+traffic must stay on the loopback, so the whole script runs in a network namespace whose
+only interface is ``lo`` (the ``unshare -n`` command above, as root); it refuses to start
+Ray elsewhere. ``--budget`` stops starting new runs after that many seconds (the faults
+that never struck are reported as planned but not struck). ``--notes`` goes into the JSON
+as is (say there how loaded the machine was).
+
 Logs of every process go to ``--workdir`` (a temporary directory by default, removed after a
 clean result unless ``--keep``).
 """
@@ -91,6 +110,14 @@ KINDS = (
     "follower_term",
 )
 OPTIONAL_KINDS = ("root_term",)
+RAY_KINDS = (
+    "actor_kill",
+    "root_kill",
+    "actor_stall_short",
+    "actor_stall_long",
+    "actor_stall_never",
+)
+"""``--engine ray``'s kinds (benchmarks/_chaos_ray.py)."""
 ROOT_KINDS = ("root_kill", "root_term")
 STARTUP_KINDS = ("follower_kill", "root_kill", "follower_stop_short", "follower_stop_long")
 """Kinds that may also strike before training begins (join, clique setup)."""
@@ -688,7 +715,8 @@ class Harness:
         self.finished_nonzero: list[dict[str, Any]] = []
         """Processes that said ``DONE`` (their work was done) and exited non-zero."""
         self.hangs: list[str] = []
-        self.reference: dict[str, Any] | None = None
+        self.reference: dict[int, dict[str, Any]] | None = None
+        """Each rank's final weights in the uninterrupted run (under fsdp its own shards)."""
         self.reference_seconds = 0.0
         self.window_seconds = 0.3
         self.library_says = False
@@ -712,11 +740,15 @@ class Harness:
         if not result["completed"] or result["attempts"] != 1:
             raise SystemExit(f"the uninterrupted reference run failed: see {directory}")
         weights = self.load_weights(Path(result["out"]))
-        first = weights[0]
-        for rank, state in weights.items():
-            if not equal(state, first):
-                raise SystemExit(f"the reference run's rank {rank} differs from its root")
-        self.reference = first
+        if self.settings.step_on == "fsdp":  # each rank's own shards
+            if len(weights) != self.settings.nranks:
+                raise SystemExit(f"the reference run left no shards of some rank: {directory}")
+            self.reference = weights
+        else:
+            for rank, state in weights.items():
+                if not equal(state, weights[0]):
+                    raise SystemExit(f"the reference run's rank {rank} differs from its root")
+            self.reference = dict.fromkeys(range(self.settings.nranks), weights[0])
         starts = [stamp for stamp, kind, _, step, _ in result["events"] if kind == "train"]
         windows = sorted({epoch for _, kind, epoch, _, _ in result["events"] if kind == "train"})
         if len(windows) > 1:
@@ -774,7 +806,7 @@ class Harness:
             weights = self.load_weights(Path(result["out"]))
             missing = [rank for rank in range(self.settings.nranks) if rank not in weights]
             mismatched = [
-                rank for rank, state in weights.items() if not equal(state, self.reference)
+                rank for rank, state in weights.items() if not equal(state, self.reference[rank])
             ]
             equal_weights = not mismatched and 0 in weights
         record = {
@@ -1193,6 +1225,7 @@ class Harness:
                 "kinds": self.args.kinds,
                 "faults_per_run": self.args.faults_per_run,
             },
+            "notes": self.args.notes,
             "reference_seconds": round(self.reference_seconds, 2),
             "window_seconds": round(self.window_seconds, 3),
             "wall_seconds": round(time.monotonic() - START, 1),
@@ -1273,6 +1306,14 @@ def print_table(report: dict[str, Any]) -> None:
             f"{fmt(row['recovery_p50']) + ' / ' + fmt(row['recovery_max']):>16} "
             f"{fmt(row['restart_p50']) + ' / ' + fmt(row['restart_max']):>18}"
         )
+    if report.get("engine") == "ray":
+        print(
+            f"bitwise equal: {report['bitwise_equal']}; hangs: {report['hangs']}; "
+            f"unfinished runs: {report['unfinished_runs']}; jobs failed for good: "
+            f"{len(report['failed_jobs'])}; processes left behind: "
+            f"{len(report['leftover_processes'])}; wall {report['wall_seconds']} s"
+        )
+        return
     failed = report["failed_attempts"]
     print(
         f"bitwise equal: {report['bitwise_equal']}; hangs: {report['hangs']}; "
@@ -1311,10 +1352,20 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--followers", type=int, choices=[2, 3], default=2)
     parser.add_argument("--no-recovery", action="store_true", help="restart the job whole")
     parser.add_argument(
+        "--engine",
+        default="processes",
+        choices=["processes", "ray"],
+        help="ray: the job through lampdist.ray.run (benchmarks/_chaos_ray.py)",
+    )
+    parser.add_argument(
         "--kinds",
         type=lambda text: text.split(","),
-        default=list(KINDS),
-        help=f"comma-separated, of {', '.join(KINDS + OPTIONAL_KINDS)}",
+        default=None,
+        help=f"comma-separated, of {', '.join(KINDS + OPTIONAL_KINDS)} (with --engine ray: "
+        f"of {', '.join(RAY_KINDS)}); all but root_term by default",
+    )
+    parser.add_argument(
+        "--budget", type=float, default=float("inf"), help="ray: seconds, then no new run"
     )
     parser.add_argument("--faults-per-run", type=int, default=3, help="at most, per run")
     parser.add_argument("--windows", type=int, default=10, help="windows (epochs) per run")
@@ -1323,7 +1374,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--batch-compute", action="store_true", help="spend --batch-sleep in torch operations"
     )
-    parser.add_argument("--step-on", default="root", choices=["root", "every_rank", "sharded"])
+    parser.add_argument(
+        "--step-on", default="root", choices=["root", "every_rank", "sharded", "fsdp"]
+    )
     parser.add_argument("--heartbeat-interval", type=float, default=0.25)
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0)
     parser.add_argument("--stop-timeout", type=float, default=1.0, help="Timeouts.stop")
@@ -1331,8 +1384,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-recoveries", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=None, help="logs and checkpoints")
     parser.add_argument("--keep", action="store_true", help="keep the workdir after success")
+    parser.add_argument("--notes", default="", help="a line for the JSON (the machine's load)")
     args = parser.parse_args(argv)
-    unknown = [kind for kind in args.kinds if kind not in KINDS + OPTIONAL_KINDS]
+    known = RAY_KINDS if args.engine == "ray" else KINDS + OPTIONAL_KINDS
+    if args.kinds is None:
+        args.kinds = list(RAY_KINDS if args.engine == "ray" else KINDS)
+    unknown = [kind for kind in args.kinds if kind not in known]
     if unknown:
         parser.error(f"unknown kinds {unknown}")
     if args.faults < 0:
@@ -1363,6 +1420,11 @@ def main(argv: list[str]) -> int:
     )
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="lampdist-chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    if args.engine == "ray":
+        import _chaos_ray
+
+        report = _chaos_ray.run(args, settings, workdir, sys.modules[__name__])
+        return finish(args, report, workdir)
     harness = Harness(args, settings, workdir)
     harness.log(
         f"{args.faults} faults, seed {args.seed}, {args.followers} followers, "
@@ -1373,7 +1435,11 @@ def main(argv: list[str]) -> int:
         harness.run_all()
     finally:
         harness.close()
-    report = harness.report()
+    return finish(args, harness.report(), workdir)
+
+
+def finish(args: argparse.Namespace, report: dict[str, Any], workdir: Path) -> int:
+    """Write and print the report; the exit status."""
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     print_table(report)
@@ -1382,6 +1448,7 @@ def main(argv: list[str]) -> int:
         and report["lost_checkpoints"] == 0
         and report["bitwise_equal"]
         and not report["finished_nonzero_exits"]
+        and not report.get("leftover_processes")
     )
     if clean and not args.keep and args.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)

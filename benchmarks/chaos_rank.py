@@ -2,7 +2,8 @@
 windows of steps, checkpointed after every window, resumable, stopped gracefully by a signal.
 
     python benchmarks/chaos_rank.py --rank R --nranks N --out DIR [--port P]
-        [--checkpoint CKPT] [--resume CKPT] [--epochs 10] [--no-recovery] ...
+        [--checkpoint CKPT] [--resume CKPT] [--epochs 10] [--no-recovery]
+        [--step-on root|every_rank|sharded|fsdp] ...
 
 The root listens on 127.0.0.1 (``--port``, 0: a free one) and prints ``PORT <n>`` once it
 does; followers connect to ``--port``. The secret comes from ``LAMPDIST_SECRET``. Every epoch
@@ -16,11 +17,17 @@ The root checkpoints every window into ``--checkpoint`` (``checkpoint.to_directo
 every checkpoint so that a missing one is a lost one) and, with ``--resume``, resumes from
 the newest one there (``load_latest(..., restore_rng=True)``; a new run when there is none
 yet). It prints one ``EVENT <kind> <epoch> <step> <done>`` line per progress event to
-stdout. Each rank that ends cleanly writes its final weights to ``DIR/rank<r>.pt`` and then
+stdout. Each rank that ends cleanly writes its final weights (under ``--step-on fsdp``, its
+own shards) to ``DIR/rank<r>.pt`` and then
 prints ``DONE``: its work is done, and it must exit 0 (the harness lists any other code).
 Without ``--no-recovery`` the root recovers a lost follower in the job
 (``LoopOptions(recovery=lampdist.Recovery(...))``): a follower started again with the same
 command line takes its place.
+
+``launched(args, env)`` is the same rank as an async function of a
+:class:`~lampdist.launch.LaunchEnv` (``lampdist.train(..., launch=env)``), for launchers that
+hand one: ``lampdist.ray.run`` (``chaos.py --engine ray``), torchrun and plain processes
+(``benchmarks/recovery_time.py``).
 
 Signals follow the README's convention (``lampdist.run_until_signal``): the first SIGTERM or
 SIGINT stops the run gracefully (the root finishes the window in progress, checkpoints it and
@@ -42,6 +49,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +58,7 @@ import torch
 
 import lampdist
 from lampdist import checkpoint, control
+from lampdist.launch import LaunchEnv
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -78,7 +87,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="spend --batch-sleep in torch operations instead of asleep",
     )
     parser.add_argument("--width", type=int, default=16)
-    parser.add_argument("--step-on", default="root", choices=["root", "every_rank", "sharded"])
+    parser.add_argument(
+        "--step-on", default="root", choices=["root", "every_rank", "sharded", "fsdp"]
+    )
     parser.add_argument("--no-recovery", action="store_true")
     parser.add_argument("--rejoin-timeout", type=float, default=20.0)
     parser.add_argument("--max-recoveries", type=int, default=3)
@@ -143,9 +154,18 @@ def sgd(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
+def local_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each tensor of ``module``'s state (under fsdp this rank's local part of it), copied."""
+    return {
+        name: (value.to_local() if hasattr(value, "to_local") else value).detach().clone()
+        for name, value in module.state_dict().items()
+    }
+
+
 def save_weights(module: torch.nn.Module, out: Path, rank: int) -> None:
-    """The final weights, complete or absent (written aside, then renamed)."""
-    state = {name: value.detach().clone() for name, value in module.state_dict().items()}
+    """The final weights, complete or absent (written aside, then renamed); under fsdp this
+    rank's shards (each tensor's local part)."""
+    state = local_weights(module)
     scratch = out / f".rank{rank}.pt.{os.getpid()}"
     torch.save(state, scratch)
     scratch.replace(out / f"rank{rank}.pt")
@@ -161,9 +181,19 @@ def recovery_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"recovery": recovery}
 
 
-async def run(args: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class Parts:
+    """What every rank of the job builds from its options, whatever launches it."""
+
+    module: torch.nn.Module
+    data: lampdist.ModelWithData
+    step: lampdist.StepOptions
+    timeouts: lampdist.Timeouts
+
+
+def build(args: argparse.Namespace) -> Parts:
+    """Rank ``args.rank``'s model, data, step and deadlines."""
     torch.set_num_threads(1)  # several ranks share two cores
-    secret = os.environ["LAMPDIST_SECRET"]
     module = make_model(args.rank, args.width)
     model = lampdist.SupervisedModel(module, torch.nn.functional.mse_loss)
     data = lampdist.ModelWithData(
@@ -185,6 +215,17 @@ async def run(args: argparse.Namespace) -> int:
     timeouts = lampdist.Timeouts(
         join=args.join_timeout, collective=args.collective_timeout, stop=args.stop_timeout
     )
+    return Parts(module, data, step, timeouts)
+
+
+def event_line(event: lampdist.PassEvent) -> str:
+    return f"EVENT {event.kind} {event.epoch} {event.step} {int(event.done)}"
+
+
+async def run(args: argparse.Namespace) -> int:
+    parts = build(args)
+    module, data, step, timeouts = parts.module, parts.data, parts.step, parts.timeouts
+    secret = os.environ["LAMPDIST_SECRET"]
     heartbeats = {
         "heartbeat_interval": args.heartbeat_interval,
         "heartbeat_timeout": args.heartbeat_timeout,
@@ -204,7 +245,7 @@ async def run(args: argparse.Namespace) -> int:
         async def on_event(event: lampdist.PassEvent | lampdist.Recovered) -> None:
             if isinstance(event, lampdist.Recovered):
                 return  # the root's "recovered" line says it
-            print(f"EVENT {event.kind} {event.epoch} {event.step} {int(event.done)}", flush=True)
+            print(event_line(event), flush=True)
 
         loop = lampdist.LoopOptions(
             max_epochs=args.epochs,
@@ -271,6 +312,58 @@ async def run(args: argparse.Namespace) -> int:
         # reports it (docs/reliability.md, exit codes).
     print("DONE", flush=True)
     return 0
+
+
+async def launched(args: argparse.Namespace, env: LaunchEnv) -> dict[str, torch.Tensor]:
+    """Rank ``env.rank`` of the same job under a launcher that hands each rank a
+    :class:`~lampdist.launch.LaunchEnv` (``lampdist.ray.run``: benchmarks/_chaos_ray.py):
+    ``lampdist.train(..., launch=env)`` with the same model, data, step and deadlines (the
+    control channel's heartbeats at their defaults). Each start of a rank appends
+    ``<pid> <time>`` to ``args.out/pids-<r>.txt``. The root resumes from the newest
+    checkpoint in ``args.checkpoint`` (a new run when there is none), checkpoints every window
+    there, and appends ``<time> EVENT ...`` for each progress event and ``<time> RECOVERED
+    <ranks> <seconds>`` for each recovery to ``args.out/events.txt`` (``time.time()``).
+    Returns this rank's final weights (under fsdp its own shards)."""
+    args = argparse.Namespace(**{**vars(args), "rank": env.rank})
+    args.out.mkdir(parents=True, exist_ok=True)
+    with (args.out / f"pids-{env.rank}.txt").open("a") as file:
+        file.write(f"{os.getpid()} {time.time():.6f}\n")
+    parts = build(args)
+    events = args.out / "events.txt"
+
+    async def on_event(event: lampdist.PassEvent | lampdist.Recovered) -> None:
+        if isinstance(event, lampdist.Recovered):
+            ranks = ",".join(str(rank) for rank in event.ranks)
+            line = f"RECOVERED {ranks} {event.seconds:.3f}"
+        else:
+            line = event_line(event)
+        with events.open("a") as file:
+            file.write(f"{time.time():.6f} {line}\n")
+
+    resume = None
+    if env.rank == 0 and args.checkpoint is not None:
+        resume = await anyio.to_thread.run_sync(
+            lambda: checkpoint.load_latest(args.checkpoint, restore_rng=True)
+        )
+    save = None
+    if args.checkpoint is not None:
+        save = checkpoint.to_directory(args.checkpoint, keep=KEEP_EVERY_CHECKPOINT)
+    loop = lampdist.LoopOptions(
+        max_epochs=args.epochs,
+        checkpoint_state=save,
+        on_event=on_event,
+        **recovery_options(args),
+    )
+    await lampdist.train(
+        data=parts.data,
+        optimizer_factory=sgd,
+        loop=loop,
+        step=parts.step,
+        timeouts=parts.timeouts,
+        resume=resume,
+        launch=env,
+    )
+    return local_weights(parts.module)
 
 
 def report(error: BaseException) -> BaseException:
