@@ -193,10 +193,10 @@ def dying_after_ring(at: int, marker: Path) -> None:
     """SIGKILL this process as soon as its ``at``-th fsdp snapshot has been kept here and
     exchanged with its neighbours (``_fsdp_replica.ring``), before the root has it, unless
     ``marker`` exists: the others kept a snapshot that the root never commits."""
-    from lampdist._epoch._designs import _fsdp
+    from lampdist._epoch._designs import _fsdp_replica
 
-    design: Any = _fsdp  # the module whose ring the snapshot calls
-    count, real_ring = [0], design.ring
+    replica: Any = _fsdp_replica  # the module whose ring the snapshot calls
+    count, real_ring = [0], replica.ring
 
     def ring(*args: Any, **kwargs: Any) -> Any:
         received = real_ring(*args, **kwargs)
@@ -206,7 +206,7 @@ def dying_after_ring(at: int, marker: Path) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return received
 
-    design.ring = ring
+    replica.ring = ring
 
 
 def dying_in_write(at: int, marker: Path) -> None:

@@ -245,3 +245,27 @@ def test_fsdp_replica_off_is_refused() -> None:
     check_fsdp_recovery(lampdist.StepOptions(step_on="every_rank"), loop)
     with pytest.raises(lampdist.ConfigError, match=r"Recovery\.fsdp_replica must be True or False"):
         lampdist.Recovery(fsdp_replica="yes")  # type: ignore[arg-type]
+
+
+def test_a_rank_holds_one_snapshot_between_passes_and_two_only_while_one_is_taken() -> None:
+    """The memory a rank spends: after a snapshot it holds the root's last one beside the
+    new one (which the root may not have taken); once a pass starts (the root took it) only
+    the new one; going back restores the named one's weights."""
+    from lampdist._epoch._designs._fsdp_replica import Snapshots
+
+    module = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    snapshots = Snapshots(rank=0, nranks=1, device=torch.device("cpu"))
+    snapshots.keep("in-memory:1", module, optimizer, lambda *_: None)
+    first = module.weight.detach().clone()
+    with torch.no_grad():
+        module.weight.add_(1.0)
+    snapshots.keep("in-memory:2", module, optimizer, lambda *_: None)
+    assert list(snapshots.kept) == ["in-memory:1", "in-memory:2"]
+    snapshots.go_back("in-memory:1", [], module, optimizer, lambda *_: None)
+    assert torch.equal(module.weight, first) and list(snapshots.kept) == ["in-memory:1"]
+    snapshots.keep("in-memory:3", module, optimizer, lambda *_: None)
+    snapshots.taken()
+    assert list(snapshots.kept) == ["in-memory:3"]
+    with pytest.raises(lampdist.CheckpointError, match="holds no shards of recovery's snapshot"):
+        snapshots.go_back("in-memory:1", [], module, optimizer, lambda *_: None)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Self
 
 import attrs
@@ -68,7 +69,7 @@ from ._fsdp_model import (
     shard,
     unit_sizes,
 )
-from ._fsdp_replica import IN_MEMORY, Kept, hand_over, keep, restore, ring
+from ._fsdp_replica import IN_MEMORY, Snapshots
 from ._fsdp_sums import StepSums
 from ._solo import step_alone
 
@@ -93,10 +94,8 @@ class FsdpSteps(EveryRankSteps):
     """Every module that ``fully_shard`` made an FSDP unit, the root module last."""
     _gradient_sync: bool = attrs.field(default=True, init=False)
     """Whether the units reduce their gradients in the next backward (FSDP2's default)."""
-    kept: dict[str, Kept] = attrs.field(factory=dict, init=False)
-    """This rank's shards and its neighbour's at recovery's last two snapshots, by the
-    root's name for each (``_fsdp_replica``): a snapshot that this rank kept but the root
-    did not commit (a rank lost during it) must not replace the one the root goes back to."""
+    snapshots: Snapshots | None = attrs.field(default=None, init=False)
+    """This rank's shards and its neighbour's at recovery's snapshots (``_fsdp_replica``)."""
 
     own_process = True
     lockstep = True
@@ -264,8 +263,10 @@ class FsdpSteps(EveryRankSteps):
         source = None if resume is None or resume.shards is None else str(resume.shards.path)
         source = broadcast_object(self.clique, source, rank=self.rank)
         assert self.module is not None and self.stepper is not None
+        snapshots = self._snapshots()
         if source is not None and not source.startswith(IN_MEMORY):  # fsdp_replica=False
-            module, self.kept = original_module(self.module), {}
+            module = original_module(self.module)
+            snapshots.forget()
             self._resume(module, resume, None)
             for parameter in module.parameters():
                 parameter.grad = None
@@ -278,24 +279,20 @@ class FsdpSteps(EveryRankSteps):
                 rank=self.rank,
                 phase="recover",
             )
-        kept = self.kept.get(source)
-        if kept is None and self.rank not in fresh:
-            raise CheckpointError(
-                f"this rank holds no shards of recovery's snapshot {source!r} (it holds "
-                f"{sorted(self.kept)}): the ranks' snapshots disagree",
-                rank=self.rank,
-                phase="recover",
-            )
-        kept = hand_over(
-            kept,
-            fresh,
-            rank=self.rank,
-            nranks=self.nranks,
-            device=self.device,
-            explain=self.clique.explain,
-        )
-        self.kept = {source: kept}
-        restore(original_module(self.module), self.stepper.optimizer, kept.own)
+        module, optimizer = original_module(self.module), self.stepper.optimizer
+        snapshots.go_back(source, fresh, module, optimizer, self.clique.explain)
+
+    def _snapshots(self) -> Snapshots:
+        if self.snapshots is None:
+            self.snapshots = Snapshots(self.rank, self.nranks, self.device)
+        return self.snapshots
+
+    def attached(self) -> AbstractContextManager[object]:
+        """Nothing hooked; a training pass means the root took recovery's newest snapshot,
+        so the one kept before it goes."""
+        if self.snapshots is not None:
+            self.snapshots.taken()
+        return nullcontext()
 
     def _root_seed(self) -> int:
         """A seed drawn from the root's RNG, the same on every rank."""
@@ -495,13 +492,7 @@ class FsdpSteps(EveryRankSteps):
             raise AssertionError("the root gave no directory for the shards")
         module, optimizer = original_module(self.module), self.stepper.optimizer
         if where["path"].startswith(IN_MEMORY):  # recovery's snapshot: here and by a neighbour
-            own = keep(module, optimizer)
-            explain = self.clique.explain
-            neighbour = ring(
-                own, rank=self.rank, nranks=self.nranks, device=self.device, explain=explain
-            )
-            last = dict(list(self.kept.items())[-1:])  # until the root commits the new one
-            self.kept = {**last, where["path"]: Kept(own=own, neighbour=neighbour)}
+            self._snapshots().keep(where["path"], module, optimizer, self.clique.explain)
             return []
         target = ShardedState(path=where["path"], nranks=self.nranks, options=where["options"])
         try:  # torch's distributed checkpoint: collectives of the default group inside

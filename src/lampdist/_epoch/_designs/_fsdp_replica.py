@@ -29,9 +29,18 @@ from typing import Any
 import attrs
 import torch
 
-from ..._errors import CliqueError, LampdistError, Phase
+from ..._errors import CheckpointError, CliqueError, LampdistError, Phase
 
-__all__ = ["IN_MEMORY", "Kept", "hand_over", "keep", "replica_holder", "restore", "ring"]
+__all__ = [
+    "IN_MEMORY",
+    "Kept",
+    "Snapshots",
+    "hand_over",
+    "keep",
+    "replica_holder",
+    "restore",
+    "ring",
+]
 
 IN_MEMORY = "in-memory:"
 """The start of the path of the :class:`~lampdist._checkpoint.ShardedState` of recovery's
@@ -44,6 +53,60 @@ Plain = dict[str, Any]
 
 Explain = Callable[[BaseException, Phase], LampdistError | None]
 """The clique's account of a failure in torch's default group (:meth:`Clique.explain`)."""
+
+
+@attrs.define(eq=False)
+class Snapshots:
+    """A rank's shards and its neighbour's at recovery's snapshots, by the root's name for
+    each: the one the root took last, and a newer one until a pass shows the root took it
+    (a rank lost during a snapshot leaves the others with one the root never took, and a
+    recovery must go back to the root's)."""
+
+    rank: int
+    nranks: int
+    device: torch.device
+    kept: dict[str, Kept] = attrs.field(factory=dict)
+
+    def keep(self, name: str, module: torch.nn.Module, optimizer: Any, explain: Explain) -> None:
+        """Keep this rank's shards as snapshot ``name`` and swap replicas with the
+        neighbours (every rank at once)."""
+        own = keep(module, optimizer)
+        neighbour = ring(
+            own, rank=self.rank, nranks=self.nranks, device=self.device, explain=explain
+        )
+        self.kept = {**dict(list(self.kept.items())[-1:]), name: Kept(own, neighbour)}
+
+    def taken(self) -> None:
+        """A pass is under way, so the root took the newest snapshot: drop the one before
+        (one extra shard of host memory per rank again)."""
+        self.kept = dict(list(self.kept.items())[-1:])
+
+    def forget(self) -> None:
+        self.kept = {}
+
+    def go_back(
+        self,
+        name: str,
+        fresh: list[int],
+        module: torch.nn.Module,
+        optimizer: Any,
+        explain: Explain,
+    ) -> None:
+        """Every rank back at snapshot ``name`` (the root's): the ranks in ``fresh``
+        receive theirs from the survivors (:func:`hand_over`); every rank restores it."""
+        kept = self.kept.get(name)
+        if kept is None and self.rank not in fresh:
+            raise CheckpointError(
+                f"this rank holds no shards of recovery's snapshot {name!r} (it holds "
+                f"{sorted(self.kept)}): the ranks' snapshots disagree",
+                rank=self.rank,
+                phase="recover",
+            )
+        kept = hand_over(
+            kept, fresh, rank=self.rank, nranks=self.nranks, device=self.device, explain=explain
+        )
+        self.kept = {name: kept}
+        restore(module, optimizer, kept.own)
 
 
 def replica_holder(rank: int, nranks: int) -> int:
