@@ -30,6 +30,7 @@ def _assert_same_sums(got: Path, want: Path) -> None:
         assert (got / name).read_text() == (want / name).read_text(), name
 
 
+@pytest.mark.slow  # processes started, killed and started again: run one at a time
 @pytest.mark.parametrize(
     "args",
     [
@@ -49,6 +50,7 @@ def test_snapshots_within_passes_change_nothing(tmp_path: Path, args: list[str])
     _assert_same_sums(tmp_path / "got", tmp_path / "want")
 
 
+@pytest.mark.slow  # processes started, killed and started again: run one at a time
 @pytest.mark.parametrize(
     ("args", "every"),
     [

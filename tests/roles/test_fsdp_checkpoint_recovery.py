@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow  # processes started, killed and started again: run one at a time
 @pytest.mark.parametrize(
     ("nranks", "lost", "die_after", "back_to", "args"),
     [
@@ -77,6 +78,7 @@ def test_a_killed_fsdp_follower_goes_back_to_the_newest_checkpoint_in_job(
     assert_same_run(got, tmp_path / "want", nranks)
 
 
+@pytest.mark.slow  # processes started, killed and started again: run one at a time
 def test_a_loss_before_the_first_checkpoint_ends_the_run_naming_the_rank(tmp_path: Path) -> None:
     """Without a checkpoint to go back to (rank 1 lost in epoch 0), the root ends the run with
     a CheckpointError naming the lost rank and phase 'recover', without waiting for a

@@ -114,6 +114,7 @@ def _flat(parts: dict[str, object], prefix: str = "") -> dict[str, torch.Tensor]
     return flat
 
 
+@pytest.mark.slow  # processes started, killed and started again: run one at a time
 @pytest.mark.parametrize(
     ("nranks", "lost", "die_after", "args"),
     [
@@ -158,6 +159,7 @@ def test_a_killed_fsdp_follower_is_replaced_and_the_run_ends_as_if_nothing_happe
     assert_same_run(tmp_path / "got", tmp_path / "want", nranks)
 
 
+@pytest.mark.slow  # processes started, killed and started again: run one at a time
 def test_a_snapshot_the_root_did_not_take_is_not_gone_back_to(tmp_path: Path) -> None:
     """Rank 2 of 3 is SIGKILLed right after it kept its fourth snapshot (after a training
     pass: one after a validation pass holds the same weights as the one before) and
@@ -182,6 +184,7 @@ def test_a_snapshot_the_root_did_not_take_is_not_gone_back_to(tmp_path: Path) ->
     assert_same_run(tmp_path / "got", tmp_path / "want", 3)
 
 
+@pytest.mark.slow  # processes started, killed and started again: run one at a time
 def test_a_rank_lost_while_the_checkpoint_is_written_is_recovered_in_job(tmp_path: Path) -> None:
     """Rank 2 of 3 is SIGKILLed as it starts writing its shards of the second checkpoint,
     while the others are in torch's distributed checkpoint's collectives with it: the root
@@ -207,6 +210,7 @@ def test_a_rank_lost_while_the_checkpoint_is_written_is_recovered_in_job(tmp_pat
     assert_same_run(tmp_path / "got", tmp_path / "want", 3)
 
 
+@pytest.mark.slow  # processes started, killed and started again: run one at a time
 def test_two_neighbouring_ranks_lost_at_once_end_the_run_naming_them(tmp_path: Path) -> None:
     """Ranks 1 and 2 of 3 are killed together once training is well under way: rank 1 held
     the only replica of rank 2's shards, so the root ends the run at once with a
