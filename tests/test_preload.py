@@ -130,7 +130,9 @@ def test_collections_turned_off_or_objects_frozen_stay_so() -> None:
         frozen = gc.get_freeze_count()
         with _preload._collections_deferred():
             assert gc.isenabled()
-        assert gc.get_freeze_count() == frozen
+        # Another thread of this worker may free frozen objects meanwhile; an unfreeze would
+        # leave none frozen.
+        assert gc.get_freeze_count() > 0.9 * frozen
     finally:
         gc.unfreeze()
 
