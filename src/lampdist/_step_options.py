@@ -21,15 +21,16 @@ __all__ = ["StepOn", "StepOptions"]
 
 StepOn = Literal["root", "every_rank", "sharded", "fsdp"]
 
-OWN_BUCKETS: Mapping[StepOn, bool] = {
+SHARDS_THE_MODEL: Mapping[StepOn, bool] = {
     "root": False,
     "every_rank": False,
     "sharded": False,
     "fsdp": True,
 }
-"""Whether the design of each ``step_on`` exchanges the gradients in buckets of its own (of
-each sharded module, fsdp), so that ``bucket_cap_mb`` does not apply: the one design fact the
-options need before any design exists."""
+"""Whether the design of each ``step_on`` shards the model itself (fsdp): it then exchanges the
+gradients in buckets of its own (each sharded module's), so that ``bucket_cap_mb`` does not
+apply, and it alone can read initial weights shard by shard. The one design fact the options
+need before any design exists."""
 
 _DEPRECATED = "deprecated"
 """The metadata key of a field kept only for an old name: not agreed, not shown."""
@@ -224,14 +225,14 @@ class StepOptions:
     def __attrs_post_init__(self) -> None:
         for old, new in _RENAMED:
             _take_old_name(self, old, new)
-        if OWN_BUCKETS[self.step_on] and self.bucket_cap_mb is not None:
+        if SHARDS_THE_MODEL[self.step_on] and self.bucket_cap_mb is not None:
             raise ConfigError(
                 "StepOptions.bucket_cap_mb does not apply to step_on='fsdp', which exchanges "
                 "the gradients of each sharded module as its backward ends (choose the "
                 "modules with FsdpPolicy.shard_modules); pass bucket_cap_mb=None",
                 phase="configure",
             )
-        if self.fsdp.initial_weights is not None and self.step_on != "fsdp":
+        if self.fsdp.initial_weights is not None and not SHARDS_THE_MODEL[self.step_on]:
             raise ConfigError(
                 f"FsdpPolicy.initial_weights applies to step_on='fsdp', not {self.step_on!r}: "
                 "under another design load them on the root before the run "

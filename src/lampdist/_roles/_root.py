@@ -14,8 +14,8 @@ import torch
 from .._checkpoint import Storage, storage_for
 from .._device import resolve_device
 from .._effects import EpochOutcome, OptimizerFactory
-from .._epoch import DESIGNS, PassResult, PassRunner, segments
-from .._errors import CliqueError, CliqueTimeout, ConfigError, LampdistError, RankFailed
+from .._epoch import PassResult, PassRunner, segments
+from .._errors import CliqueError, CliqueTimeout, LampdistError, RankFailed
 from .._loop import EpochEffects, merge_sets, run_epochs
 from .._options import LoopOptions, ModelWithData, StepOptions, Timeouts, check_monitors
 from .._preload import preload
@@ -38,6 +38,7 @@ from ._fsdp_recovery import GoneBack
 from ._generations import Generations, check_recovery
 from ._rank import RankContext, RunOptions, check_optimizer_factory, check_rank, open_rank
 from ._resume import check_data_places, resumed_schedule_state
+from ._root_checks import check_design_loop, check_segments
 from ._run_state import RunState
 from ._stopping import Stopping
 
@@ -139,8 +140,8 @@ async def drive(
     check_optimizer_factory(0, run)
     effect = loop.checkpoint_state
     storage = storage_for(effect) if effect is not None else None
-    _check_design_loop(run.step, loop, storage)
-    _check_segments(run.step, loop)
+    check_design_loop(run.step, loop, storage)
+    check_segments(run.step, loop)
     check_recovery(nranks, run, loop, control)
     lr_state = resumed_schedule_state(loop.learning_rate_schedule, resume)
     check_data_places(resume, nranks)
@@ -179,47 +180,6 @@ async def drive(
                     raise bad_settings from exc
                 raise
     return state
-
-
-def _check_design_loop(step: StepOptions, loop: LoopOptions, storage: Storage | None) -> None:
-    """Raise :class:`ConfigError` for what the design of ``step.step_on`` does not do: a
-    design whose ranks write their own shards (fsdp) needs a storage that holds them
-    (:func:`lampdist.checkpoint.to_directory` or ``to_url``), and one whose root does not
-    hold the whole model keeps no best model."""
-    design = DESIGNS[step.step_on]
-    for unsupported, name, instead in (
-        (
-            design.loads_checkpoints and storage is not None and not storage.holds_shards,
-            "checkpoint_state other than checkpoint.to_directory(...) or to_url(...)",
-            "checkpoint_state=checkpoint.to_directory(path)",
-        ),
-        (
-            not design.keeps_best_model and bool(loop.return_min_validation_loss_model),
-            "return_min_validation_loss_model",
-            "return_min_validation_loss_model=()",
-        ),
-    ):
-        if unsupported:
-            raise ConfigError(
-                f"step_on={step.step_on!r} does not support {name} (every rank holds shards "
-                f"of the model): pass {instead}",
-                rank=0,
-                phase="configure",
-            )
-
-
-def _check_segments(step: StepOptions, loop: LoopOptions) -> None:
-    """Raise :class:`ConfigError` for ``Recovery.snapshot_every_steps`` without windows: a
-    pass over the whole data has no place in it that a rank can go back to."""
-    every = None if loop.recovery is None else loop.recovery.snapshot_every_steps
-    if every is not None and step.steps_per_epoch is None:
-        raise ConfigError(
-            f"Recovery.snapshot_every_steps={every!r} needs StepOptions.steps_per_epoch (a "
-            "snapshot within a pass goes back to a place in the training stream): pass "
-            "steps_per_epoch=N, or snapshot_every_steps=None",
-            rank=0,
-            phase="configure",
-        )
 
 
 async def _let_exit_first(

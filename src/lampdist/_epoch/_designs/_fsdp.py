@@ -44,7 +44,7 @@ from ..._checkpoint import (
     write_own_shards,
 )
 from ..._effects import OptimizerFactory
-from ..._errors import CheckpointError, ConfigError, MismatchError, Phase
+from ..._errors import CheckpointError, ConfigError, Phase
 from ..._fsdp_options import FsdpPolicy
 from ..._model import original_module
 from ..._options import StepOptions
@@ -60,6 +60,7 @@ from .._tally import Tally
 from ._base import CheckOptimizer, StepBatches, build_optimizer
 from ._every_rank import EveryRankSteps
 from ._fsdp_model import (
+    check_default_group,
     check_sharded,
     check_units,
     ignore_root_output_view_warning,
@@ -154,7 +155,7 @@ class FsdpSteps(EveryRankSteps):
         and put their shards of the last snapshot back, and each new rank shards its model
         and receives its shards from the survivors (see ``_fsdp_replica``)."""
         assert self.module is not None and self.optimizer_factory is not None
-        self._check_default_group()
+        check_default_group(self.rank, self.nranks)
         fresh = self._fresh_ranks()
         if len(fresh) == self.nranks:
             self._set_up(resume)
@@ -171,27 +172,6 @@ class FsdpSteps(EveryRankSteps):
             reset_after_loss(self._units)
             self._gradient_sync = True
         self._regroup(resume, fresh)
-
-    def _check_default_group(self) -> None:
-        """Raise unless torch's default group is the clique's."""
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            raise ConfigError(
-                "step_on='fsdp' needs torch's default process group, which the clique opens "
-                "with ProcessGroups(default_group=True) (lampdist.train, the root's driver and "
-                "the follower set it when they build the cliques themselves)",
-                rank=self.rank,
-                phase=_PHASE,
-            )
-        if dist.get_world_size() != self.nranks or dist.get_rank() != self.rank:
-            raise MismatchError(
-                f"the default process group has rank {dist.get_rank()} of "
-                f"{dist.get_world_size()}, this clique rank {self.rank} of {self.nranks}: "
-                "open the default group from the clique",
-                rank=self.rank,
-                phase=_PHASE,
-            )
 
     def _fresh_ranks(self) -> list[int]:
         """The ranks whose model is not set up yet (every rank in a clique's first

@@ -16,6 +16,7 @@ from ..._fsdp_options import FsdpPolicy
 from ..._words import counted
 
 __all__ = [
+    "check_default_group",
     "check_sharded",
     "check_units",
     "ignore_root_output_view_warning",
@@ -250,3 +251,25 @@ def _managed(unit: Any, units: list[Any]) -> list[torch.nn.Parameter]:
     nested = [o for o in units if o is not unit and any(o is m for m in unit.modules())]
     inside = {id(p) for o in nested for p in o.parameters()}
     return [p for p in unit.parameters() if id(p) not in inside and p.requires_grad]
+
+
+def check_default_group(rank: int, nranks: int) -> None:
+    """Raise unless torch's default group is the clique's (``rank`` of ``nranks``)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise ConfigError(
+            "step_on='fsdp' needs torch's default process group, which the clique opens "
+            "with ProcessGroups(default_group=True) (lampdist.train, the root's driver and "
+            "the follower set it when they build the cliques themselves)",
+            rank=rank,
+            phase="configure",
+        )
+    if dist.get_world_size() != nranks or dist.get_rank() != rank:
+        raise MismatchError(
+            f"the default process group has rank {dist.get_rank()} of "
+            f"{dist.get_world_size()}, this clique rank {rank} of {nranks}: "
+            "open the default group from the clique",
+            rank=rank,
+            phase="configure",
+        )
