@@ -775,7 +775,10 @@ MUTANTS = [
         name="recovery-keeps-the-live-state",
         guarantee="a recovery puts the root's model and optimizer back at the snapshot",
         path="_roles/_generations.py",
-        old="        resume = await self.state.load_snapshot()\n",
+        old=(
+            "        resume = await (self.state.load_snapshot() if back is None else "
+            "self.state.load(back))\n"
+        ),
         new="        resume = self.state.memory.held  # type: ignore[union-attr]\n",
         tests=(REFORMS,),
     ),
