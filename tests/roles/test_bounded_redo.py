@@ -18,7 +18,7 @@ from lampdist import control
 from lampdist._epoch import segments
 from lampdist.control import Command, CommandKind
 
-from .test_recovery import NEVER, Job, assert_same_run, uninterrupted
+from ._jobs import NEVER, Job, assert_same_run, uninterrupted
 
 WINDOW = ["--window", "4", "--epochs", "3"]
 """Windows of 4 steps of 3 batches (the default accumulation) on every rank."""

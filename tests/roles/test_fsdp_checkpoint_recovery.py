@@ -14,7 +14,8 @@ import pytest
 
 import lampdist
 
-from .test_fsdp_recovery import NEVER, Job, assert_same_run, uninterrupted
+from ._jobs import NEVER, Job, assert_same_run, uninterrupted
+from .test_fsdp_recovery import FSDP
 
 pytestmark = pytest.mark.skipif(
     not hasattr(__import__("torch").distributed, "init_process_group"),
@@ -49,15 +50,16 @@ def test_a_killed_fsdp_follower_goes_back_to_the_newest_checkpoint_in_job(
     ``back_to``, the epochs after it run again, and every rank's final shards, its optimizer
     state and the learning curve equal an uninterrupted run's bitwise; the root and the
     survivors are the processes that started the run."""
-    args = [*args, "--epochs", "4"]
-    uninterrupted(tmp_path / "want", nranks, [*args, "--checkpoint", str(tmp_path / "ck-want")])
+    args = [*FSDP, *args, "--epochs", "4"]
+    want = [*args, "--checkpoint", str(tmp_path / "ck-want")]
+    uninterrupted(tmp_path / "want", want, nranks=nranks)
     per_rank = {rank: ["--die-after", NEVER] for rank in range(nranks)}
     how, _, when = die_after.rpartition(":")
     for rank in lost:
         per_rank[rank] = ["--die-in-forward" if how else "--die-after", when]
     got = tmp_path / "got"
     run = [*args, "--recovery", "60", "--no-replica", "--checkpoint", str(tmp_path / "ck")]
-    job = Job(got, nranks, run, per_rank)
+    job = Job(got, run, per_rank, nranks=nranks)
     started = {rank: process.pid for rank, process in job.ranks.items()}
     try:
         for rank in lost:
@@ -75,7 +77,7 @@ def test_a_killed_fsdp_follower_goes_back_to_the_newest_checkpoint_in_job(
     for rank in range(nranks):
         pid = int((got / f"pid{rank}").read_text())
         assert (pid == started[rank]) == (rank not in lost), rank
-    assert_same_run(got, tmp_path / "want", nranks)
+    assert_same_run(got, tmp_path / "want", nranks=nranks)
 
 
 @pytest.mark.slow  # processes started, killed and started again: run one at a time
@@ -83,9 +85,9 @@ def test_a_loss_before_the_first_checkpoint_ends_the_run_naming_the_rank(tmp_pat
     """Without a checkpoint to go back to (rank 1 lost in epoch 0), the root ends the run with
     a CheckpointError naming the lost rank and phase 'recover', without waiting for a
     replacement."""
-    args = ["--epochs", "3", "--recovery", "60", "--no-replica"]
+    args = [*FSDP, "--epochs", "3", "--recovery", "60", "--no-replica"]
     per_rank = {0: ["--die-after", NEVER], 1: ["--die-after", "2"]}
-    job = Job(tmp_path / "run", 2, [*args, "--checkpoint", str(tmp_path / "ck")], per_rank)
+    job = Job(tmp_path / "run", [*args, "--checkpoint", str(tmp_path / "ck")], per_rank, nranks=2)
     try:
         assert job.ranks[1].wait(timeout=60) == -signal.SIGKILL
         code, error = job.finish(timeout=30)[0]

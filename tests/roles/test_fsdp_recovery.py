@@ -9,9 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -19,99 +17,13 @@ import torch
 
 import lampdist
 
-from ._launch import spawn
+from ._jobs import NEVER, Job, assert_same_run, stderr, uninterrupted
 
 pytestmark = pytest.mark.skipif(
     not hasattr(torch.distributed, "init_process_group"), reason="torch without distributed"
 )
 
-NEVER = "1000000"
-"""A ``--die-after`` no rank reaches: the uninterrupted run reads its data the same way."""
-
-
-class Job:
-    """Every rank of :mod:`.tcp_rank` under fsdp, each rank's arguments its own;
-    :meth:`replace` starts a rank's command again (as a supervisor restarts a lost
-    process)."""
-
-    def __init__(
-        self, out: Path, nranks: int, args: Sequence[str], per_rank: dict[int, list[str]]
-    ) -> None:
-        out.mkdir(parents=True, exist_ok=True)
-        self.out, self.nranks = out, nranks
-        common = ["--step-on", "fsdp", *args]
-        self.per_rank = {rank: [*common, *per_rank.get(rank, [])] for rank in range(nranks)}
-        self.ended: list[subprocess.Popen[str]] = []
-        root = self._spawn(0, 0)
-        assert root.stdout is not None
-        line = root.stdout.readline()
-        assert line.startswith("PORT "), line + (root.stderr.read() if root.stderr else "")
-        self.port = int(line.split()[1])
-        self.ranks = {0: root}
-        for rank in range(1, nranks):
-            self.ranks[rank] = self._spawn(rank, self.port)
-
-    def _spawn(self, rank: int, port: int) -> subprocess.Popen[str]:
-        return spawn("tcp_rank", rank, self.nranks, self.out, port, *self.per_rank[rank])
-
-    def replace(self, rank: int) -> None:
-        """Start rank ``rank`` again (its process has ended)."""
-        old = self.ranks[rank]
-        assert old.poll() is not None
-        self.ended.append(old)
-        self.ranks[rank] = self._spawn(rank, self.port)
-
-    def finish(self, timeout: float = 120) -> dict[int, tuple[int, str]]:
-        """Every live rank's exit code and stderr, by rank."""
-        try:
-            return {
-                rank: (process.wait(timeout=timeout), _stderr(process))
-                for rank, process in self.ranks.items()
-            }
-        finally:
-            self.kill()
-
-    def kill(self) -> None:
-        for process in [*self.ranks.values(), *self.ended]:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-
-
-def _stderr(process: subprocess.Popen[str]) -> str:
-    assert process.stderr is not None
-    return process.stderr.read()
-
-
-def uninterrupted(out: Path, nranks: int, args: Sequence[str]) -> None:
-    """The same run without a loss (every rank exits 0)."""
-    job = Job(out, nranks, [*args, "--die-after", NEVER], {})
-    for rank, (code, error) in job.finish().items():
-        assert code == 0, f"rank {rank}: {error}"
-
-
-def assert_same_run(got: Path, want: Path, nranks: int) -> None:
-    """Every rank's final shards of the model and of the optimizer state, and the learning
-    curve, bitwise."""
-    for rank in range(nranks):
-        for name in (f"rank{rank}.pt", f"optim{rank}.pt"):
-            mine = torch.load(got / name, weights_only=True)
-            theirs = torch.load(want / name, weights_only=True)
-            assert _flat(mine).keys() == _flat(theirs).keys()
-            for key, tensor in _flat(mine).items():
-                assert torch.equal(tensor, _flat(theirs)[key]), f"rank {rank}: {name} {key}"
-    assert (got / "curve.json").read_text() == (want / "curve.json").read_text()
-
-
-def _flat(parts: dict[str, object], prefix: str = "") -> dict[str, torch.Tensor]:
-    flat: dict[str, torch.Tensor] = {}
-    for key, value in parts.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            assert isinstance(value, torch.Tensor)
-            flat[f"{prefix}{key}"] = value
-    return flat
+FSDP = ["--step-on", "fsdp"]
 
 
 @pytest.mark.slow  # processes started, killed and started again: run one at a time
@@ -137,12 +49,12 @@ def test_a_killed_fsdp_follower_is_replaced_and_the_run_ends_as_if_nothing_happe
     of the model and the optimizer from the survivors' replicas, the survivors put theirs
     back, the pass is redone, and every rank's final shards and the learning curve equal an
     uninterrupted run's bitwise."""
-    args = [*args, "--epochs", "3"]
-    uninterrupted(tmp_path / "want", nranks, args)
+    args = [*FSDP, *args, "--epochs", "3"]
+    uninterrupted(tmp_path / "want", args, nranks=nranks)
     per_rank = {rank: ["--die-after", NEVER] for rank in range(nranks)}
     how, _, when = die_after.rpartition(":")
     per_rank[lost] = ["--die-in-forward" if how else "--die-after", when]
-    job = Job(tmp_path / "got", nranks, [*args, "--recovery", "60"], per_rank)
+    job = Job(tmp_path / "got", [*args, "--recovery", "60"], per_rank, nranks=nranks)
     try:
         assert job.ranks[lost].wait(timeout=60) == -signal.SIGKILL
         job.replace(lost)
@@ -156,46 +68,36 @@ def test_a_killed_fsdp_follower_is_replaced_and_the_run_ends_as_if_nothing_happe
     assert event["ranks"] == [lost] and event["phase"] == "train"
     if "--snapshot-every" in args:  # redone from the last snapshot within the window
         assert event["from_step"] > 0 and event["from_step"] % 2 == 0, event
-    assert_same_run(tmp_path / "got", tmp_path / "want", nranks)
+    assert_same_run(tmp_path / "got", tmp_path / "want", nranks=nranks)
 
 
 @pytest.mark.slow  # processes started, killed and started again: run one at a time
-def test_a_snapshot_the_root_did_not_take_is_not_gone_back_to(tmp_path: Path) -> None:
-    """Rank 2 of 3 is SIGKILLed right after it kept its fourth snapshot (after a training
-    pass: one after a validation pass holds the same weights as the one before) and
-    exchanged it with its neighbours, before the root had it: every rank kept a snapshot
-    that the root never commits, and the recovery goes back to the root's (the one before),
-    on every rank, so the run still ends bitwise as an uninterrupted one. (Found by the
-    chaos run under fsdp: a follower stalled during a snapshot.)"""
-    args = ["--optimizer", "adamw", "--epochs", "3"]
-    uninterrupted(tmp_path / "want", 3, args)
-    per_rank = {rank: ["--die-after", NEVER] for rank in range(3)}
-    per_rank[2] += ["--die-after-ring", "4"]
-    job = Job(tmp_path / "got", 3, [*args, "--recovery", "60"], per_rank)
-    try:
-        assert job.ranks[2].wait(timeout=60) == -signal.SIGKILL
-        job.replace(2)
-        ended = job.finish()
-    finally:
-        job.kill()
-    for rank, (code, error) in ended.items():
-        assert code == 0, f"rank {rank}: {error}"
-    assert "recovered rank(s) [2]" in ended[0][1]
-    assert_same_run(tmp_path / "got", tmp_path / "want", 3)
+@pytest.mark.parametrize(
+    ("dies", "checkpoint"),
+    [(["--die-after-ring", "4"], False), (["--die-in-write", "2"], True)],
+    ids=["after-a-snapshot-the-root-did-not-take", "while-the-checkpoint-is-written"],
+)
+def test_a_rank_lost_between_the_roots_steps_is_recovered_in_job(
+    tmp_path: Path, dies: list[str], checkpoint: bool
+) -> None:
+    """Rank 2 of 3 is SIGKILLed at a moment that the root does not see coming, and the run
+    still ends bitwise as an uninterrupted one:
 
-
-@pytest.mark.slow  # processes started, killed and started again: run one at a time
-def test_a_rank_lost_while_the_checkpoint_is_written_is_recovered_in_job(tmp_path: Path) -> None:
-    """Rank 2 of 3 is SIGKILLed as it starts writing its shards of the second checkpoint,
-    while the others are in torch's distributed checkpoint's collectives with it: the root
-    recovers it in the job, the checkpoint is written again, and the run ends bitwise as an
-    uninterrupted one."""
-    args = ["--optimizer", "adamw", "--epochs", "3"]
-    uninterrupted(tmp_path / "want", 3, [*args, "--checkpoint", str(tmp_path / "ck-want")])
+    - right after it kept its fourth snapshot (after a training pass: one after a validation
+      pass holds the same weights as the one before) and exchanged it with its neighbours,
+      before the root had it: every rank kept a snapshot that the root never commits, and
+      the recovery goes back to the root's (the one before), on every rank (found by the
+      chaos run under fsdp: a follower stalled during a snapshot);
+    - as it starts writing its shards of the second checkpoint, while the others are in
+      torch's distributed checkpoint's collectives with it: the root recovers it in the job
+      and the checkpoint is written again."""
+    args = [*FSDP, "--optimizer", "adamw", "--epochs", "3"]
+    stores = (lambda name: ["--checkpoint", str(tmp_path / name)]) if checkpoint else None
+    uninterrupted(tmp_path / "want", [*args, *(stores("ck-want") if stores else [])])
     per_rank = {rank: ["--die-after", NEVER] for rank in range(3)}
-    per_rank[2] += ["--die-in-write", "2"]
-    run = [*args, "--recovery", "60", "--checkpoint", str(tmp_path / "ck")]
-    job = Job(tmp_path / "got", 3, run, per_rank)
+    per_rank[2] += dies
+    run = [*args, "--recovery", "60", *(stores("ck") if stores else [])]
+    job = Job(tmp_path / "got", run, per_rank)
     try:
         assert job.ranks[2].wait(timeout=60) == -signal.SIGKILL
         job.replace(2)
@@ -206,8 +108,8 @@ def test_a_rank_lost_while_the_checkpoint_is_written_is_recovered_in_job(tmp_pat
         assert code == 0, f"rank {rank}: {error}"
     assert "recovered rank(s) [2]" in ended[0][1]
     (event,) = [json.loads(line) for line in (tmp_path / "got" / "recovered.jsonl").open()]
-    assert event["phase"] == "checkpoint", event
-    assert_same_run(tmp_path / "got", tmp_path / "want", 3)
+    assert event["phase"] == "checkpoint", event  # a snapshot's or a checkpoint's
+    assert_same_run(tmp_path / "got", tmp_path / "want")
 
 
 @pytest.mark.slow  # processes started, killed and started again: run one at a time
@@ -218,7 +120,7 @@ def test_two_neighbouring_ranks_lost_at_once_end_the_run_naming_them(tmp_path: P
     whole."""
     out = tmp_path / "run"
     per_rank = {rank: ["--die-after", NEVER] for rank in range(3)}
-    job = Job(out, 3, ["--epochs", "50", "--recovery", "60"], per_rank)
+    job = Job(out, [*FSDP, "--epochs", "50", "--recovery", "60"], per_rank)
     try:
         deadline = time.monotonic() + 60
         while not (out / "trained").exists():
@@ -229,7 +131,7 @@ def test_two_neighbouring_ranks_lost_at_once_end_the_run_naming_them(tmp_path: P
         started = time.monotonic()
         code = job.ranks[0].wait(timeout=60)
         waited = time.monotonic() - started
-        error = _stderr(job.ranks[0])
+        error = stderr(job.ranks[0])
     finally:
         job.kill()
     assert code != 0

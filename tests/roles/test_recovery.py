@@ -5,12 +5,9 @@ same command started again, and the run ends bitwise where an uninterrupted run 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import anyio
@@ -22,95 +19,7 @@ from lampdist import control
 from lampdist.clique import CliqueId
 from lampdist.control import Command, CommandKind
 
-ROOT_DIR = Path(__file__).resolve().parents[2]
-NRANKS = 3
-NEVER = "1000000"
-"""A ``--die-after`` no rank reaches: the uninterrupted run reads its data the same way."""
-
-
-def spawn(rank: int, out: Path, port: int, args: Sequence[str]) -> subprocess.Popen[str]:
-    env = {**os.environ, "LAMPDIST_SECRET": "test-secret", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.roles.tcp_rank", "--rank", str(rank)]
-        + ["--nranks", str(NRANKS), "--port", str(port), "--out", str(out), *args],
-        cwd=ROOT_DIR,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-class Job:
-    """A root and its followers, each rank's arguments its own; :meth:`replace` starts a
-    rank's command again (as a supervisor restarts a lost process)."""
-
-    def __init__(self, out: Path, args: Sequence[str], per_rank: dict[int, list[str]]) -> None:
-        out.mkdir(parents=True, exist_ok=True)
-        self.out, self.args = out, [*args]
-        self.per_rank = {rank: [*self.args, *per_rank.get(rank, [])] for rank in range(NRANKS)}
-        self.ended: list[tuple[int, subprocess.Popen[str]]] = []
-        root = spawn(0, out, 0, self.per_rank[0])
-        assert root.stdout is not None
-        line = root.stdout.readline()
-        assert line.startswith("PORT "), line + (root.stderr.read() if root.stderr else "")
-        self.port = int(line.split()[1])
-        self.ranks = {0: root}
-        for rank in range(1, NRANKS):
-            self.ranks[rank] = spawn(rank, out, self.port, self.per_rank[rank])
-
-    def wait_for(self, rank: int, timeout: float = 60) -> int:
-        """Wait until rank ``rank``'s process ends; its exit code."""
-        return self.ranks[rank].wait(timeout=timeout)
-
-    def replace(self, rank: int, *extra: str) -> None:
-        """Start rank ``rank`` again (its process has ended), with ``extra`` arguments."""
-        old = self.ranks[rank]
-        assert old.poll() is not None
-        self.ended.append((rank, old))
-        self.ranks[rank] = spawn(rank, self.out, self.port, [*self.per_rank[rank], *extra])
-
-    def finish(self, timeout: float = 120) -> dict[int, tuple[int, str]]:
-        """Every live rank's exit code and stderr, by rank."""
-        try:
-            return {
-                rank: (process.wait(timeout=timeout), _stderr(process))
-                for rank, process in self.ranks.items()
-            }
-        finally:
-            self.kill()
-
-    def kill(self) -> None:
-        for process in [*self.ranks.values(), *(p for _, p in self.ended)]:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-
-
-def _stderr(process: subprocess.Popen[str]) -> str:
-    assert process.stderr is not None
-    return process.stderr.read()
-
-
-def weights(out: Path, rank: int) -> dict[str, torch.Tensor]:
-    return torch.load(out / f"rank{rank}.pt", weights_only=True, map_location="cpu")  # type: ignore[no-any-return]
-
-
-def uninterrupted(out: Path, args: Sequence[str]) -> None:
-    """The same run without a loss (every rank exits 0)."""
-    job = Job(out, [*args, "--die-after", NEVER], {})
-    for rank, (code, error) in job.finish().items():
-        assert code == 0, f"rank {rank}: {error}"
-
-
-def assert_same_run(got: Path, want: Path) -> None:
-    """Every rank's final weights and the learning curve, bitwise."""
-    for rank in range(NRANKS):
-        mine, theirs = weights(got, rank), weights(want, rank)
-        assert mine.keys() == theirs.keys()
-        for name in mine:
-            assert torch.equal(mine[name], theirs[name]), f"rank {rank}: {name}"
-    assert (got / "curve.json").read_text() == (want / "curve.json").read_text()
+from ._jobs import NEVER, Job, assert_same_run, stderr, uninterrupted
 
 
 @pytest.mark.parametrize(
@@ -174,14 +83,14 @@ def _stop_and_replace(job: Job) -> tuple[subprocess.Popen[str], float]:
     # Until the root misses its heartbeats rank 2 is the stalled process's, and a
     # replacement is refused; a supervisor starts it again, as this loop does.
     for _ in range(20):
-        replacement = spawn(2, job.out, job.port, job.per_rank[2])
+        replacement = job.spawn(2, job.port)
         try:
             code = replacement.wait(timeout=3)
         except subprocess.TimeoutExpired:
             break  # joined, and training
         if code == 0:
             break  # joined, trained and finished (its stderr is read below)
-        refused = _stderr(replacement)
+        refused = stderr(replacement)
         assert "has already joined" in refused, refused
     job.ranks[2] = replacement
     return stalled, stopped_at
@@ -211,7 +120,7 @@ def test_a_stalled_follower_is_replaced_and_its_process_told_to_go(tmp_path: Pat
         woke = time.monotonic()
         assert stalled.wait(timeout=60) != 0
         took = time.monotonic() - woke
-        gone = _stderr(stalled)
+        gone = stderr(stalled)
     finally:
         job.kill()
         if stalled is not None and stalled.poll() is None:
@@ -298,7 +207,7 @@ def test_a_replacement_that_disagrees_is_refused_and_the_root_waits_for_another(
         assert job.wait_for(2) == -signal.SIGKILL
         job.replace(2, "--width", "7")
         assert job.wait_for(2) != 0
-        refused = _stderr(job.ranks[2])
+        refused = stderr(job.ranks[2])
         assert "MismatchError" in refused and "agreement" in refused, refused
         job.replace(2)
         ended = job.finish()
@@ -341,7 +250,7 @@ def test_the_roots_loss_still_ends_the_run(tmp_path: Path) -> None:
     try:
         assert job.wait_for(0) == -signal.SIGKILL
         lost = time.monotonic()
-        ended = {rank: (job.wait_for(rank, 30), _stderr(job.ranks[rank])) for rank in (1, 2)}
+        ended = {rank: (job.wait_for(rank, 30), stderr(job.ranks[rank])) for rank in (1, 2)}
         took = time.monotonic() - lost
     finally:
         job.kill()

@@ -2,7 +2,7 @@
 ``RandomBatches``, a ``datasets.IterableDataset``, a ``StatefulDataLoader`` over a
 ``datasets.Dataset``): a follower killed in the middle of a window is replaced, every rank
 goes back to its place by loading its source's state, and the run ends bitwise where an
-uninterrupted run ends. The harness is :mod:`.test_recovery`'s."""
+uninterrupted run ends. The harness is :mod:`._jobs`."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from ._jobs import NEVER, Job, assert_same_run, uninterrupted
 from .data_sources import KINDS
-from .test_recovery import NEVER, Job, assert_same_run, uninterrupted
 
 
 @pytest.mark.parametrize(
