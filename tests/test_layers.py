@@ -47,7 +47,7 @@ LAYERS = [
 LAYER = {name: index for index, names in enumerate(LAYERS) for name in names}
 
 ROLES_LAYERS = [
-    {"_agreement", "_failures"},
+    {"_agreement", "_failures", "_root_checks"},
     {"_resume", "_stopping", "_recovery", "_fsdp_recovery"},
     {"_rank", "_commands"},
     {"_run_state"},
