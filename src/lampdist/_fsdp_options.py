@@ -120,11 +120,12 @@ class FsdpPolicy:
     is called (so that the optimizer is built over the sharded parameters).
 
     By default each child module whose type is one of ``shard_modules`` (a transformer's
-    blocks) gets its own ``fully_shard``, then the root module (which takes the parameters
-    left); with no ``shard_modules`` the root module alone is sharded (one unit: the whole
-    model is gathered for each forward). ``parallelize(module, mesh)`` replaces that default
-    for anything else: it must call ``fully_shard`` itself, the root module last, with the
-    ``mesh`` it is given and the :meth:`Precision.to_torch` policy it wants.
+    blocks) gets its own ``fully_shard``, inner ones first (the types may nest), then the
+    root module (which takes the parameters left); with no ``shard_modules`` the root
+    module alone is sharded (one unit: the whole model is gathered for each forward).
+    ``parallelize(module, mesh)`` replaces that default for anything else: it must call
+    ``fully_shard`` itself, the root module last, with the ``mesh`` it is given and the
+    :meth:`Precision.to_torch` policy it wants.
 
     ``init_weights(module)`` initializes one module's own parameters and buffers when the
     model was built on the meta device (default: the module's ``reset_parameters()``); see

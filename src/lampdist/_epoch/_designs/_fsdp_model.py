@@ -45,8 +45,8 @@ def shard(module: torch.nn.Module, policy: FsdpPolicy, mesh: Any, *, rank: int) 
             "reshard_after_forward": policy.reshard_after_forward,
         }
         types = policy.shard_modules
-        for name, child in module.named_modules():
-            if name and types and isinstance(child, types):
+        for child in _inner_first(module) if types else ():
+            if isinstance(child, types):
                 fully_shard(child, **settings)
         fully_shard(module, **settings)
     if not isinstance(module, FSDPModule):
@@ -61,6 +61,22 @@ def shard(module: torch.nn.Module, policy: FsdpPolicy, mesh: Any, *, rank: int) 
         unit.set_gradient_divide_factor(1.0)  # sums, never averages
         unit.set_force_sum_reduction_for_comms(True)
     return units
+
+
+def _inner_first(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """The modules below ``module``, each after the modules below it and siblings in the
+    order of ``named_modules``, each once: FSDP2 shards a module's inner units first, so
+    that ``shard_modules`` types may nest (a block and the ``Linear`` layers inside it)."""
+    seen: set[int] = set()
+
+    def below(parent: torch.nn.Module) -> Iterator[torch.nn.Module]:
+        for child in parent.children():
+            if id(child) not in seen:
+                seen.add(id(child))
+                yield from below(child)
+                yield child
+
+    yield from below(module)
 
 
 def reset_after_loss(units: list[Any]) -> None:
