@@ -66,6 +66,10 @@ class IssuingGroup(ExplainingGroup):
                 pending._entry = self.trail.start(name, nbytes, pending._started)
                 hand_off = hand_off or self._handing_off
                 if hand_off:  # under the lock: never behind the stop sentinel
+                    if stream is None and self.device.type == "cuda":
+                        # Another thread handed off since the read above: the issuing
+                        # thread still needs the caller's stream.
+                        stream = torch.cuda.current_stream(self.device)
                     self._handing_off = True
                     self._issuing_queue().put((pending, issue, stream, wait_for_device))
                 else:
