@@ -279,7 +279,7 @@ def check_default_group(rank: int, nranks: int) -> None:
             "with ProcessGroups(default_group=True) (lampdist.train, the root's driver and "
             "the follower set it when they build the cliques themselves)",
             rank=rank,
-            phase="configure",
+            phase=_PHASE,
         )
     if dist.get_world_size() != nranks or dist.get_rank() != rank:
         raise MismatchError(
@@ -287,5 +287,5 @@ def check_default_group(rank: int, nranks: int) -> None:
             f"{dist.get_world_size()}, this clique rank {rank} of {nranks}: "
             "open the default group from the clique",
             rank=rank,
-            phase="configure",
+            phase=_PHASE,
         )
