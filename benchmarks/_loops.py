@@ -539,6 +539,15 @@ def main(argv: list[str]) -> None:
     else:
         result = run_plain(spec, workload, device)
     Path(spec.result_file).write_text(json.dumps(attrs.asdict(result)))
+    if spec.kind != "lampdist":
+        # torch's own loops leave their Gloo group referenced (by FSDP2's mesh and sharded
+        # parameters, by DDP's reducer) after destroy_process_group; destroyed during the
+        # interpreter's shutdown, Gloo's teardown can abort the process ("terminate called
+        # without an active exception") after the result was written. lampdist's ranks end
+        # through the interpreter: a rank that aborts there is a lampdist defect to see.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -60,9 +60,17 @@ def _socket_inodes() -> dict[int, int]:
     return found
 
 
-def _is_connected_tcp(fd: int) -> bool:
-    probe = socket.socket(fileno=fd)
+def _is_connected_tcp(fd: int, inode: int) -> bool:
+    """Whether ``fd`` is still the socket ``inode`` and a connected TCP socket. Another
+    thread of this process (another clique's rank being built or ended) may close the
+    descriptor, or close it and open another, between the listing and this probe."""
     try:
+        probe = socket.socket(fileno=fd)
+    except OSError:  # closed meanwhile, or reused for something that is not a socket
+        return False
+    try:
+        if os.fstat(fd).st_ino != inode:
+            return False  # closed and reused for another socket meanwhile
         probe.getpeername()  # raises for a listener or an unconnected socket
     except OSError:
         return False
@@ -109,6 +117,6 @@ def noting_sockets(into: Callable[[TransportSockets], None]) -> Iterator[None]:
     new = {
         fd: inode
         for fd, inode in _socket_inodes().items()
-        if before.get(fd) != inode and _is_connected_tcp(fd)
+        if before.get(fd) != inode and _is_connected_tcp(fd, inode)
     }
     into(TransportSockets(new))
