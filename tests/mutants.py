@@ -807,6 +807,29 @@ MUTANTS = [
         tests=(FAULTS + "::test_fault[follower stopped (SIGSTOP) and left alone, then continued]",),
     ),
     Mutant(
+        name="probe-of-a-closed-descriptor-raises",
+        guarantee="a descriptor closed by another clique's thread does not fail a setup",
+        path="clique/_sockets.py",
+        old="    except OSError:  # closed meanwhile, or reused for what is not a socket\n"
+        "        return False\n",
+        new="    except OSError:  # closed meanwhile, or reused for what is not a socket\n"
+        "        raise\n",
+        tests=(
+            "tests/clique/test_sockets.py::test_a_descriptor_closed_before_its_probe_is_not_noted",
+        ),
+    ),
+    Mutant(
+        name="reused-descriptor-noted",
+        guarantee="a descriptor closed and reused for another socket is not the group's",
+        path="clique/_sockets.py",
+        old="            return False  # closed and reused for another socket meanwhile",
+        new="            pass",
+        tests=(
+            "tests/clique/test_sockets.py"
+            "::test_a_descriptor_reused_for_another_connection_is_neither_noted_nor_shut_down",
+        ),
+    ),
+    Mutant(
         name="unresponsive-follower-left-running",
         guarantee="the root ends an unresponsive follower's process on its machine",
         path="_roles/_failures.py",

@@ -66,7 +66,7 @@ def _is_connected_tcp(fd: int, inode: int) -> bool:
     descriptor, or close it and open another, between the listing and this probe."""
     try:
         probe = socket.socket(fileno=fd)
-    except OSError:  # closed meanwhile, or reused for something that is not a socket
+    except OSError:  # closed meanwhile, or reused for what is not a socket
         return False
     try:
         if os.fstat(fd).st_ino != inode:
