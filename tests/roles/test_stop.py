@@ -16,6 +16,7 @@ import torch
 
 import lampdist
 from lampdist import checkpoint, control
+from lampdist._roles._failures import most_telling
 from lampdist.clique import in_process
 
 from .test_local_failures import entries, sgd
@@ -136,6 +137,48 @@ async def _root_and_follower(
             group.start_soon(run_root)
             group.start_soon(run_follower)
     return outcome
+
+
+async def test_the_local_loop_stopped_while_its_ranks_join_raises_the_roots_stop_alone() -> None:
+    """Followers that tried to join after the root stopped were refused ("the run has already
+    stopped"): a consequence of the stop, never raised beside it. Which ranks got to join
+    first is a scheduling race (about one run in four had a follower refused), so the stop
+    comes after 0 to 9 of the loop's steps through the event loop, ten times each."""
+
+    async def stopped_after(steps: int) -> None:
+        stop = anyio.Event()
+
+        async def set_stop() -> None:
+            for _ in range(steps):
+                await anyio.lowlevel.checkpoint()
+            stop.set()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(set_stop)
+            await lampdist.local_data_parallel_training_loop(
+                models_with_data_streams=entries(3),
+                optimizer_factory=sgd,
+                loop=lampdist.LoopOptions(max_epochs=3),
+                stop=stop,
+            )
+
+    for steps in [*range(10)] * 10:
+        with anyio.fail_after(30), pytest.raises(ExceptionGroup) as raised:
+            await stopped_after(steps)
+        assert len(raised.value.exceptions) == 1, raised.value.exceptions  # the setter returned
+        error = raised.value.exceptions[0]
+        assert isinstance(error, lampdist.LampdistTimeout), (steps, error)
+        assert (error.rank, error.phase) == (0, "stop")
+        assert "before training began" in error.message
+
+
+async def test_a_refused_join_beside_the_roots_error_is_not_the_news() -> None:
+    root = lampdist.LampdistTimeout("stop was requested in phase 'join'", rank=0, phase="stop")
+    refused = [
+        lampdist.JoinRejected("the run has already stopped", rank=r, phase="join") for r in (1, 2)
+    ]
+    assert most_telling(ExceptionGroup("local", [root, *refused])) is root
+    assert most_telling(ExceptionGroup("local", refused)) is refused[0]  # nothing else to tell
 
 
 async def test_a_follower_asked_to_stop_follows_until_the_roots_stop() -> None:

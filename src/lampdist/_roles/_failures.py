@@ -17,6 +17,7 @@ from .._errors import (
     CliqueTimeout,
     CollectiveFailed,
     ConfigError,
+    JoinRejected,
     LampdistError,
     PeerDisconnected,
     PeerUnresponsive,
@@ -175,8 +176,11 @@ DERIVED: tuple[type[BaseException], ...] = (
     PeerDisconnected,
     CollectiveFailed,
     CliqueTimeout,
+    JoinRejected,
 )
-"""Errors that report another failure, most telling first."""
+"""Errors that report another failure, most telling first. A follower's join refused
+(``JoinRejected``) follows from the root's state: in one process, the root's own error (its
+stop before training began, its failure) is the news, not the followers' refusals."""
 
 
 @contextmanager
