@@ -830,6 +830,17 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        name="refused-join-raised-beside-the-stop",
+        guarantee="a stop while the local loop's ranks join raises the root's stop alone",
+        path="_roles/_failures.py",
+        old="    CliqueTimeout,\n    JoinRejected,\n)",
+        new="    CliqueTimeout,\n)",
+        tests=(
+            "tests/roles/test_stop.py"
+            "::test_the_local_loop_stopped_while_its_ranks_join_raises_the_roots_stop_alone",
+        ),
+    ),
+    Mutant(
         name="unresponsive-follower-left-running",
         guarantee="the root ends an unresponsive follower's process on its machine",
         path="_roles/_failures.py",
