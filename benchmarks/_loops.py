@@ -540,10 +540,10 @@ def main(argv: list[str]) -> None:
         result = run_plain(spec, workload, device)
     Path(spec.result_file).write_text(json.dumps(attrs.asdict(result)))
     if spec.kind != "lampdist":
-        # torch's own loops leave their Gloo group referenced (by FSDP2's mesh and sharded
-        # parameters, by DDP's reducer) after destroy_process_group; destroyed during the
-        # interpreter's shutdown, Gloo's teardown can abort the process ("terminate called
-        # without an active exception") after the result was written. lampdist's ranks end
+        # torch's own loops end here without the interpreter's shutdown, whose C++
+        # destructors (DDP's reducer holding its group; for FSDP2 on Gloo, seen once in CI
+        # on rank 0 and not reproduced in 40 runs) can abort a process whose result is
+        # written ("terminate called without an active exception"). lampdist's ranks end
         # through the interpreter: a rank that aborts there is a lampdist defect to see.
         sys.stdout.flush()
         sys.stderr.flush()
