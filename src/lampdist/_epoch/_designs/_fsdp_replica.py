@@ -74,7 +74,8 @@ class Snapshots:
         neighbour = ring(
             own, rank=self.rank, nranks=self.nranks, device=self.device, explain=explain
         )
-        self.kept = {**dict(list(self.kept.items())[-1:]), name: Kept(own, neighbour)}
+        self.taken()  # at most two: the root's, and this one until a pass shows it took it
+        self.kept[name] = Kept(own, neighbour)
 
     def taken(self) -> None:
         """A pass is under way, so the root took the newest snapshot: drop the one before
