@@ -363,31 +363,14 @@ class RayHarness:
     def report(self, wall: float) -> dict[str, Any]:
         chaos = self.chaos
         struck = [fault for fault in self.faults if fault.injected_at is not None]
-        total = chaos.summary(struck)
-        finished = [run for run in self.runs if run["completed"]]
         for fault in struck:  # times relative to the chaos run's start, as chaos.py's
             fault.injected_at = fault.injected_at - time.time() + time.monotonic()
             if fault.continued_at is not None:
                 fault.continued_at = fault.continued_at - time.time() + time.monotonic()
         return {
             "engine": "ray",
-            "faults": len(struck),
-            "faults_planned": len(self.faults),
-            "recoveries": total["recoveries"],
-            "restarts": total["restarts"],
-            "absorbed": total["absorbed"],
+            **chaos.totals(struck, self.args.kinds, self.runs, planned=len(self.faults)),
             "hangs": len(self.hangs),
-            "lost_checkpoints": total["lost_checkpoints"],
-            "bitwise_equal": bool(finished) and all(run["bitwise_equal"] for run in finished),
-            "recovery_seconds": total["recovery_seconds"],
-            "restart_seconds": total["restart_seconds"],
-            "library_recovery_seconds": total["library_recovery_seconds"],
-            "per_kind": {
-                kind: chaos.summary([f for f in struck if f.kind == kind])
-                for kind in self.args.kinds
-            },
-            "runs": self.runs,
-            "unfinished_runs": len(self.runs) - len(finished),
             "failed_jobs": self.failed,
             "hang_details": self.hangs,
             "leftover_processes": self.leftovers,

@@ -1182,29 +1182,10 @@ class Harness:
 
     def report(self) -> dict[str, Any]:
         struck = [fault for fault in self.faults if fault.injected_at is not None]
-        kinds: dict[str, Any] = {}
-        for kind in self.args.kinds:
-            mine = [fault for fault in struck if fault.kind == kind]
-            kinds[kind] = summary(mine)
         failed = [end for end in self.attempt_ends if end.cause != "stopped by a signal"]
-        finished = [run for run in self.runs if run["completed"]]
-        total = summary(struck)
         return {
-            "faults": len(struck),
-            "faults_planned": len(self.faults),
-            "recoveries": total["recoveries"],
-            "restarts": total["restarts"],
-            "absorbed": total["absorbed"],
+            **totals(struck, self.args.kinds, self.runs, planned=len(self.faults)),
             "hangs": len(self.hangs),
-            "lost_checkpoints": total["lost_checkpoints"],
-            "bitwise_equal": bool(finished)
-            and all(run["bitwise_equal"] is True for run in finished),
-            "recovery_seconds": total["recovery_seconds"],
-            "restart_seconds": total["restart_seconds"],
-            "library_recovery_seconds": total["library_recovery_seconds"],
-            "per_kind": kinds,
-            "runs": self.runs,
-            "unfinished_runs": len(self.runs) - len(finished),
             "failed_attempts": {
                 "count": len(failed),
                 "named_within_10s": sum(1 for end in failed if end.named_within_10s),
@@ -1230,6 +1211,36 @@ class Harness:
             "window_seconds": round(self.window_seconds, 3),
             "wall_seconds": round(time.monotonic() - START, 1),
         }
+
+
+def totals(
+    struck: list[Fault], kinds: list[str], runs: list[dict[str, Any]], *, planned: int
+) -> dict[str, Any]:
+    """A report's totals over the faults that struck and the runs (``--engine ray``'s too):
+    recoveries, restarts and their times, overall and per kind, and whether every finished
+    run ended bitwise equal to the reference."""
+    total = summary(struck)
+    finished = [run for run in runs if run["completed"]]
+    return {
+        "faults": len(struck),
+        "faults_planned": planned,
+        **{
+            key: total[key]
+            for key in (
+                "recoveries",
+                "restarts",
+                "absorbed",
+                "lost_checkpoints",
+                "recovery_seconds",
+                "restart_seconds",
+                "library_recovery_seconds",
+            )
+        },
+        "bitwise_equal": bool(finished) and all(run["bitwise_equal"] is True for run in finished),
+        "per_kind": {kind: summary([f for f in struck if f.kind == kind]) for kind in kinds},
+        "runs": runs,
+        "unfinished_runs": len(runs) - len(finished),
+    }
 
 
 def equal(state: dict[str, Any], reference: dict[str, Any]) -> bool:
