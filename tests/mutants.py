@@ -965,6 +965,14 @@ MUTANTS = [
         tests=(TELEMETRY + "::test_under_the_root_design_the_roots_optimizer_is_no_straggler",),
     ),
     Mutant(
+        name="straggler-design-not-wired",
+        guarantee="the pass's watch judges stragglers by what the design's ranks do alike",
+        path="_epoch/_watch.py",
+        old="Stragglers(every_rank_steps=design.followers_step)",
+        new="Stragglers(every_rank_steps=True)",
+        tests=(TELEMETRY + "::test_a_healthy_run_of_the_default_design_names_no_straggler",),
+    ),
+    Mutant(
         name="straggler-against-itself",
         guarantee="the slowest rank is compared with the other ranks, not with itself among them",
         path="_epoch/_telemetry.py",

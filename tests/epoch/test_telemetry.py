@@ -39,6 +39,7 @@ async def _run(
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = mse,
     epochs: int = 1,
     model: Callable[[torch.nn.Module], lampdist.SupervisedModel] | None = None,
+    optimizer_factory: Callable[[Any], torch.optim.Optimizer] = sgd,
 ) -> list[lampdist.PassEvent]:
     """The root's last event of each training pass."""
     events: list[lampdist.PassEvent] = []
@@ -56,7 +57,7 @@ async def _run(
                 lampdist.ModelWithData(model=supervised(module), train_batches=source)
                 for module, source in zip(modules, sources, strict=True)
             ],
-            optimizer_factory=sgd,
+            optimizer_factory=optimizer_factory,
             loop=lampdist.LoopOptions(max_epochs=epochs, on_event=on_event),
             step=step,
         )
@@ -276,15 +277,38 @@ async def test_a_healthy_run_of_the_default_design_names_no_straggler(
 ) -> None:
     """Two even ranks under ``step_on="root"``: only the root steps, which is no straggler's
     doing (the followers wait for it in the exchange), and two ranks' passes that differ now
-    and then are no straggler either."""
-    sources = [_listed(_wide(rank, [256] * 20, 256)) for rank in range(2)]
-    with caplog.at_level(logging.WARNING, logger="lampdist"):
-        events = await _run(
-            [_wide_model(256) for _ in sources], sources, lampdist.StepOptions(), epochs=6
-        )
-    assert len(events) == 6
-    assert all(event.step_split[0].optimizer > 0 for event in events)  # the root steps
-    assert _stragglers(caplog) == []
+    and then are no straggler either.
+
+    Both ranks share this process's cores with whatever else the machine runs: a loaded
+    machine can slow one rank's passes for three in a row (seen once, under two CPU-bound
+    jobs beside the test suite), so one run of up to three that names no straggler passes.
+    The root's optimizer step takes 4 ms more than its forward and backward (a big model's
+    AdamW): counted against it, it would name the root in every run."""
+
+    class HeavySGD(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:
+            time.sleep(0.004)
+            return super().step(closure)
+
+    named: list[list[str]] = []
+    for _ in range(3):
+        caplog.clear()
+        sources = [_listed(_wide(rank, [256] * 20, 256)) for rank in range(2)]
+        with caplog.at_level(logging.WARNING, logger="lampdist"):
+            events = await _run(
+                [_wide_model(256) for _ in sources],
+                sources,
+                lampdist.StepOptions(),
+                epochs=6,
+                optimizer_factory=lambda params: HeavySGD(params, lr=0.05),
+            )
+        assert len(events) == 6
+        root_split = [event.step_split[0] for event in events]
+        assert all(split.optimizer > 0.004 * split.steps for split in root_split)  # it steps
+        named.append(_stragglers(caplog))
+        if not named[-1]:
+            break
+    assert not named[-1], named
 
 
 async def test_a_rank_slowed_a_fifth_in_its_data_is_named_within_a_few_passes(
