@@ -159,7 +159,10 @@ async def main(epochs: int, out: Path) -> None:
         "train_loss": last["validation_train_loss"],
         "first_val_loss": state.learning_curve[0].metrics["validation_val_loss"],
     }
-    print(json.dumps(result), flush=True)  # one write: the ranks share torchrun's stdout
+    # The ranks share torchrun's stdout: the line and its newline go in one write (print
+    # writes them apart when the output is unbuffered, and two ranks' lines then interleave).
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
     if env.is_root:  # one file tree for the run: the best model, as transformers saves it
         await anyio.to_thread.run_sync(
             lambda: checkpoint.export_hf(out / "checkpoints", config(), out / "hf", best=True)
