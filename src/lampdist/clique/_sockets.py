@@ -17,6 +17,11 @@ whose inode changed was closed by Gloo and reused for another socket, and is lef
 
 Linux and macOS list a process's descriptors (``/proc/self/fd``, ``/dev/fd``); elsewhere
 nothing is noted and an abort falls back to the group's own timeout.
+
+Known limit: a TCP connection that other code of this process opens while the group is
+built (another clique built at the same time, an HTTP request accepted by a service that
+embeds lampdist) is noted too, and an abort of this clique would shut it down. Keeping only
+the connections of the group's own Gloo listeners would end that; it is not done yet.
 """
 
 from __future__ import annotations
