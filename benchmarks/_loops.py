@@ -542,7 +542,7 @@ def main(argv: list[str]) -> None:
     if spec.kind != "lampdist":
         # torch's own loops end here without the interpreter's shutdown, whose C++
         # destructors (DDP's reducer holding its group; for FSDP2 on Gloo, seen once in CI
-        # on rank 0 and not reproduced in 40 runs) can abort a process whose result is
+        # on rank 0 and not reproduced in 190 runs) can abort a process whose result is
         # written ("terminate called without an active exception"). lampdist's ranks end
         # through the interpreter: a rank that aborts there is a lampdist defect to see.
         sys.stdout.flush()
